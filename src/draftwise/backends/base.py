@@ -1,0 +1,97 @@
+"""The backend interface: one causal LM with one KV cache (one sequence).
+
+The engine never sees framework specifics. A backend keeps the tokens it has processed in its KV cache;
+``forward`` appends new tokens and returns logits for them, ``rollback`` truncates the cache. Rolling back
+to length n and feeding the same tokens again must give the same logits as a fresh prefill (tested).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CausalLM", "ForwardOutput", "ContextOverflowError"]
+
+
+class ContextOverflowError(ValueError):
+    """Raised when a forward pass would exceed the model's context length (tokens)."""
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """Result of one forward pass over n new tokens.
+
+    Attributes:
+        logits: ``[n_logits, vocab]`` float32 on CPU, for the last ``n_logits`` new positions; row i is the
+            distribution of the token *after* the corresponding input token.
+        hidden: ``[n_logits, hidden_size]`` last hidden states (after the final norm) when requested, else None.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+class CausalLM(ABC):
+    """A causal language model with a single-sequence KV cache.
+
+    Attributes:
+        vocab_size: width of the logits (may exceed the tokenizer's vocabulary when the embedding is padded).
+        max_context: context length in tokens.
+        name: human-readable model identity (path or hub id).
+    """
+
+    vocab_size: int
+    max_context: int
+    name: str
+
+    @property
+    @abstractmethod
+    def num_cached(self) -> int:
+        """Number of tokens currently in the KV cache."""
+
+    @abstractmethod
+    def forward(
+        self, token_ids: Sequence[int], *, num_logits: int | None = None, return_hidden: bool = False
+    ) -> ForwardOutput:
+        """Run the model over ``token_ids`` (``[n]``, n >= 1) on top of the cache and append them to it.
+
+        Args:
+            token_ids: new tokens, in order.
+            num_logits: return logits for only the last ``num_logits`` positions (None: all n).
+            return_hidden: also return the last hidden states of those positions.
+
+        Raises:
+            ContextOverflowError: if ``num_cached + n`` exceeds ``max_context``.
+            ValueError: if ``token_ids`` is empty or holds an id outside the vocabulary.
+        """
+
+    @abstractmethod
+    def rollback(self, length: int) -> None:
+        """Truncate the KV cache to its first ``length`` tokens (0 <= length <= num_cached).
+
+        Raises:
+            ValueError: if ``length`` is out of range.
+        """
+
+    def reset(self) -> None:
+        """Empty the KV cache."""
+        self.rollback(0)
+
+    def _check_forward_args(self, token_ids: Sequence[int]) -> None:
+        if len(token_ids) == 0:
+            raise ValueError("forward needs at least one token")
+        if self.num_cached + len(token_ids) > self.max_context:
+            raise ContextOverflowError(
+                f"{self.name}: {self.num_cached} cached + {len(token_ids)} new tokens exceed the context "
+                f"length of {self.max_context} tokens"
+            )
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"{self.name}: token id out of range [0, {self.vocab_size}): {low if low < 0 else high}")
+
+    def _check_rollback_args(self, length: int) -> None:
+        if not (0 <= length <= self.num_cached):
+            raise ValueError(f"rollback length {length} outside [0, {self.num_cached}]")

@@ -1,0 +1,103 @@
+"""PyTorch / transformers backend: a ``transformers`` causal LM with a ``DynamicCache``.
+
+Rollback uses ``DynamicCache.crop`` (as Hugging Face assisted generation does). Defaults: fp32 on CPU,
+bf16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from draftwise.backends.base import CausalLM, ForwardOutput
+
+__all__ = ["TorchCausalLM", "default_attention", "default_device", "default_dtype"]
+
+logger = logging.getLogger(__name__)
+
+
+def default_device() -> str:
+    """``"cuda"`` when a CUDA device is present, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_attention(device: str) -> str:
+    """Attention kernel: ``"sdpa"`` on GPU; ``"eager"`` on CPU, where torch's SDPA was measured far slower
+    for the short single-sequence decode and verify passes this engine runs (stories260K: 40 ms vs 6 ms
+    per one-token step; 620 ms vs 13 ms for a 5-token pass)."""
+    return "sdpa" if device.startswith("cuda") else "eager"
+
+
+def default_dtype(device: str) -> torch.dtype:
+    """fp32 on CPU (bf16 is slow without AVX512-BF16), bf16 on GPU."""
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+class TorchCausalLM(CausalLM):
+    """Wraps a loaded ``transformers`` ``*ForCausalLM`` module as a :class:`CausalLM`.
+
+    Args:
+        model: the module (already on its device and dtype, in eval mode).
+        name: identity used in messages.
+        max_context: context length in tokens (default: ``config.max_position_embeddings``).
+    """
+
+    def __init__(self, model: torch.nn.Module, name: str = "model", max_context: int | None = None) -> None:
+        from transformers import DynamicCache
+
+        self.model = model.eval()
+        self.name = name
+        config = model.config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_context = int(max_context or getattr(config, "max_position_embeddings", 2048))
+        self.hidden_size = int(config.hidden_size)
+        self.device = next(model.parameters()).device
+        self._cache_cls = DynamicCache
+        self._cache = DynamicCache(config=config)
+        self._num_cached = 0
+        # transformers >= 5.2x names the cache argument `cache`; older releases `past_key_values`.
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def num_cached(self) -> int:
+        return self._num_cached
+
+    @torch.inference_mode()
+    def forward(
+        self, token_ids: Sequence[int], *, num_logits: int | None = None, return_hidden: bool = False
+    ) -> ForwardOutput:
+        token_ids = list(token_ids)
+        self._check_forward_args(token_ids)
+        n = len(token_ids)
+        keep = n if num_logits is None else max(1, min(num_logits, n))
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
+        positions = torch.arange(self._num_cached, self._num_cached + n, device=self.device)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions.unsqueeze(0),  # [1, n]
+            cache_position=positions,  # [n]
+            **{self._cache_arg: self._cache},
+            use_cache=True,
+            logits_to_keep=keep,
+            output_hidden_states=return_hidden,
+        )
+        self._num_cached += n
+        logits = out.logits[0, -keep:].float()  # [keep, vocab]
+        hidden = out.hidden_states[-1][0, -keep:].float() if return_hidden else None  # [keep, hidden]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return ForwardOutput(logits=logits.cpu(), hidden=None if hidden is None else hidden.cpu())
+
+    def rollback(self, length: int) -> None:
+        self._check_rollback_args(length)
+        if length == self._num_cached:
+            return
+        if length == 0:
+            self._cache = self._cache_cls(config=self.model.config)
+        else:
+            self._cache.crop(length)
+        self._num_cached = length

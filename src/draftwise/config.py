@@ -1,0 +1,92 @@
+"""Validated, frozen configuration objects shared by the engine, CLI and server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["SamplingParams", "SpeculativeConfig", "SPECULATIVE_METHODS"]
+
+SPECULATIVE_METHODS = ("draft_model", "ngram")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution is turned into tokens.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); > 0 divides the logits before the softmax.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep only the k most likely tokens; 0 disables it.
+        max_tokens: maximum number of new tokens to generate (>= 1).
+        seed: seed of the request's random generator; ``None`` draws a fresh seed. With a seed, the same
+            request on the same configuration gives the same text.
+        stop_token_ids: extra token ids that end generation (the model's EOS ids always do, unless
+            ``ignore_eos``). The stop token itself is not part of the output.
+        ignore_eos: keep generating past EOS (benchmarks use it to get fixed-length runs).
+
+    Raises:
+        ValueError: on any out-of-range field.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 128
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Which proposer to use and how far to speculate.
+
+    Field names follow vLLM's ``--speculative-config``.
+
+    Attributes:
+        method: ``"draft_model"`` (a second, smaller causal LM with the same tokenizer) or ``"ngram"``.
+        model: path, hub id or registry name of the draft model (``draft_model`` only).
+        num_speculative_tokens: K, the maximum number of draft tokens verified per target pass (>= 1).
+        prompt_lookup_min: shortest suffix n-gram to look up (``ngram`` only).
+        prompt_lookup_max: longest suffix n-gram to look up (``ngram`` only).
+
+    Raises:
+        ValueError: on an unknown method, a missing draft model or out-of-range sizes.
+    """
+
+    method: str = "draft_model"
+    model: str | None = None
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; choose one of {SPECULATIVE_METHODS}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method 'draft_model' needs a draft model (speculative model path or name)")
+        if not (1 <= self.num_speculative_tokens <= 64):
+            raise ValueError(f"num_speculative_tokens must be in 1..64, got {self.num_speculative_tokens}")
+        if not (1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min}, {self.prompt_lookup_max}"
+            )

@@ -1,0 +1,263 @@
+"""The speculative decoding loop: propose -> verify -> commit -> roll back.
+
+One step, with the target's KV cache holding every committed token but the last one:
+
+1. the proposer drafts k tokens ``d_1..d_k`` after the committed context;
+2. the target runs one forward pass over ``[last, d_1..d_k]`` (k + 1 positions) and returns ``[k + 1, vocab]``
+   logits;
+3. verification keeps the accepted prefix ``d_1..d_n`` and adds one target token (greedy: argmax; sampling:
+   Leviathan et al. 2023 rejection sampling);
+4. the committed tokens are checked against stop conditions (EOS, stop token ids, max_tokens, context
+   length); tokens past a stop are discarded and never counted;
+5. the target cache is rolled back to the context plus the accepted drafts (the new last token is fed at
+   the next step). The proposer reconciles its own state at its next call.
+
+A step with k = 0 is a plain decoding step, so plain autoregressive decoding (the oracle and the
+benchmark baseline) is the same loop without a proposer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from draftwise.backends.base import CausalLM, ContextOverflowError
+from draftwise.config import SamplingParams
+from draftwise.controller import FixedK, KController
+from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.sampling import logits_to_probs, make_generator, sample_from_probs
+from draftwise.stats import SpeculativeStats
+from draftwise.verification import VerificationResult, verify_greedy, verify_sampling
+
+__all__ = ["SpeculativeEngine", "GenerationResult", "Generation"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationResult:
+    """A finished request.
+
+    Attributes:
+        token_ids: generated tokens (stop token excluded).
+        finish_reason: ``"stop"`` (EOS or a stop token id), ``"length"`` (max_tokens or context length) or
+            ``"cancelled"`` (the consumer stopped early).
+        stats: the request's statistics.
+    """
+
+    token_ids: list[int]
+    finish_reason: str
+    stats: SpeculativeStats
+
+
+class Generation:
+    """An in-progress request: iterate it to receive committed token chunks (``list[int]`` per step).
+
+    After iteration ends, :attr:`result` holds the :class:`GenerationResult`. Calling :meth:`close` (or
+    leaving the iteration early and closing) stops the generation and frees the engine.
+    """
+
+    def __init__(self, steps: Iterator[list[int]], finish: Callable[[str], GenerationResult]) -> None:
+        self._steps = steps
+        self._finish = finish
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        try:
+            yield from self._steps
+        finally:
+            if self.result is None:
+                self.close()
+
+    def close(self) -> None:
+        """Stop generating (if still running) and fill :attr:`result`."""
+        if self.result is None:
+            self._steps.close()
+            self.result = self._finish("cancelled")
+
+
+class SpeculativeEngine:
+    """Drives a target model and an optional proposer.
+
+    Args:
+        target: the target model backend; its output is the oracle.
+        proposer: draft proposer, or None for plain decoding.
+        num_speculative_tokens: K, the maximum draft length per step (ignored without a proposer).
+        eos_token_ids: token ids that end generation (unless a request sets ``ignore_eos``).
+        controller_factory: builds a per-request :class:`KController`; default: fixed K.
+
+    The engine serves one request at a time (one KV cache); callers serialise access.
+    """
+
+    def __init__(
+        self,
+        target: CausalLM,
+        proposer: Proposer | None = None,
+        num_speculative_tokens: int = 5,
+        eos_token_ids: Iterable[int] = (),
+        controller_factory: Callable[[], KController] | None = None,
+    ) -> None:
+        if proposer is not None and num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1 with a proposer, got {num_speculative_tokens}")
+        self.target = target
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self._controller_factory = controller_factory or (lambda: FixedK(self.num_speculative_tokens))
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
+        """Generate to completion. See :meth:`stream` for arguments and errors."""
+        generation = self.stream(prompt_ids, params)
+        for _ in generation:
+            pass
+        assert generation.result is not None
+        return generation.result
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """Start a request and return a :class:`Generation` yielding committed token chunks.
+
+        Args:
+            prompt_ids: ``[n]`` prompt token ids, 1 <= n < target.max_context.
+            params: sampling parameters.
+
+        Raises:
+            ValueError: empty prompt or token ids outside the vocabulary.
+            ContextOverflowError: the prompt leaves no room for a new token in the context.
+        """
+        prompt = [int(t) for t in prompt_ids]
+        self._validate_prompt(prompt)
+        state = _RequestState(prompt=prompt, params=params, stats=SpeculativeStats(num_prompt_tokens=len(prompt)))
+        state.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        return Generation(self._steps(state), lambda reason: self._finish(state, reason))
+
+    # ------------------------------------------------------------------ the loop
+    def _steps(self, state: _RequestState) -> Iterator[list[int]]:
+        params, stats = state.params, state.stats
+        state.start = time.perf_counter()
+        generator = make_generator(params.seed)
+        controller = self._controller_factory()
+        self.target.reset()
+        if self.proposer is not None:
+            self.proposer.start(state.prompt)
+
+        t0 = time.perf_counter()
+        prefill = self.target.forward(state.prompt, num_logits=1)
+        stats.prefill_time_s = time.perf_counter() - t0
+        first = self._sample_one(prefill.logits[-1], params, generator)
+        chunk, _ = self._commit(state, (first,))
+        if chunk:
+            yield chunk
+
+        while not state.finish_reason:
+            context = state.prompt + state.generated
+            k = self._clamp_k(controller.choose_k(), state, context)
+            proposal, draft_time = self._propose(context, k, params, generator)
+            stats.draft_time_s += draft_time
+            t0 = time.perf_counter()
+            out = self.target.forward([context[-1], *proposal.token_ids])  # logits [k + 1, vocab]
+            target_time = time.perf_counter() - t0
+            stats.target_time_s += target_time
+            result = self._verify(proposal, out.logits, params, generator)
+            self.target.rollback(len(context) + result.num_accepted)
+            chunk, consumed = self._commit(state, result.token_ids)
+            num_accepted = min(result.num_accepted, consumed)
+            stats.record_step(len(proposal), num_accepted, len(chunk))
+            controller.observe(len(proposal), num_accepted, draft_time, target_time)
+            if chunk:
+                yield chunk
+        for note in controller.notes():
+            if note not in stats.warnings:
+                stats.warnings.append(note)
+
+    def _propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[DraftProposal, float]:
+        """Ask the proposer for at most k tokens; returns the proposal and the time it took (seconds)."""
+        if k == 0 or self.proposer is None:
+            return DraftProposal(token_ids=()), 0.0
+        t0 = time.perf_counter()
+        proposal = self.proposer.propose(context, k, params, generator)
+        draft_time = time.perf_counter() - t0
+        if len(proposal) > k:
+            raise RuntimeError(f"proposer {self.proposer.name!r} returned {len(proposal)} tokens for k={k}")
+        return proposal, draft_time
+
+    @staticmethod
+    def _verify(
+        proposal: DraftProposal, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> VerificationResult:
+        if params.greedy:
+            return verify_greedy(proposal.token_ids, target_logits)
+        target_probs = logits_to_probs(target_logits, params)  # [k + 1, vocab]
+        return verify_sampling(proposal.token_ids, proposal.draft_probs, target_probs, generator)
+
+    @staticmethod
+    def _sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+        if params.greedy:
+            return int(torch.argmax(logits).item())
+        return sample_from_probs(logits_to_probs(logits.unsqueeze(0), params)[0], generator)
+
+    def _clamp_k(self, k: int, state: _RequestState, context: list[int]) -> int:
+        """K within the configured maximum, the tokens still wanted and the context room (each step commits
+        at most k + 1 tokens and writes k + 1 cache entries on top of ``len(context) - 1``)."""
+        remaining = state.params.max_tokens - len(state.generated)
+        room = self.target.max_context - len(context)
+        return max(0, min(k, self.num_speculative_tokens, remaining - 1, room - 1))
+
+    def _commit(self, state: _RequestState, tokens: Sequence[int]) -> tuple[list[int], int]:
+        """Append tokens until a stop condition; returns (tokens appended, tokens consumed incl. a stop token)."""
+        chunk: list[int] = []
+        consumed = 0
+        for token in tokens:
+            consumed += 1
+            if token in state.stop_ids:
+                state.finish_reason = "stop"
+                break
+            chunk.append(token)
+            state.generated.append(token)
+            if len(state.generated) >= state.params.max_tokens:
+                state.finish_reason = "length"
+                break
+        if not state.finish_reason and len(state.prompt) + len(state.generated) >= self.target.max_context:
+            state.finish_reason = "length"
+        return chunk, consumed
+
+    def _finish(self, state: _RequestState, reason: str) -> GenerationResult:
+        stats = state.stats
+        stats.num_generated_tokens = len(state.generated)
+        stats.total_time_s = time.perf_counter() - state.start if state.start else 0.0
+        stats.finish_reason = state.finish_reason or reason
+        for warning in stats.warnings:
+            logger.warning("%s", warning)
+        return GenerationResult(token_ids=list(state.generated), finish_reason=stats.finish_reason, stats=stats)
+
+    def _validate_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if min(prompt) < 0 or max(prompt) >= self.target.vocab_size:
+            raise ValueError(f"prompt holds a token id outside [0, {self.target.vocab_size})")
+        if len(prompt) >= self.target.max_context:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt)} tokens; the context length is {self.target.max_context} tokens, "
+                "which leaves no room for new tokens"
+            )
+
+
+@dataclass
+class _RequestState:
+    prompt: list[int]
+    params: SamplingParams
+    stats: SpeculativeStats
+    generated: list[int] = None  # type: ignore[assignment]
+    finish_reason: str = ""
+    stop_ids: frozenset[int] = frozenset()
+    start: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.generated is None:
+            self.generated = []

@@ -1,0 +1,238 @@
+"""Loading target and draft models: local Hugging Face directories, hub ids, ``.gguf`` files and the names
+of the models ``draftwise pull`` installs.
+
+GGUF files are dequantized by ``transformers`` (``gguf_file=``), which takes minutes for a 1.5B model; the
+result is cached once as safetensors under ``$DRAFTWISE_HOME/dequantized/`` so the next load takes seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftwise.backends.base import CausalLM
+from draftwise.backends.torch_backend import TorchCausalLM, default_attention, default_device, default_dtype
+from draftwise.models.gguf_tokenizer import gguf_metadata, tokenizer_from_gguf_vocab
+from draftwise.models.pull import MODEL_REGISTRY, draftwise_home, is_pulled, model_path
+
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_model"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found or loaded; the message says what to do."""
+
+
+@dataclass
+class LoadedModel:
+    """A backend plus its tokenizer.
+
+    Attributes:
+        backend: the :class:`CausalLM` the engine drives.
+        tokenizer: a ``transformers`` tokenizer (ids match the model's embedding rows).
+        name: what the user asked for (registry name, path or hub id).
+        eos_token_ids: ids that end generation (tokenizer EOS plus generation-config EOS ids).
+    """
+
+    backend: CausalLM
+    tokenizer: object
+    name: str
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True when the tokenizer carries a chat template (instruct models)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize plain text (with the tokenizer's usual BOS handling)."""
+        return list(self.tokenizer.encode(text))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Apply the model's chat template to ``[{"role", "content"}, ...]`` with the generation prompt.
+
+        Raises:
+            ValueError: if the model has no chat template.
+        """
+        if not self.has_chat_template:
+            raise ValueError(f"{self.name} has no chat template; send a plain prompt instead")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Detokenize, dropping special tokens."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def resolve_model(spec: str) -> str:
+    """Map a registry name (``qwen2.5-coder-1.5b`` ...) to its pulled file; return paths/hub ids unchanged.
+
+    Raises:
+        ModelLoadError: a registry name whose file has not been pulled yet.
+    """
+    if spec in MODEL_REGISTRY:
+        if not is_pulled(spec):
+            raise ModelLoadError(f"model {spec!r} is not installed; run: draftwise pull {spec}")
+        return str(model_path(spec))
+    return spec
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """``"fp32"``/``"bf16"``/``"fp16"`` (or a torch dtype) to a torch dtype; None picks the device default.
+
+    Raises:
+        ValueError: unknown dtype name.
+    """
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    spec: str,
+    *,
+    device: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_context: int | None = None,
+    attn_implementation: str | None = None,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer for the PyTorch backend.
+
+    Args:
+        spec: a registry name (see ``draftwise pull``), a ``.gguf`` file, a local Hugging Face directory or
+            a hub id (needs a reachable hub).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: CUDA when present.
+        dtype: ``"fp32"``, ``"bf16"``, ``"fp16"``; default: fp32 on CPU, bf16 on GPU.
+        max_context: context length in tokens (default: the model config's).
+        attn_implementation: transformers attention kernel (default: see ``default_attention``).
+
+    Raises:
+        ModelLoadError: missing file, unreadable model, or a registry model that is not pulled.
+    """
+    device = device or default_device()
+    torch_dtype = parse_dtype(dtype, device)
+    attention = attn_implementation or default_attention(device)
+    path = resolve_model(spec)
+    try:
+        if path.endswith(".gguf"):
+            model_dir = _dequantized_dir(Path(path))
+            model, tokenizer = _load_hf_dir(model_dir, torch_dtype, attention)
+        elif Path(path).is_dir():
+            model, tokenizer = _load_hf_dir(Path(path), torch_dtype, attention)
+        elif Path(path).suffix or os.sep in path and not Path(path).exists():
+            raise ModelLoadError(f"model not found: {path}")
+        else:
+            model, tokenizer = _load_hf_dir(path, torch_dtype, attention)  # hub id
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load model {spec!r}: {exc}") from exc
+    model.to(device)
+    backend = TorchCausalLM(model, name=spec, max_context=max_context)
+    return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=_eos_ids(model, tokenizer))
+
+
+def _load_hf_dir(source: Path | str, torch_dtype: torch.dtype, attention: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype, attn_implementation=attention)
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    return model.eval(), tokenizer
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update(int(t) for t in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+    return tuple(sorted(ids))
+
+
+def _cache_key(path: Path) -> str:
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return f"{path.stem}-{digest}"
+
+
+def _dequantized_dir(path: Path) -> Path:
+    """Return a safetensors copy of a GGUF model, creating it (atomically) on first use."""
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    target = draftwise_home() / "dequantized" / _cache_key(path)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("dequantizing %s once into %s (this takes a while for large models)", path, target)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        model, tokenizer = _load_gguf(path)
+        _forget_gguf_quantization(model)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _forget_gguf_quantization(model) -> None:
+    """The GGUF loader dequantizes to float but tags the model as GGUF-quantized, which blocks
+    ``save_pretrained``; the weights are plain tensors, so drop the tag."""
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("hf_quantizer", "quantization_method"):
+        if getattr(model, attr, None) is not None:
+            setattr(model, attr, None)
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+
+
+def _load_gguf(path: Path):
+    """Dequantize a GGUF file with transformers (fp32) and build its tokenizer with its chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    meta = gguf_metadata(
+        path, ("tokenizer.ggml.padding_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.chat_template",
+               "tokenizer.ggml.tokens")
+    )
+    vocab = len(meta.get("tokenizer.ggml.tokens") or [])
+    overrides = {}
+    pad = meta.get("tokenizer.ggml.padding_token_id")
+    if pad is not None and vocab and not (0 <= int(pad) < vocab):
+        overrides["pad_token_id"] = int(meta.get("tokenizer.ggml.eos_token_id", 0))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, **overrides
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # transformers' GGUF tokenizer conversion fails on some vocabularies
+        logger.info("transformers could not convert the GGUF tokenizer (%s); building it from the token table", exc)
+        tokenizer = tokenizer_from_gguf_vocab(path)
+    template = meta.get("tokenizer.chat_template")
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = str(template)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer

@@ -1,0 +1,106 @@
+"""Draft-model proposer: a second, smaller causal LM with the target's tokenizer proposes K tokens
+autoregressively (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling").
+
+Its KV cache is rolled back to the longest common prefix with the committed context at every call, so
+rejected draft tokens are discarded without the engine's help.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from draftwise.backends.base import CausalLM
+from draftwise.config import SamplingParams
+from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.sampling import logits_to_probs, sample_from_probs
+
+__all__ = ["DraftModelProposer"]
+
+logger = logging.getLogger(__name__)
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftModelProposer(Proposer):
+    """Proposes tokens with a draft :class:`CausalLM`.
+
+    Args:
+        draft: the draft model backend.
+        target_vocab_size: the target's logits width. Draft logits are cut or zero-padded to it, so a draft
+            whose embedding is padded differently from the target's still yields ``[k, target_vocab]``
+            distributions; ids the target cannot produce are never proposed.
+    """
+
+    name = "draft_model"
+
+    def __init__(self, draft: CausalLM, target_vocab_size: int) -> None:
+        self.draft = draft
+        self.target_vocab_size = target_vocab_size
+        self._cached: list[int] = []  # tokens in the draft's KV cache, in order
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        self.draft.reset()
+        self._cached = []
+
+    def propose(
+        self, context_ids: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> DraftProposal:
+        room = self.draft.max_context - len(context_ids)
+        k = min(k, room)
+        if k <= 0:
+            return DraftProposal(token_ids=())
+        logits = self._sync_cache(context_ids)  # [vocab_target]
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for step in range(k):
+            token, probs = self._choose(logits, params, generator)
+            tokens.append(token)
+            if probs is not None:
+                rows.append(probs)
+            if step + 1 < k:
+                logits = self._feed([token])
+        draft_probs = torch.stack(rows) if rows else None  # [k, vocab]
+        return DraftProposal(token_ids=tuple(tokens), draft_probs=draft_probs)
+
+    def _sync_cache(self, context_ids: Sequence[int]) -> torch.Tensor:
+        """Roll the draft cache back to the longest common prefix with ``context_ids`` and feed the rest;
+        returns the draft's logits ``[vocab]`` for the token after the context."""
+        common = _common_prefix_length(self._cached, context_ids)
+        common = min(common, len(context_ids) - 1)  # at least one token must be fed to get logits
+        self.draft.rollback(common)
+        del self._cached[common:]
+        return self._feed(context_ids[common:])
+
+    def _feed(self, token_ids: Sequence[int]) -> torch.Tensor:
+        out = self.draft.forward(token_ids, num_logits=1)
+        self._cached.extend(token_ids)
+        return self._fit_vocab(out.logits[-1])
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Cut or pad draft logits ``[draft_vocab]`` to ``[target_vocab]`` (padding gets -inf)."""
+        width = logits.shape[-1]
+        if width == self.target_vocab_size:
+            return logits
+        if width > self.target_vocab_size:
+            return logits[: self.target_vocab_size]
+        pad = torch.full((self.target_vocab_size - width,), float("-inf"), dtype=logits.dtype)
+        return torch.cat([logits, pad])
+
+    @staticmethod
+    def _choose(
+        logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[int, torch.Tensor | None]:
+        if params.greedy:
+            return int(torch.argmax(logits).item()), None
+        probs = logits_to_probs(logits.unsqueeze(0), params)[0]  # [vocab]
+        return sample_from_probs(probs, generator), probs
