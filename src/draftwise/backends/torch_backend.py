@@ -99,5 +99,7 @@ class TorchCausalLM(CausalLM):
         if length == 0:
             self._cache = self._cache_cls(config=self.model.config)
         else:
-            self._cache.crop(length)
+            # A negative argument removes that many tokens in every transformers release (4.x read a positive
+            # one as the new length; 5.x rejects it).
+            self._cache.crop(length - self._num_cached)
         self._num_cached = length

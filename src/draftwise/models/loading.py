@@ -236,3 +236,28 @@ def _load_gguf(path: Path):
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
+
+
+def derive_layer_draft(loaded: LoadedModel, num_layers: int) -> LoadedModel:
+    """A self-draft made of a model's first ``num_layers`` decoder layers (a copy; embedding, final norm and
+    LM head shared in value), in the spirit of layer-skipping self-speculation (Zhang et al. 2024, "Draft &
+    Verify"). Same tokenizer, so it is a valid draft for the original.
+
+    Raises:
+        ValueError: if the backend is not a PyTorch model or ``num_layers`` is not in [1, total layers).
+    """
+    import copy
+
+    backend = loaded.backend
+    if not isinstance(backend, TorchCausalLM):
+        raise ValueError("derive_layer_draft needs a PyTorch backend")
+    layers = backend.model.model.layers
+    if not (1 <= num_layers < len(layers)):
+        raise ValueError(f"num_layers must be in [1, {len(layers)}), got {num_layers}")
+    model = copy.deepcopy(backend.model)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    draft = TorchCausalLM(model, name=f"{loaded.name}[:{num_layers} layers]", max_context=backend.max_context)
+    return LoadedModel(backend=draft, tokenizer=loaded.tokenizer, name=draft.name, eos_token_ids=loaded.eos_token_ids)

@@ -1,0 +1,72 @@
+"""Test doubles: a bigram "model" with exact, batch-invariant logits and a scripted proposer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from draftwise.backends.base import CausalLM, ForwardOutput
+from draftwise.config import SamplingParams
+from draftwise.proposers.base import DraftProposal, Proposer
+
+
+class BigramLM(CausalLM):
+    """A causal LM whose next-token logits depend only on the last token: ``logits = table[last]``.
+
+    ``table`` is ``[vocab, vocab]``. Its distributions are known exactly, which makes statistical tests of
+    the whole engine cheap. Counts forward passes and tokens fed.
+    """
+
+    def __init__(self, table: torch.Tensor, max_context: int = 4096, name: str = "bigram") -> None:
+        self.table = table.float()
+        self.vocab_size = table.shape[0]
+        self.max_context = max_context
+        self.name = name
+        self.tokens: list[int] = []
+        self.num_forwards = 0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.tokens)
+
+    def forward(self, token_ids, *, num_logits=None, return_hidden=False) -> ForwardOutput:
+        token_ids = list(token_ids)
+        self._check_forward_args(token_ids)
+        self.tokens.extend(token_ids)
+        self.num_forwards += 1
+        keep = len(token_ids) if num_logits is None else min(num_logits, len(token_ids))
+        return ForwardOutput(logits=self.table[torch.tensor(token_ids[-keep:])].clone())
+
+    def rollback(self, length: int) -> None:
+        self._check_rollback_args(length)
+        del self.tokens[length:]
+
+
+def peaked_table(vocab: int, seed: int, scale: float = 4.0) -> torch.Tensor:
+    """A random ``[vocab, vocab]`` logits table with clear argmaxes."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, vocab, generator=generator) * scale
+
+
+class ScriptedProposer(Proposer):
+    """Proposes the oracle continuation, but with a wrong token at draft position ``wrong_at`` (0-based)
+    of every draft (None: always right). ``oracle`` is the full expected output after the prompt."""
+
+    name = "scripted"
+
+    def __init__(self, prompt_len: int, oracle: Sequence[int], vocab: int, wrong_at: int | None = None,
+                 extend: Sequence[int] = ()) -> None:
+        self.prompt_len = prompt_len
+        self.oracle = list(oracle) + list(extend)
+        self.vocab = vocab
+        self.wrong_at = wrong_at
+        self.calls: list[int] = []
+
+    def propose(self, context_ids, k, params: SamplingParams, generator) -> DraftProposal:
+        self.calls.append(k)
+        done = len(context_ids) - self.prompt_len
+        tokens = self.oracle[done : done + k]
+        if self.wrong_at is not None and self.wrong_at < len(tokens):
+            tokens[self.wrong_at] = (tokens[self.wrong_at] + 1) % self.vocab
+        return DraftProposal(token_ids=tuple(tokens))
