@@ -1,0 +1,109 @@
+"""Assemble a ready engine from user-facing names: target, speculative config, device, dtype.
+
+Used by the CLI, the server and the benchmarks, so every entry point builds engines the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from draftwise.config import SpeculativeConfig
+from draftwise.engine import SpeculativeEngine
+from draftwise.models.loading import LoadedModel, load_model
+from draftwise.proposers.base import Proposer
+
+__all__ = ["EngineBundle", "build_engine", "build_proposer", "check_same_tokenizer"]
+
+logger = logging.getLogger(__name__)
+
+DEMO_TARGET = "qwen2.5-coder-1.5b"
+DEMO_DRAFT = "qwen2.5-coder-0.5b"
+
+
+@dataclass
+class EngineBundle:
+    """A target model, its optional draft model, and the engine driving them."""
+
+    target: LoadedModel
+    engine: SpeculativeEngine
+    speculative_config: SpeculativeConfig | None = None
+    draft: LoadedModel | None = None
+
+    @property
+    def method(self) -> str:
+        """``"plain"`` or the speculative method name."""
+        return self.speculative_config.method if self.speculative_config else "plain"
+
+
+class TokenizerMismatchError(ValueError):
+    """Draft and target tokenizers map ids to different tokens; speculation would be meaningless."""
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Require identical id -> token tables over the ids both tokenizers have.
+
+    A draft whose table is a prefix of the target's (padded vocabularies) passes; ids only one side has
+    are masked out of drafting by the proposer.
+
+    Raises:
+        TokenizerMismatchError: naming the first differing ids and tokens.
+    """
+    target_vocab = target.tokenizer.convert_ids_to_tokens(list(range(len(target.tokenizer))))
+    draft_vocab = draft.tokenizer.convert_ids_to_tokens(list(range(len(draft.tokenizer))))
+    shared = min(len(target_vocab), len(draft_vocab))
+    diffs = [i for i in range(shared) if target_vocab[i] != draft_vocab[i]]
+    if diffs:
+        shown = ", ".join(f"id {i}: target {target_vocab[i]!r} vs draft {draft_vocab[i]!r}" for i in diffs[:3])
+        raise TokenizerMismatchError(
+            f"draft {draft.name!r} and target {target.name!r} use different tokenizers "
+            f"({len(diffs)} of {shared} shared ids differ; first: {shown}); a draft must share the target's tokenizer"
+        )
+
+
+def build_proposer(
+    config: SpeculativeConfig, target: LoadedModel, *, device: str | None, dtype: str | None
+) -> tuple[Proposer, LoadedModel | None]:
+    """Create the proposer a speculative config names; returns it and its draft model (if any).
+
+    Raises:
+        ModelLoadError, TokenizerMismatchError, ValueError: bad draft model or method.
+    """
+    if config.method == "draft_model":
+        from draftwise.proposers.draft_model import DraftModelProposer
+
+        assert config.model is not None
+        draft = load_model(config.model, device=device, dtype=dtype, max_context=target.backend.max_context)
+        check_same_tokenizer(target, draft)
+        return DraftModelProposer(draft.backend, target.backend.vocab_size), draft
+    raise ValueError(f"speculative method {config.method!r} is not available")
+
+
+def build_engine(
+    target: str,
+    speculative_config: SpeculativeConfig | None = None,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    max_context: int | None = None,
+) -> EngineBundle:
+    """Load the target (and draft) and build the engine. Without a speculative config: plain decoding.
+
+    Args:
+        target: registry name, ``.gguf`` path, HF directory or hub id.
+        speculative_config: proposer choice and K.
+        device, dtype: see :func:`draftwise.models.loading.load_model`.
+        max_context: context length in tokens (default: the target config's).
+    """
+    target_model = load_model(target, device=device, dtype=dtype, max_context=max_context)
+    if speculative_config is None:
+        engine = SpeculativeEngine(target_model.backend, eos_token_ids=target_model.eos_token_ids)
+        return EngineBundle(target=target_model, engine=engine)
+    proposer, draft = build_proposer(speculative_config, target_model, device=device, dtype=dtype)
+    engine = SpeculativeEngine(
+        target_model.backend,
+        proposer,
+        speculative_config.num_speculative_tokens,
+        eos_token_ids=target_model.eos_token_ids,
+    )
+    return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)

@@ -1,0 +1,51 @@
+"""``draftwise`` command line: pull, generate, bench (and more subcommands as they land).
+
+Each subcommand lives in :mod:`draftwise.commands` and registers itself; user errors print one line and
+exit with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from draftwise import __version__
+
+__all__ = ["main", "build_parser"]
+
+# One module per subcommand in draftwise.commands, each with register(subparsers).
+_COMMANDS = ("pull", "generate", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftwise", description="Lossless speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"draftwise {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in _COMMANDS:
+        importlib.import_module(f"draftwise.commands.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    from draftwise.commands.common import CliError
+    from draftwise.models.loading import ModelLoadError
+
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (CliError, ModelLoadError, ValueError, FileNotFoundError) as exc:
+        print(f"draftwise {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Arguments shared by the subcommands that load models (vLLM's flag names where vLLM has them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
+from draftwise.config import SamplingParams, SpeculativeConfig
+
+__all__ = ["add_model_args", "add_sampling_args", "speculative_config_from_args", "sampling_params_from_args",
+           "CliError"]
+
+
+class CliError(Exception):
+    """A user error the CLI reports as one line (exit code 2), without a traceback."""
+
+
+def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = False) -> None:
+    """--speculative-model, --num-speculative-tokens, --speculative-config, --device, --dtype, --max-model-len."""
+    parser.add_argument("--speculative-model", "--draft", dest="speculative_model",
+                        default=DEMO_DRAFT if demo_default else None,
+                        help="draft model: registry name, .gguf file, HF directory or hub id"
+                        + (f" (default: {DEMO_DRAFT}; 'none' for plain decoding)" if demo_default else ""))
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="K, the maximum number of draft tokens per verification (default 5)")
+    parser.add_argument("--speculative-config", default=None,
+                        help='JSON, as in vLLM: \'{"method": "draft_model", "model": "...", '
+                        '"num_speculative_tokens": 4}\'')
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    parser.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on GPU)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 128) -> None:
+    """--temperature, --top-p, --top-k, --seed, --max-tokens, --ignore-eos."""
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens (default {max_tokens})")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    """Raises CliError on out-of-range values."""
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """Merge --speculative-config JSON with --speculative-model / --num-speculative-tokens (flags win).
+
+    Returns None for plain decoding. Raises CliError on invalid JSON or an invalid configuration.
+    """
+    fields: dict = {}
+    if args.speculative_config:
+        try:
+            fields = json.loads(args.speculative_config)
+        except json.JSONDecodeError as exc:
+            raise CliError(f"--speculative-config is not valid JSON: {exc}") from exc
+        if not isinstance(fields, dict):
+            raise CliError("--speculative-config must be a JSON object")
+    model = args.speculative_model
+    if model and model.lower() != "none":
+        fields["model"] = model
+        fields.setdefault("method", "draft_model")
+    if args.num_speculative_tokens is not None:
+        fields["num_speculative_tokens"] = args.num_speculative_tokens
+    if not fields.get("model") and fields.get("method", "draft_model") == "draft_model":
+        return None
+    if fields.get("method") in ("draft", "draft_model", None):
+        fields["method"] = "draft_model"
+    try:
+        return SpeculativeConfig(**fields)
+    except TypeError as exc:
+        raise CliError(f"unknown field in --speculative-config: {exc}") from exc
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def default_target(value: str | None) -> str:
+    """The demo target when no model is named."""
+    return value or DEMO_TARGET
