@@ -1,0 +1,54 @@
+"""The CLI end to end on stories260K: generate and bench (JSON), and one-line user errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftwise.cli import main
+
+
+def test_generate_plain_and_speculative_print_same_text(stories, stories_path, capsys):
+    args = ["generate", "--model", str(stories_path), "--max-tokens", "24", "--chat", "off", "Once upon a time"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--speculative-model", str(stories_path), "--num-speculative-tokens", "3", "--json"]) == 0
+    out = capsys.readouterr().out
+    text, stats_json = out.split("\n{", 1)
+    stats = json.loads("{" + stats_json)
+    assert text.strip() == plain.strip() and len(text.strip()) > 0
+    assert stats["method"] == "draft_model"
+    assert stats["acceptance_rate"] == 1.0  # the draft is the target itself
+    assert stats["num_generated_tokens"] == 24
+
+
+def test_bench_writes_json_with_exactness(stories, stories_path, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Once upon a time", "category": "story"}\n'
+                       '{"question_id": 7, "category": "story", "turns": ["Tom had a red ball."]}\n')
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(stories_path), "--draft", str(stories_path), "--prompts", str(prompts),
+                 "--ks", "1,3", "--max-tokens", "16", "--chat", "off", "--output", str(out), "--no-calibrate"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert [row["method"] for row in data["summary"]] == ["plain", "draft K=1", "draft K=3"]
+    assert len(data["runs"]) == 6
+    assert all(run["identical_to_plain"] for run in data["runs"])
+    assert {run["prompt_id"] for run in data["runs"]} == {"1", "7"}
+    assert data["summary"][2]["acceptance_rate"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--model", "/nonexistent/model.gguf", "hi"], "not found"),
+        (["generate", "--model", "x", "--temperature", "-1", "hi"], "temperature"),
+        (["generate", "--model", "x", "--speculative-config", "{bad", "hi"], "not valid JSON"),
+        (["bench", "--ks", "0"], "K >= 1"),
+    ],
+)
+def test_user_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
