@@ -1,0 +1,134 @@
+"""``draftwise serve [TARGET]``: the OpenAI-compatible server (flags named as in ``vllm serve``).
+
+Without any model named it serves the demo pair (target + draft); with a target but no draft it serves plain
+decoding. ``--speculative-model none`` forces plain decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
+from draftwise.commands.common import CliError, add_model_args, speculative_config_from_args
+from draftwise.config import SpeculativeConfig
+from draftwise.server.settings import DEFAULT_MAX_TOKENS, ServerSettings
+
+__all__ = ["register", "run", "ServePlan", "plan_from_args"]
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "DRAFTWISE_API_KEY"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with speculative decoding",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
+        f"Default models: {DEMO_TARGET} with draft {DEMO_DRAFT}. See docs/server.md.")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="TARGET",
+                        help="target model: registry name, .gguf file, HF directory or hub id")
+    parser.add_argument("--model", dest="model_flag", default=None, help="same as TARGET (vLLM's older flag)")
+    add_model_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="name(s) clients use in 'model' (default: TARGET as given)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
+    parser.add_argument("--chat-template", default=None,
+                        help="Jinja chat template (a file or the template itself) for models without one")
+    parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                        help=f"max_tokens when a request sets none (default {DEFAULT_MAX_TOKENS}, clamped to the "
+                        "context)")
+    parser.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="queued requests beyond which new ones get 503 (default 256)")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.set_defaults(func=run)
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """What ``serve`` will load and how it will answer (resolved from the flags, nothing loaded yet)."""
+
+    target: str
+    speculative_config: SpeculativeConfig | None
+    settings: ServerSettings
+
+
+def plan_from_args(args: argparse.Namespace) -> ServePlan:
+    """Resolve the target, the speculative config (demo draft by default) and the server settings.
+
+    Raises:
+        CliError: conflicting targets, an unreadable chat template, out-of-range settings.
+    """
+    target = _target(args)
+    if target is None:
+        target = DEMO_TARGET
+        if args.speculative_model is None and not args.speculative_config:
+            args.speculative_model = DEMO_DRAFT
+    spec = speculative_config_from_args(args)
+    try:
+        settings = ServerSettings(
+            served_model_names=tuple(args.served_model_name or ()),
+            api_key=args.api_key or None,
+            chat_template=_chat_template(args.chat_template),
+            default_max_tokens=args.default_max_tokens,
+            max_waiting_requests=args.max_waiting_requests,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in 0..65535, got {args.port}")
+    return ServePlan(target=target, speculative_config=spec, settings=settings)
+
+
+def _target(args: argparse.Namespace) -> str | None:
+    if args.model_tag and args.model_flag and args.model_tag != args.model_flag:
+        raise CliError(f"two different targets given: {args.model_tag!r} and --model {args.model_flag!r}")
+    return args.model_tag or args.model_flag
+
+
+def _chat_template(value: str | None) -> str | None:
+    """A template file's contents, or the template itself when the value looks like Jinja."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise CliError(f"--chat-template: no such file, and not a Jinja template: {value!r}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the models, then serve until interrupted."""
+    import uvicorn
+
+    from draftwise.builder import build_engine
+    from draftwise.server import create_app
+
+    plan = plan_from_args(args)
+    _enable_request_logging()
+    logger.info("loading %s (%s)", plan.target,
+                f"draft {plan.speculative_config.model or plan.speculative_config.method}, "
+                f"K={plan.speculative_config.num_speculative_tokens}" if plan.speculative_config else "plain decoding")
+    bundle = build_engine(plan.target, plan.speculative_config, device=args.device, dtype=args.dtype,
+                          max_context=args.max_model_len)
+    app = create_app(bundle, plan.settings)
+    logger.info("OpenAI-compatible API at http://%s:%d/v1", args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def _enable_request_logging() -> None:
+    """Show the server's INFO lines (startup, one line per request) even without ``-v``."""
+    server_logger = logging.getLogger("draftwise")
+    if server_logger.getEffectiveLevel() > logging.INFO:
+        for name in ("draftwise.server", __name__):
+            logging.getLogger(name).setLevel(logging.INFO)

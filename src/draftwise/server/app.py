@@ -1,0 +1,320 @@
+"""The OpenAI-compatible HTTP server (FastAPI): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+``/health`` and ``/metrics``.
+
+Build it with :func:`create_app` from an :class:`EngineBundle` (see :func:`draftwise.builder.build_engine`)
+and run it with any ASGI server (``draftwise serve`` uses uvicorn). All state lives in the app instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from draftwise import __version__
+from draftwise.builder import EngineBundle
+from draftwise.server.errors import APIError, error_body, install_error_handlers
+from draftwise.server.metrics import ServerMetrics
+from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from draftwise.server.requests import GenerationRequest, RequestBuilder, TextCodec
+from draftwise.server.responses import (
+    SSE_DONE,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    completion_chunk,
+    make_usage,
+    sse,
+    usage_chunk,
+)
+from draftwise.server.scheduler import (
+    Failed,
+    Finished,
+    QueueFullError,
+    RequestHandle,
+    Scheduler,
+    ServerClosingError,
+    TextDelta,
+)
+from draftwise.server.settings import ServerSettings
+
+__all__ = ["create_app", "ServerState"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    """Everything one app serves with (kept on ``app.state.draftwise``)."""
+
+    bundle: EngineBundle
+    settings: ServerSettings
+    builder: RequestBuilder
+    scheduler: Scheduler
+    metrics: ServerMetrics
+    created: int
+
+    @property
+    def model_name(self) -> str:
+        """The primary served model name."""
+        return self.builder.served_names[0]
+
+    def usage(self, prompt_tokens: int, finished: Finished):
+        """The response's usage object."""
+        engine = self.bundle.engine
+        return make_usage(prompt_tokens, finished.completion_tokens, finished.stats, self.bundle.method,
+                          engine.num_speculative_tokens)
+
+
+def create_app(bundle: EngineBundle, settings: ServerSettings | None = None) -> FastAPI:
+    """Build the FastAPI app serving one engine.
+
+    Args:
+        bundle: the target, optional draft and engine (the app becomes the engine's only user).
+        settings: served names, API key, chat template, limits.
+
+    The engine worker thread starts with the app's lifespan (or at the first request) and stops at shutdown.
+    """
+    settings = settings or ServerSettings()
+    state = _build_state(bundle, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.scheduler.start()
+        logger.info("serving %s (%s) as %s", bundle.target.name, bundle.method, ", ".join(state.builder.served_names))
+        yield
+        await run_in_threadpool(state.scheduler.shutdown)
+
+    app = FastAPI(title="draftwise", version=__version__, lifespan=lifespan)
+    app.state.draftwise = state
+    install_error_handlers(app)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    _add_info_routes(app, state)
+    _add_generation_routes(app, state)
+    return app
+
+
+def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
+    target = bundle.target
+    codec = TextCodec(target, settings.chat_template)
+    builder = RequestBuilder(codec, target.name, target.backend.max_context, target.backend.vocab_size, settings)
+    metrics = ServerMetrics(builder.served_names[0])
+    scheduler = Scheduler(bundle.engine, codec.decode, metrics.record, settings.max_waiting_requests)
+    metrics.track_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
+    return ServerState(bundle, settings, builder, scheduler, metrics, int(time.time()))
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: ``/v1/*`` requests need ``Authorization: Bearer <api_key>``, else 401 (checked before
+    the body is read, so an unauthenticated client learns nothing else). ``/health`` and ``/metrics`` stay open.
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+            error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+            await error.to_response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                return hmac.compare_digest(value, self._expected)
+        return False
+
+
+# ---------------------------------------------------------------------- routes
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> dict:
+        """Liveness: 200 while the server runs, with the queue state."""
+        return {"status": "ok", "model": state.model_name, "method": state.bundle.method,
+                "requests_running": state.scheduler.num_running, "requests_waiting": state.scheduler.num_waiting}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text exposition."""
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        """The served model names (all aliases of the one target)."""
+        return ModelList(data=[_model_card(state, name) for name in state.builder.served_names]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        """One served model, or 404."""
+        return _model_card(state, state.builder.check_model(model_id)).model_dump()
+
+
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    target = state.bundle.target
+    return ModelCard(id=name, created=state.created, root=target.name, max_model_len=target.backend.max_context,
+                     speculative_method=state.bundle.method)
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI text completions, streamed or not."""
+        model = state.builder.check_model(body.model)
+        prepared = await run_in_threadpool(state.builder.completion, body)
+        return await _respond(state, request, prepared, _CompletionFormat(prepared.request_id, model), body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completions, streamed or not."""
+        model = state.builder.check_model(body.model)
+        prepared = await run_in_threadpool(state.builder.chat, body)
+        return await _respond(state, request, prepared, _ChatFormat(prepared.request_id, model), body)
+
+
+class _CompletionFormat:
+    """Shapes of ``/v1/completions`` bodies and chunks."""
+
+    object_name = "text_completion"
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id, self.model, self.created = request_id, model, int(time.time())
+
+    def opening(self, include_usage: bool) -> list[dict]:
+        return []
+
+    def delta(self, text: str, include_usage: bool) -> dict:
+        return completion_chunk(self.request_id, self.created, self.model, text, None, include_usage)
+
+    def closing(self, finish_reason: str, include_usage: bool) -> dict:
+        return completion_chunk(self.request_id, self.created, self.model, "", finish_reason, include_usage)
+
+    def body(self, text: str, finish_reason: str, usage) -> dict:
+        return completion_body(self.request_id, self.model, text, finish_reason, usage)
+
+
+class _ChatFormat(_CompletionFormat):
+    """Shapes of ``/v1/chat/completions`` bodies and chunks (the first chunk carries the role)."""
+
+    object_name = "chat.completion.chunk"
+
+    def opening(self, include_usage: bool) -> list[dict]:
+        return [chat_chunk(self.request_id, self.created, self.model, {"role": "assistant", "content": ""}, None,
+                           include_usage)]
+
+    def delta(self, text: str, include_usage: bool) -> dict:
+        return chat_chunk(self.request_id, self.created, self.model, {"content": text}, None, include_usage)
+
+    def closing(self, finish_reason: str, include_usage: bool) -> dict:
+        return chat_chunk(self.request_id, self.created, self.model, {}, finish_reason, include_usage)
+
+    def body(self, text: str, finish_reason: str, usage) -> dict:
+        return chat_body(self.request_id, self.model, text, finish_reason, usage)
+
+
+async def _respond(state: ServerState, request: Request, prepared: GenerationRequest, fmt: _CompletionFormat,
+                   body) -> Response:
+    handle = _submit(state, prepared)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(_stream_events(state, handle, fmt, include_usage), media_type="text/event-stream",
+                                 headers=headers)
+    collected = await _collect(handle, request, state.settings.disconnect_poll_s)
+    if collected is None:
+        return Response(status_code=499)  # client closed the request; nobody reads this
+    text, finished = collected
+    usage = state.usage(len(prepared.prompt_ids), finished)
+    return JSONResponse(fmt.body(text, finished.finish_reason, usage))
+
+
+def _submit(state: ServerState, prepared: GenerationRequest) -> RequestHandle:
+    try:
+        return state.scheduler.submit(prepared)
+    except QueueFullError as exc:
+        raise APIError(503, f"the server is overloaded: {exc}", code="queue_full") from exc
+    except ServerClosingError as exc:
+        raise APIError(503, str(exc), code="server_closing") from exc
+
+
+def _failure(error: BaseException) -> APIError:
+    """An exception from the worker as an API error (ValueError: the request's fault; else the server's)."""
+    if isinstance(error, ServerClosingError):
+        return APIError(503, str(error), code="server_closing")
+    if isinstance(error, ValueError):
+        return APIError(400, str(error))
+    return APIError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error")
+
+
+async def _watch_disconnect(request: Request, handle: RequestHandle, poll_s: float) -> None:
+    """Cancel the request when its (non-streaming) client disconnects."""
+    while not handle.done:
+        await asyncio.sleep(poll_s)
+        if await request.is_disconnected():
+            logger.info("%s: client disconnected; cancelling", handle.request.request_id)
+            handle.cancel()
+            return
+
+
+async def _collect(handle: RequestHandle, request: Request, poll_s: float) -> tuple[str, Finished] | None:
+    """Wait for a whole generation; None if the client left first.
+
+    Raises:
+        APIError: the generation failed.
+    """
+    watcher = asyncio.create_task(_watch_disconnect(request, handle, poll_s))
+    parts: list[str] = []
+    try:
+        while True:
+            event = await handle.next_event()
+            if isinstance(event, TextDelta):
+                parts.append(event.text)
+            elif isinstance(event, Finished):
+                return "".join(parts), event
+            elif isinstance(event, Failed):
+                raise _failure(event.error)
+            else:
+                return None
+    finally:
+        watcher.cancel()
+        handle.cancel()
+
+
+async def _stream_events(state: ServerState, handle: RequestHandle, fmt: _CompletionFormat,
+                         include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. If the client disconnects,
+    the response task is cancelled and ``finally`` cancels the generation."""
+    try:
+        for chunk in fmt.opening(include_usage):
+            yield sse(chunk)
+        while True:
+            event = await handle.next_event()
+            if isinstance(event, TextDelta):
+                yield sse(fmt.delta(event.text, include_usage))
+            elif isinstance(event, Finished):
+                yield sse(fmt.closing(event.finish_reason, include_usage))
+                if include_usage:
+                    usage = state.usage(len(handle.request.prompt_ids), event)
+                    yield sse(usage_chunk(fmt.request_id, fmt.created, fmt.model, fmt.object_name, usage))
+                break
+            elif isinstance(event, Failed):
+                error = _failure(event.error)
+                yield sse(error_body(error.message, error.type, error.param, error.code))
+                break
+            else:
+                return
+        yield SSE_DONE
+    finally:
+        handle.cancel()

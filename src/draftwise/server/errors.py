@@ -1,0 +1,103 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
+
+Every failure the server can meet (bad JSON, wrong types, out-of-range values, unknown routes, an internal
+error) is turned into this body, so clients written for OpenAI report it as they would OpenAI's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+__all__ = ["APIError", "error_body", "install_error_handlers"]
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error",
+          503: "server_error", 500: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body.
+
+    Args:
+        status: HTTP status code.
+        message: human-readable explanation (what was wrong and what to do).
+        param: the request field at fault, if any.
+        code: machine-readable code (``"model_not_found"``, ``"context_length_exceeded"``...), if any.
+        type: OpenAI error type; default from the status (``invalid_request_error`` for 400).
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:  # noqa: A002 - OpenAI's field name
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def to_body(self) -> dict:
+        """The JSON body."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def to_response(self) -> JSONResponse:
+        """A JSON response with this error's status and body."""
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.to_body(), status_code=self.status, headers=headers)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
+               code: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _validation_message(exc: RequestValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field (``messages.0.content``...)."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # drop pydantic's union-branch names ("str", "list[int]"...) that follow a field name
+    param = ".".join(p for p in loc if not (p[:1].islower() and ("[" in p or p in _TYPE_NAMES))) or None
+    message = first.get("msg", "invalid value")
+    if param:
+        message = f"invalid value for '{param}': {message}"
+    else:
+        message = f"invalid request body: {message}"
+    return APIError(400, message, param=param)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register handlers that turn every exception into an OpenAI-style body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_message(exc).to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        return APIError(exc.status_code, message).to_response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error while serving %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error").to_response()

@@ -1,0 +1,130 @@
+"""Prometheus metrics, named like vLLM's so a vLLM dashboard needs only the ``vllm:`` -> ``draftwise:`` prefix
+change. Each app owns its :class:`CollectorRegistry` (no process-global state), served at ``GET /metrics``.
+
+Counters are exposed with prometheus-client's ``_total`` suffix, as vLLM's are. Every series carries the
+labels ``model_name`` and ``engine`` (always ``"0"``: one engine per server), as vLLM's do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from draftwise.stats import SpeculativeStats
+
+__all__ = ["ServerMetrics", "RequestRecord", "PREFIX"]
+
+PREFIX = "draftwise:"
+
+# Bucket edges in seconds, close to vLLM's.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one finished (or abandoned) request contributes to the metrics.
+
+    Attributes:
+        finished_reason: ``"stop"``, ``"length"`` or ``"abort"`` (client gone or failure).
+        prompt_tokens, generation_tokens: token counts.
+        queue_time_s: arrival -> start of generation (seconds).
+        ttft_s: arrival -> first generated token (seconds), None when no token was generated.
+        e2e_s: arrival -> end (seconds).
+        stats: the engine's statistics of the request (None when it never started).
+    """
+
+    finished_reason: str
+    prompt_tokens: int
+    generation_tokens: int
+    queue_time_s: float
+    ttft_s: float | None
+    e2e_s: float
+    stats: SpeculativeStats | None
+
+
+class ServerMetrics:
+    """The server's metrics in a private registry.
+
+    Args:
+        model_name: value of the ``model_name`` label.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._labels = {"model_name": model_name, "engine": "0"}
+        names = tuple(self._labels)
+        self._running = Gauge(f"{PREFIX}num_requests_running", "Requests being generated (0 or 1).", names,
+                              registry=self.registry)
+        self._waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests queued behind the running one.", names,
+                              registry=self.registry)
+        self._make_counters(names)
+        self._make_histograms(names)
+
+    def track_queue(self, num_running: Callable[[], int], num_waiting: Callable[[], int]) -> None:
+        """Read the two queue gauges from these callables at scrape time."""
+        self._running.labels(**self._labels).set_function(lambda: float(num_running()))
+        self._waiting.labels(**self._labels).set_function(lambda: float(num_waiting()))
+
+    def _make_counters(self, names) -> None:
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{PREFIX}{name}", doc, names + extra, registry=self.registry)
+
+        self.num_drafts = counter("spec_decode_num_drafts", "Verification passes that carried draft tokens.")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed for verification.")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position (0-based).", ("position",))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated and returned to clients.")
+        self.request_success = counter("request_success", "Finished requests by finish reason.",
+                                       ("finished_reason",))
+        for metric in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prompt_tokens,
+                       self.generation_tokens):
+            metric.labels(**self._labels)  # export zeros before the first request
+
+    def _make_histograms(self, names) -> None:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"{PREFIX}{name}", doc, names, buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token (queueing "
+                              "included).", _TTFT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time spent waiting for the engine.",
+                                    _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Per request: (e2e - ttft) / (tokens - 1).",
+                              _TPOT_BUCKETS)
+
+    def record(self, record: RequestRecord) -> None:
+        """Add one request's counts and latencies (thread-safe)."""
+        labels = self._labels
+        self.request_success.labels(**labels, finished_reason=record.finished_reason).inc()
+        self.prompt_tokens.labels(**labels).inc(record.prompt_tokens)
+        self.generation_tokens.labels(**labels).inc(record.generation_tokens)
+        self.queue_time.labels(**labels).observe(record.queue_time_s)
+        self.e2e.labels(**labels).observe(record.e2e_s)
+        if record.ttft_s is not None:
+            self.ttft.labels(**labels).observe(record.ttft_s)
+            if record.generation_tokens > 1:
+                per_token = (record.e2e_s - record.ttft_s) / (record.generation_tokens - 1)
+                self.tpot.labels(**labels).observe(per_token)
+        if record.stats is not None:
+            self._record_speculation(record.stats)
+
+    def _record_speculation(self, stats: SpeculativeStats) -> None:
+        labels = self._labels
+        self.num_drafts.labels(**labels).inc(stats.num_drafts)
+        self.num_draft_tokens.labels(**labels).inc(stats.num_draft_tokens)
+        self.num_accepted_tokens.labels(**labels).inc(stats.num_accepted_tokens)
+        for position, accepted in enumerate(stats.accepted_per_position):
+            self.accepted_per_pos.labels(**labels, position=str(position)).inc(accepted)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,183 @@
+"""OpenAI request and response schemas (the subset draftwise serves), as pydantic models.
+
+Requests are validated strictly (a string where a number belongs is a 400, not a silent conversion); fields
+this server does not know are accepted and ignored, as vLLM does. Fields it knows but cannot honour (``n``
+> 1, logprobs, tools, penalties...) are rejected with a 400 by :mod:`draftwise.server.requests`.
+
+vLLM's extra sampling fields ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted too (pass them
+with the OpenAI client's ``extra_body``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "StreamOptions", "CompletionRequest", "ChatMessage", "ContentPart", "ChatCompletionRequest",
+    "SpeculativeUsage", "Usage", "CompletionChoice", "CompletionResponse", "ChatMessageOut", "ChatChoice",
+    "ChatCompletionResponse", "ModelCard", "ModelList",
+]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Request):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage (and empty ``choices``)."""
+
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by both endpoints."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None  # OpenAI's default: 1.0
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of one of either."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(_Request):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    """One chat message. ``developer`` is treated as ``system``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------- responses
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpeculativeUsage(_Response):
+    """The request's speculative decoding statistics (a draftwise extension of ``usage``).
+
+    ``acceptance_rate`` = accepted / draft tokens; ``mean_accepted_length`` = tokens committed per target
+    verification pass (bonus token included; 1.0 for plain decoding); ``acceptance_by_position[i]`` = the
+    fraction of drafts whose token at position i was accepted.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    acceptance_by_position: list[float]
+    accepted_per_position: list[int]
+    drafted_per_position: list[int]
+
+
+class Usage(_Response):
+    """OpenAI's usage plus ``speculative``."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    speculative: SpeculativeUsage
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatMessageOut(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ModelCard(_Response):
+    """One entry of ``GET /v1/models`` (``max_model_len`` as vLLM reports it)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "draftwise"
+    root: str
+    max_model_len: int
+    speculative_method: str = Field(description="'plain' or the speculative method")
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

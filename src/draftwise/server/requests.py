@@ -1,0 +1,272 @@
+"""From a validated OpenAI request to what the engine needs: prompt token ids, sampling parameters, stop
+strings. Every user error becomes an :class:`APIError` (4xx) here, before the request is queued.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from draftwise.config import SamplingParams
+from draftwise.models.loading import LoadedModel
+from draftwise.server.errors import APIError
+from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from draftwise.server.settings import ServerSettings
+
+__all__ = ["GenerationRequest", "TextCodec", "RequestBuilder"]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request, ready for the engine.
+
+    Attributes:
+        request_id: ``cmpl-...`` or ``chatcmpl-...``.
+        prompt_ids: prompt token ids (1 <= len < context length).
+        params: sampling parameters (``max_tokens`` already clamped to the context).
+        stops: stop strings (cut from the output, OpenAI style).
+        arrival_s: ``time.perf_counter()`` when the request arrived (for latency metrics).
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stops: tuple[str, ...] = ()
+    arrival_s: float = 0.0
+
+
+class TextCodec:
+    """Thread-safe tokenization for one model: one lock around every tokenizer call, because the request
+    handlers encode while the generation worker decodes.
+
+    Args:
+        model: the target model (tokenizer and chat template).
+        chat_template: a Jinja template that replaces the tokenizer's, or None.
+    """
+
+    def __init__(self, model: LoadedModel, chat_template: str | None = None) -> None:
+        self._model = model
+        self._chat_template = chat_template
+        self._lock = threading.Lock()
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True when chat requests can be served."""
+        return bool(self._chat_template) or self._model.has_chat_template
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text -> ids (with the tokenizer's usual BOS handling)."""
+        with self._lock:
+            return self._model.encode(text)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Messages -> ids through the chat template, with the assistant generation prompt.
+
+        Raises:
+            ValueError: no chat template; also whatever the template raises for bad message orders.
+        """
+        with self._lock:
+            if not self._chat_template:
+                return self._model.encode_chat(messages)
+            ids = self._model.tokenizer.apply_chat_template(
+                messages, chat_template=self._chat_template, add_generation_prompt=True, tokenize=True
+            )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Ids -> text, special tokens skipped."""
+        with self._lock:
+            return self._model.decode(token_ids)
+
+
+class RequestBuilder:
+    """Validates requests against the served model and builds :class:`GenerationRequest` objects.
+
+    Args:
+        codec: the target's tokenizer (thread-safe).
+        model_name: the target's name (for messages).
+        max_context: context length in tokens.
+        vocab_size: width of the target's logits (valid token ids are below it).
+        settings: served names and the default ``max_tokens``.
+    """
+
+    def __init__(self, codec: TextCodec, model_name: str, max_context: int, vocab_size: int,
+                 settings: ServerSettings) -> None:
+        self._codec = codec
+        self._model_name = model_name
+        self._max_context = max_context
+        self._vocab_size = vocab_size
+        self._settings = settings
+        self.served_names = settings.served_model_names or (model_name,)
+
+    def check_model(self, requested: str | None) -> str:
+        """The name to report in responses.
+
+        Raises:
+            APIError: 404 ``model_not_found`` for a name this server does not serve.
+        """
+        if requested is None or requested in self.served_names:
+            return self.served_names[0]
+        raise APIError(404, f"The model `{requested}` does not exist; this server serves "
+                       f"{', '.join(repr(n) for n in self.served_names)}", param="model", code="model_not_found")
+
+    def completion(self, request: CompletionRequest) -> GenerationRequest:
+        """Validate and tokenize a completion request. Raises APIError (4xx)."""
+        arrival = time.perf_counter()
+        _reject_unsupported_common(request)
+        _reject_unsupported_completion(request)
+        prompt_ids = self._completion_prompt(request.prompt)
+        return self._build("cmpl", request, prompt_ids, request.max_tokens, "max_tokens", "prompt", arrival)
+
+    def chat(self, request: ChatCompletionRequest) -> GenerationRequest:
+        """Validate and template a chat request. Raises APIError (4xx)."""
+        arrival = time.perf_counter()
+        _reject_unsupported_common(request)
+        _reject_unsupported_chat(request)
+        prompt_ids = self._chat_prompt(request.messages)
+        if request.max_completion_tokens is not None:
+            max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, param = request.max_tokens, "max_tokens"
+        return self._build("chatcmpl", request, prompt_ids, max_tokens, param, "messages", arrival)
+
+    # ------------------------------------------------------------------ prompts
+    def _completion_prompt(self, prompt: str | list) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, f"batched prompts are not supported: send one prompt per request "
+                               f"(got {len(prompt)})", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self._codec.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self._vocab_size]
+            if bad:
+                raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {self._vocab_size})",
+                               param="prompt")
+        if not ids:
+            raise APIError(400, "the prompt is empty: at least one token is needed", param="prompt")
+        return ids
+
+    def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        if not messages:
+            raise APIError(400, "'messages' must contain at least one message", param="messages")
+        if not self._codec.has_chat_template:
+            raise APIError(400, f"model '{self._model_name}' has no chat template, so chat requests cannot be "
+                           "formatted: use /v1/completions, or start the server with --chat-template",
+                           param="messages", code="chat_template_missing")
+        plain = [_plain_message(m, i) for i, m in enumerate(messages)]
+        try:
+            return self._codec.encode_chat(plain)
+        except Exception as exc:  # jinja2 TemplateError (raise_exception in templates), ValueError...
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+
+    # ------------------------------------------------------------------ sampling
+    def _build(self, kind: str, request, prompt_ids: list[int], max_tokens: int | None, max_param: str,
+               prompt_param: str, arrival: float) -> GenerationRequest:
+        limit = self._max_tokens(len(prompt_ids), max_tokens, max_param, prompt_param)
+        return GenerationRequest(
+            request_id=f"{kind}-{uuid.uuid4().hex}",
+            prompt_ids=tuple(prompt_ids),
+            params=_sampling_params(request, limit),
+            stops=_stop_strings(request.stop),
+            arrival_s=arrival,
+        )
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, param: str, prompt_param: str) -> int:
+        room = self._max_context - prompt_len
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {self._max_context} tokens; the prompt "
+                           f"has {prompt_len} tokens, which leaves no room for new tokens. Please shorten it.",
+                           param=prompt_param, code="context_length_exceeded")
+        if requested is None:
+            return min(self._settings.default_max_tokens, room)
+        if requested < 1:
+            raise APIError(400, f"'{param}' must be at least 1, got {requested}", param=param)
+        if requested > room:
+            raise APIError(400, f"This model's maximum context length is {self._max_context} tokens. However, you "
+                           f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+                           f"for the completion). Please reduce the prompt or '{param}'.",
+                           param=param, code="context_length_exceeded")
+        return requested
+
+
+def _plain_message(message: ChatMessage, index: int) -> dict[str, str]:
+    """A ``{"role", "content"}`` dict for the chat template (text parts joined by newlines)."""
+    content = message.content
+    if isinstance(content, list):
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"only text content parts are supported (messages[{index}] has a "
+                               f"'{part.type}' part)", param=f"messages.{index}.content")
+        content = "\n".join(part.text for part in content)  # type: ignore[misc]
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": content or ""}
+
+
+def _sampling_params(request, max_tokens: int) -> SamplingParams:
+    """OpenAI defaults: temperature 1, top_p 1. vLLM's ``top_k=-1`` means disabled."""
+    top_k = request.top_k if request.top_k is not None else 0
+    try:
+        return SamplingParams(
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=0 if top_k == -1 else top_k,
+            max_tokens=max_tokens,
+            seed=request.seed,
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        param = message.split(" ", 1)[0]
+        raise APIError(400, message, param=param if param in _SAMPLING_FIELDS else None) from exc
+
+
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "seed"}
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not s for s in stops):
+        raise APIError(400, "stop sequences must be non-empty strings", param="stop")
+    return stops
+
+
+def _reject(condition: bool, message: str, param: str) -> None:
+    if condition:
+        raise APIError(400, message, param=param)
+
+
+def _reject_unsupported_common(request) -> None:
+    """Fields that would change the output in ways this server does not implement -> 400 (never ignored)."""
+    _reject(request.n < 1, f"'n' must be at least 1, got {request.n}", "n")
+    _reject(request.n > 1, f"n={request.n} is not supported: this server returns one choice per request; "
+            "send n separate requests (with different seeds) instead", "n")
+    _reject(request.presence_penalty not in (None, 0, 0.0), "presence_penalty is not supported", "presence_penalty")
+    _reject(request.frequency_penalty not in (None, 0, 0.0), "frequency_penalty is not supported",
+            "frequency_penalty")
+    _reject(bool(request.logit_bias), "logit_bias is not supported", "logit_bias")
+    _reject(request.min_tokens not in (None, 0), "min_tokens is not supported", "min_tokens")
+    _reject(request.repetition_penalty not in (None, 1, 1.0), "repetition_penalty is not supported",
+            "repetition_penalty")
+
+
+def _reject_unsupported_completion(request: CompletionRequest) -> None:
+    _reject(request.echo, "echo is not supported", "echo")
+    _reject(request.suffix is not None, "suffix is not supported", "suffix")
+    _reject(request.best_of not in (None, 1), "best_of > 1 is not supported", "best_of")
+    _reject(request.logprobs is not None, "logprobs are not supported", "logprobs")
+
+
+def _reject_unsupported_chat(request: ChatCompletionRequest) -> None:
+    _reject(request.logprobs, "logprobs are not supported", "logprobs")
+    _reject(bool(request.tools) or bool(request.functions), "tool and function calling are not supported", "tools")
+    fmt = (request.response_format or {}).get("type", "text")
+    _reject(fmt != "text", f"response_format {fmt!r} is not supported (only 'text')", "response_format")

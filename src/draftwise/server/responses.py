@@ -1,0 +1,88 @@
+"""OpenAI response bodies and server-sent-event chunks for completions and chat completions."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from draftwise.server.protocol import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionResponse,
+    SpeculativeUsage,
+    Usage,
+)
+from draftwise.stats import SpeculativeStats
+
+__all__ = ["make_usage", "completion_body", "chat_body", "completion_chunk", "chat_chunk", "usage_chunk",
+           "sse", "SSE_DONE"]
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, stats: SpeculativeStats, method: str,
+               num_speculative_tokens: int) -> Usage:
+    """OpenAI usage plus the request's speculative statistics."""
+    speculative = SpeculativeUsage(
+        method=method,
+        num_speculative_tokens=num_speculative_tokens,
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        acceptance_rate=stats.acceptance_rate,
+        mean_accepted_length=stats.mean_accepted_length,
+        acceptance_by_position=stats.acceptance_by_position,
+        accepted_per_position=list(stats.accepted_per_position),
+        drafted_per_position=list(stats.drafted_per_position),
+    )
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens, speculative=speculative)
+
+
+def completion_body(request_id: str, model: str, text: str, finish_reason: str, usage: Usage) -> dict:
+    """A ``text_completion`` object."""
+    return CompletionResponse(
+        id=request_id, created=int(time.time()), model=model,
+        choices=[CompletionChoice(text=text, finish_reason=finish_reason)], usage=usage,
+    ).model_dump()
+
+
+def chat_body(request_id: str, model: str, text: str, finish_reason: str, usage: Usage) -> dict:
+    """A ``chat.completion`` object."""
+    return ChatCompletionResponse(
+        id=request_id, created=int(time.time()), model=model,
+        choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish_reason)], usage=usage,
+    ).model_dump()
+
+
+def completion_chunk(request_id: str, created: int, model: str, text: str, finish_reason: str | None,
+                     include_usage: bool) -> dict:
+    """A streamed ``text_completion`` chunk (``usage: null`` when the client asked for usage)."""
+    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk(request_id: str, created: int, model: str, delta: dict, finish_reason: str | None,
+               include_usage: bool) -> dict:
+    """A ``chat.completion.chunk`` (``delta``: ``{"role": ...}``, ``{"content": ...}`` or ``{}``)."""
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(request_id: str, created: int, model: str, object_name: str, usage: Usage) -> dict:
+    """The last chunk of a stream with ``stream_options.include_usage``: empty choices, the usage."""
+    return {"id": request_id, "object": object_name, "created": created, "model": model, "choices": [],
+            "usage": usage.model_dump()}
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event carrying a JSON payload."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
