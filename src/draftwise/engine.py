@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -253,11 +253,7 @@ class _RequestState:
     prompt: list[int]
     params: SamplingParams
     stats: SpeculativeStats
-    generated: list[int] = None  # type: ignore[assignment]
+    generated: list[int] = field(default_factory=list)
     finish_reason: str = ""
     stop_ids: frozenset[int] = frozenset()
     start: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.generated is None:
-            self.generated = []
