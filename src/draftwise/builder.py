@@ -8,12 +8,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from draftwise.check.tokenizer import (
+    TokenizerMismatchError,
+    compare_tokenizers,
+    require_compatible,
+    tokenizer_info_from_hf,
+)
 from draftwise.config import SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel, load_model
 from draftwise.proposers.base import Proposer
 
-__all__ = ["EngineBundle", "build_engine", "build_proposer", "check_same_tokenizer"]
+__all__ = ["EngineBundle", "TokenizerMismatchError", "build_engine", "build_proposer", "check_same_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,29 +42,23 @@ class EngineBundle:
         return self.speculative_config.method if self.speculative_config else "plain"
 
 
-class TokenizerMismatchError(ValueError):
-    """Draft and target tokenizers map ids to different tokens; speculation would be meaningless."""
-
-
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
-    """Require identical id -> token tables over the ids both tokenizers have.
+    """Require identical id -> token tables over the ids both tokenizers have (see
+    :mod:`draftwise.check.tokenizer` for the rules).
 
-    A draft whose table is a prefix of the target's (padded vocabularies) passes; ids only one side has
-    are masked out of drafting by the proposer.
+    A padded vocabulary (embeddings of different widths over the same real tokens) passes; the proposer cuts
+    or pads the draft's logits to the target's width. Differing special tokens or chat templates are logged.
 
     Raises:
-        TokenizerMismatchError: naming the first differing ids and tokens.
+        TokenizerMismatchError: naming the first differing ids and tokens, or a draft embedding too narrow to
+            read the target's tokens.
     """
-    target_vocab = target.tokenizer.convert_ids_to_tokens(list(range(len(target.tokenizer))))
-    draft_vocab = draft.tokenizer.convert_ids_to_tokens(list(range(len(draft.tokenizer))))
-    shared = min(len(target_vocab), len(draft_vocab))
-    diffs = [i for i in range(shared) if target_vocab[i] != draft_vocab[i]]
-    if diffs:
-        shown = ", ".join(f"id {i}: target {target_vocab[i]!r} vs draft {draft_vocab[i]!r}" for i in diffs[:3])
-        raise TokenizerMismatchError(
-            f"draft {draft.name!r} and target {target.name!r} use different tokenizers "
-            f"({len(diffs)} of {shared} shared ids differ; first: {shown}); a draft must share the target's tokenizer"
-        )
+    report = compare_tokenizers(
+        tokenizer_info_from_hf(target.tokenizer), tokenizer_info_from_hf(draft.tokenizer),
+        target_vocab_width=target.backend.vocab_size, draft_vocab_width=draft.backend.vocab_size,
+        target_name=target.name, draft_name=draft.name,
+    )
+    require_compatible(report)
 
 
 def build_proposer(

@@ -1,0 +1,184 @@
+"""What a target plus draft pair costs in memory, computed before any weights are loaded.
+
+- weights: parameters x bytes per parameter of the dtype the models will run in (a GGUF model is
+  dequantized to that dtype, so its file size says nothing about its resident size);
+- KV cache: bytes per token of each model (``2 * layers * kv_heads * head_dim * dtype bytes``), times the
+  context length, times the number of concurrent sequences. The draft keeps its own cache as long as the
+  target's context;
+- the total against a budget: ``--memory-budget``, else the memory free on the device now.
+
+Not included: activations and logits of one forward pass (small at batch 1), the CUDA context and allocator
+fragmentation (plan a few hundred MiB of headroom on a GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from draftwise.check.describe import ModelDescription
+
+__all__ = [
+    "MemoryReport",
+    "MemoryBudgetError",
+    "available_memory",
+    "dtype_bytes",
+    "estimate_memory",
+    "format_bytes",
+    "parse_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+class MemoryBudgetError(RuntimeError):
+    """The pair does not fit in the memory budget; nothing was loaded."""
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a size: ``"24GiB"``/``"24G"`` (binary, 2**30), ``"24GB"`` (decimal, 10**9), ``"512MiB"``, ``"1000"``.
+
+    A unit letter without ``B`` is binary, as in ``free -g``. Returns bytes.
+
+    Raises:
+        ValueError: not a non-negative size.
+    """
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a memory size: {text!r} (examples: 24GiB, 24GB, 512MiB, 1000000)")
+    number, prefix, binary, byte_suffix = match.groups()
+    prefix = prefix.lower()
+    base = 1024 if binary or (prefix and not byte_suffix) else 1000
+    return int(float(number) * base ** _POWERS[prefix])
+
+
+def format_bytes(num_bytes: int | float | None) -> str:
+    """Bytes as a short binary-unit string: ``"1.50 GiB"``, ``"48.0 KiB"``, ``"512 B"``; ``"-"`` for None."""
+    if num_bytes is None:
+        return "-"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.{1 if abs(value) >= 10 else 2}f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of a torch dtype (fp32: 4, bf16/fp16: 2)."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def available_memory(device: str) -> tuple[int, str] | None:
+    """Memory free for new models on ``device`` now, in bytes, with a description; None when unknown.
+
+    CUDA: ``torch.cuda.mem_get_info``; CPU: ``MemAvailable`` of ``/proc/meminfo`` (Linux), else the free
+    physical pages.
+
+    Raises:
+        ValueError: a CUDA device when CUDA is not available.
+    """
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available here")
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), f"free on {device} (of {format_bytes(total)})"
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "available RAM"
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free RAM"
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Memory of a target + draft pair, in bytes.
+
+    Attributes:
+        dtype: the dtype both models run in (e.g. ``"float32"``); ``bytes_per_param``: its size.
+        context_len: tokens per sequence; ``num_seqs``: concurrent sequences.
+        target_weights, draft_weights: weight bytes.
+        target_kv_per_token, draft_kv_per_token: KV-cache bytes per token.
+        target_kv, draft_kv: KV-cache bytes at ``context_len * num_seqs`` tokens.
+        draft_total: what adding the draft costs (its weights and cache).
+        total: everything.
+        budget: the budget (None: unknown, not checked); ``budget_source``: where it came from.
+        fits: ``total <= budget`` (None without a budget).
+    """
+
+    dtype: str
+    bytes_per_param: int
+    context_len: int
+    num_seqs: int
+    target_weights: int
+    draft_weights: int
+    target_kv_per_token: int
+    draft_kv_per_token: int
+    target_kv: int
+    draft_kv: int
+    draft_total: int
+    total: int
+    budget: int | None
+    budget_source: str
+    fits: bool | None
+
+    @property
+    def headroom(self) -> int | None:
+        """``budget - total`` (negative when it does not fit), None without a budget."""
+        return None if self.budget is None else self.budget - self.total
+
+    def summary(self) -> str:
+        """One line: total vs budget, and the draft's share."""
+        line = f"needs {format_bytes(self.total)} (draft adds {format_bytes(self.draft_total)})"
+        if self.budget is None:
+            return line + "; no budget known"
+        verdict = "fits" if self.fits else "does not fit"
+        return f"{line}; {verdict} in {format_bytes(self.budget)} ({self.budget_source})"
+
+    def to_dict(self) -> dict:
+        """JSON-ready copy, headroom included."""
+        return {**asdict(self), "headroom": self.headroom}
+
+
+def estimate_memory(
+    target: ModelDescription,
+    draft: ModelDescription,
+    *,
+    dtype: torch.dtype,
+    context_len: int,
+    num_seqs: int = 1,
+    budget: int | None = None,
+    budget_source: str = "--memory-budget",
+) -> MemoryReport:
+    """Weights and KV cache of both models at ``context_len`` tokens x ``num_seqs`` sequences, vs ``budget``.
+
+    Raises:
+        ValueError: ``context_len`` or ``num_seqs`` below 1.
+    """
+    if context_len < 1 or num_seqs < 1:
+        raise ValueError(f"context length and concurrency must be >= 1, got {context_len} and {num_seqs}")
+    size = dtype_bytes(dtype)
+    tokens = context_len * num_seqs
+    target_weights, draft_weights = target.weight_bytes(size), draft.weight_bytes(size)
+    target_kv_token, draft_kv_token = target.kv_bytes_per_token(size), draft.kv_bytes_per_token(size)
+    draft_total = draft_weights + draft_kv_token * tokens
+    total = target_weights + target_kv_token * tokens + draft_total
+    return MemoryReport(
+        dtype=str(dtype).removeprefix("torch."), bytes_per_param=size, context_len=context_len, num_seqs=num_seqs,
+        target_weights=target_weights, draft_weights=draft_weights, target_kv_per_token=target_kv_token,
+        draft_kv_per_token=draft_kv_token, target_kv=target_kv_token * tokens, draft_kv=draft_kv_token * tokens,
+        draft_total=draft_total, total=total, budget=budget, budget_source=budget_source if budget is not None else "",
+        fits=None if budget is None else total <= budget,
+    )

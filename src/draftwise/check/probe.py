@@ -1,0 +1,267 @@
+"""The measured half of ``draftwise check``: greedy acceptance on a few prompts, forward-pass costs on this
+machine, and the speed-up they predict for each K (Leviathan et al. 2023, Sec. 3.4).
+
+- acceptance probe: a :class:`~draftwise.engine.SpeculativeEngine` with a
+  :class:`~draftwise.proposers.draft_model.DraftModelProposer` decodes a few prompts greedily at a fixed K;
+  ``alpha = accepted / drafted`` over all of them. Under the usual i.i.d. assumption one alpha serves every K.
+- costs: :func:`~draftwise.calibration.measure_forward_costs` for the target's verify curve
+  ``v_k`` (k = 1..max_k + 1) and the draft's one-token time, whose ratio to the target's is ``c``.
+- prediction: :func:`~draftwise.calibration.predicted_speedup` for K = 1..max_k.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from draftwise.benchmark import BenchPrompt
+from draftwise.calibration import ForwardCosts, measure_forward_costs, predicted_speedup
+from draftwise.config import SamplingParams
+from draftwise.engine import SpeculativeEngine
+from draftwise.models.loading import LoadedModel
+from draftwise.proposers.draft_model import DraftModelProposer
+
+__all__ = [
+    "DEFAULT_PROBE_CATEGORIES",
+    "CostMeasurement",
+    "ProbePromptResult",
+    "ProbeResult",
+    "SpeedupPrediction",
+    "measure_costs",
+    "predict_speedups",
+    "run_acceptance_probe",
+    "select_probe_prompts",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Spec-Bench categories probed first: short prompts of different kinds (the long summarization and RAG
+#: prompts would make the probe slow on a CPU).
+DEFAULT_PROBE_CATEGORIES = ("coding", "math_reasoning", "writing", "qa", "translation")
+#: Tokens in the cache under the timed passes (capped by the context length).
+COST_CONTEXT_TOKENS = 200
+
+
+def select_probe_prompts(
+    prompts: Sequence[BenchPrompt], count: int, preferred: Sequence[str] = DEFAULT_PROBE_CATEGORIES
+) -> list[BenchPrompt]:
+    """Up to ``count`` prompts taken round-robin across categories, ``preferred`` categories first.
+
+    Raises:
+        ValueError: ``count`` below 1.
+    """
+    if count < 1:
+        raise ValueError(f"the probe needs at least one prompt, got {count}")
+    by_category: dict[str, list[BenchPrompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    order = [c for c in preferred if c in by_category] + [c for c in by_category if c not in preferred]
+    chosen: list[BenchPrompt] = []
+    for rank in range(max((len(v) for v in by_category.values()), default=0)):
+        for category in order:
+            if rank < len(by_category[category]) and len(chosen) < count:
+                chosen.append(by_category[category][rank])
+    return chosen
+
+
+@dataclass(frozen=True)
+class ProbePromptResult:
+    """One probe prompt: token counts and the time spent decoding (seconds, prefill excluded)."""
+
+    prompt_id: str
+    category: str
+    prompt_tokens: int
+    generated_tokens: int
+    draft_tokens: int
+    accepted_tokens: int
+    target_passes: int
+    step_tokens: int
+    decode_time_s: float
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted on this prompt (None when nothing was drafted)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+
+@dataclass
+class ProbeResult:
+    """The acceptance probe over all prompts, at a fixed K and greedy decoding.
+
+    Attributes:
+        k: draft tokens per step. ``max_tokens``: tokens generated per prompt at most.
+        prompts: per-prompt results. ``skipped``: ids of prompts too long for the context.
+    """
+
+    k: int
+    max_tokens: int
+    prompts: list[ProbePromptResult] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def draft_tokens(self) -> int:
+        return sum(p.draft_tokens for p in self.prompts)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(p.accepted_tokens for p in self.prompts)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """alpha = accepted / drafted over every prompt (None when nothing was drafted)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """tau = tokens committed per verification pass (bonus included), over every prompt."""
+        passes = sum(p.target_passes for p in self.prompts)
+        return sum(p.step_tokens for p in self.prompts) / passes if passes else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Speculative decode rate (prefill excluded), tokens per second."""
+        seconds = sum(p.decode_time_s for p in self.prompts)
+        return sum(p.step_tokens for p in self.prompts) / seconds if seconds > 0 else None
+
+    def to_dict(self) -> dict:
+        return {"k": self.k, "max_tokens": self.max_tokens, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length,
+                "decode_tokens_per_s": self.decode_tokens_per_s, "skipped": list(self.skipped),
+                "prompts": [{**asdict(p), "acceptance_rate": p.acceptance_rate} for p in self.prompts]}
+
+
+def _encode(model: LoadedModel, text: str, chat: bool) -> list[int]:
+    return model.encode_chat([{"role": "user", "content": text}]) if chat and model.has_chat_template \
+        else model.encode(text)
+
+
+def run_acceptance_probe(
+    target: LoadedModel,
+    draft: LoadedModel,
+    prompts: Sequence[BenchPrompt],
+    *,
+    k: int = 4,
+    max_tokens: int = 32,
+    chat: bool = True,
+) -> ProbeResult:
+    """Decode each prompt greedily with the draft proposing ``k`` tokens per step; count what is accepted.
+
+    Prompts that leave no room for ``max_tokens`` new tokens in the target's context are skipped.
+
+    Raises:
+        ValueError: ``k`` or ``max_tokens`` below 1, or target and draft sharing one backend.
+    """
+    if k < 1 or max_tokens < 1:
+        raise ValueError(f"probe K and max_tokens must be >= 1, got {k} and {max_tokens}")
+    if target.backend is draft.backend:
+        raise ValueError("target and draft share one backend (one KV cache); load the model twice to probe it "
+                         "as its own draft")
+    engine = SpeculativeEngine(target.backend, DraftModelProposer(draft.backend, target.backend.vocab_size), k,
+                               eos_token_ids=target.eos_token_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    result = ProbeResult(k=k, max_tokens=max_tokens)
+    for prompt in prompts:
+        ids = _encode(target, prompt.text, chat)
+        if len(ids) + max_tokens > target.backend.max_context:
+            logger.warning("probe prompt %s (%d tokens) does not fit the context; skipped", prompt.id, len(ids))
+            result.skipped.append(prompt.id)
+            continue
+        stats = engine.generate(ids, params).stats
+        result.prompts.append(ProbePromptResult(
+            prompt_id=prompt.id, category=prompt.category, prompt_tokens=len(ids),
+            generated_tokens=stats.num_generated_tokens, draft_tokens=stats.num_draft_tokens,
+            accepted_tokens=stats.num_accepted_tokens, target_passes=stats.num_target_passes,
+            step_tokens=stats.num_step_tokens,
+            decode_time_s=stats.total_time_s - stats.prefill_time_s,
+        ))
+        logger.info("probe %s (%s): %d/%d draft tokens accepted", prompt.id, prompt.category,
+                    stats.num_accepted_tokens, stats.num_draft_tokens)
+    return result
+
+
+@dataclass(frozen=True)
+class CostMeasurement:
+    """Forward-pass costs on this machine.
+
+    Attributes:
+        target: the target's median forward times over k = 1..max_k + 1 new tokens.
+        draft_1_token_s: the draft's median one-token forward time (seconds).
+    """
+
+    target: ForwardCosts
+    draft_1_token_s: float
+
+    @property
+    def cost_ratio(self) -> float:
+        """c = draft one-token time / target one-token time."""
+        return self.draft_1_token_s / self.target.seconds[1]
+
+    def verify_cost(self, num_tokens: int) -> float:
+        """v_k for predictions: the measured ratio, raised to 1 where noise made a k-token pass look cheaper
+        than a one-token pass (which would predict more than K + 1 tokens per step's worth of speed-up)."""
+        return max(1.0, self.target.relative(num_tokens))
+
+    def warnings(self) -> list[str]:
+        """Signs of a noisy measurement (a busy machine): k-token passes timed faster than one token."""
+        low = [k for k in sorted(self.target.seconds) if self.target.relative(k) < 1.0]
+        if not low:
+            return []
+        shown = ", ".join(f"v{k}={self.target.relative(k):.2f}" for k in low)
+        return [f"{shown} below 1: a multi-token pass was timed faster than one token, so the timings are noisy "
+                "(is the machine busy?); predictions use 1 there; rerun on an idle machine"]
+
+    def to_dict(self) -> dict:
+        return {"target": self.target.to_dict(), "draft_1_token_s": self.draft_1_token_s,
+                "cost_ratio": self.cost_ratio, "warnings": self.warnings()}
+
+
+def measure_costs(target: LoadedModel, draft: LoadedModel, max_k: int, *, repeats: int = 5) -> CostMeasurement:
+    """Time the target over 1..max_k + 1 new tokens and the draft over one, on a cache of up to
+    :data:`COST_CONTEXT_TOKENS` tokens (both caches are reset afterwards).
+
+    Raises:
+        ValueError: ``max_k`` below 1, or a context too short to time ``max_k + 1`` tokens.
+    """
+    if max_k < 1:
+        raise ValueError(f"max_k must be >= 1, got {max_k}")
+    room = min(target.backend.max_context, draft.backend.max_context) - (max_k + 1)
+    if room < 1:
+        raise ValueError(f"a context of {target.backend.max_context} tokens is too short to time K={max_k}")
+    context_len = min(COST_CONTEXT_TOKENS, room)
+    target_costs = measure_forward_costs(target.backend, range(1, max_k + 2), context_len=context_len,
+                                         repeats=repeats)
+    draft_costs = measure_forward_costs(draft.backend, [1], context_len=context_len, repeats=repeats)
+    return CostMeasurement(target=target_costs, draft_1_token_s=draft_costs.seconds[1])
+
+
+@dataclass(frozen=True)
+class SpeedupPrediction:
+    """The predicted speed-up of K draft tokens per step over plain decoding.
+
+    Attributes:
+        k: draft tokens per step. ``cost_ratio``: c. ``verify_cost``: v_(K+1), the (K+1)-token pass relative
+        to a one-token pass. ``tokens_per_step``: expected tokens committed per target pass.
+        ``speedup``: tokens_per_step / (K * c + v_(K+1)).
+    """
+
+    k: int
+    cost_ratio: float
+    verify_cost: float
+    tokens_per_step: float
+    speedup: float
+
+
+def _tokens_per_step(alpha: float, k: int) -> float:
+    return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def predict_speedups(alpha: float, costs: CostMeasurement, max_k: int) -> list[SpeedupPrediction]:
+    """Predicted speed-up for K = 1..max_k (only the K whose verify pass was timed), with
+    :meth:`CostMeasurement.verify_cost` as v_(K+1)."""
+    c = costs.cost_ratio
+    return [SpeedupPrediction(k=k, cost_ratio=c, verify_cost=costs.verify_cost(k + 1),
+                              tokens_per_step=_tokens_per_step(alpha, k),
+                              speedup=predicted_speedup(alpha, k, c, costs.verify_cost(k + 1)))
+            for k in range(1, max_k + 1) if (k + 1) in costs.target.seconds]
