@@ -227,8 +227,9 @@ def test_stop_strings_cut_exactly_like_openai(spec):
     assert cut.usage.completion_tokens < 40
     assert stream_text(spec, PROMPTS[0], max_tokens=40, stop=stop) == (expected, "stop")
     later = full[20:23]
-    both = complete(spec, PROMPTS[0], max_tokens=40, stop=[later, stop])  # earliest occurrence wins
-    assert both.choices[0].text == full[:min(full.index(stop), full.index(later))]
+    both = complete(spec, PROMPTS[0], max_tokens=40, stop=[later, stop])  # the first to complete wins
+    first = min((stop, later), key=lambda s: full.index(s) + len(s))
+    assert both.choices[0].text == full[:full.index(first)]
     absent = complete(spec, PROMPTS[0], max_tokens=40, stop=["\x00never"])
     assert absent.choices[0].text == full and absent.choices[0].finish_reason == "length"
 
@@ -325,6 +326,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("completions", {"prompt": "hi", "stop": ""}, 400, "stop"),
     ("completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
+    ("completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
     ("completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
     ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("completions", {"prompt": []}, 400, "prompt"),

@@ -58,10 +58,29 @@ def test_partial_stop_prefix_is_released_when_it_does_not_complete():
     assert text == "abc STay S" and not matcher.stopped
 
 
-def test_earliest_of_several_stop_strings_wins():
+def test_the_first_stop_string_to_complete_wins():
     matcher = StopStringMatcher(["world", "lo w"])
     _, text = stream(matcher, ["hel", "lo world"])
     assert text == "hel"
+    # "bc" is complete before "abcd" is: generation stops there, whatever the delta boundaries
+    for deltas in (["xabcd"], ["xa", "bcd"], list("xabcd")):
+        assert stream(StopStringMatcher(["abcd", "bc"]), deltas)[1] == "xa"
+    # same end character: cut at the earliest start
+    assert stream(StopStringMatcher(["cd", "bcd"]), ["abcde"])[1] == "a"
+
+
+def test_self_overlapping_stop_strings():
+    assert stream(StopStringMatcher(["aab"]), ["aa", "aab"])[1] == "aa"
+    assert stream(StopStringMatcher(["abab"]), ["aba", "bab"])[1] == ""
+    out, text = stream(StopStringMatcher(["abac"]), ["ab", "ab", "ab", "x"])
+    assert text == "abababx" and out == ["", "ab", "ab", "abx"]
+
+
+def test_long_stop_strings_are_linear_time():
+    matcher = StopStringMatcher(["a" * 20000 + "b"])
+    out = [matcher.feed("a" * 100) for _ in range(300)]
+    assert "".join(out) == "a" * 10000  # the last 20000 "a"s could still start the stop string
+    assert matcher.flush() == "a" * 20000
 
 
 def test_stop_string_spanning_many_deltas():

@@ -232,10 +232,17 @@ def _sampling_params(request, max_tokens: int) -> SamplingParams:
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "seed"}
 
 
+MAX_STOP_STRINGS = 16
+
+
 def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """At most :data:`MAX_STOP_STRINGS` non-empty strings (OpenAI allows 4)."""
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not s for s in stops):
         raise APIError(400, "stop sequences must be non-empty strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop sequences are supported, got {len(stops)}",
+                       param="stop")
     return stops
 
 

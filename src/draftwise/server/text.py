@@ -58,21 +58,58 @@ class IncrementalDetokenizer:
         return self._decode(window[:emitted]) if emitted else "", self._decode(window)
 
 
-class StopStringMatcher:
-    """Cuts a text stream at the earliest stop string, exactly as OpenAI does.
+class _PrefixAutomaton:
+    """Knuth-Morris-Pratt matcher for one pattern, fed one character at a time.
 
-    The stop string itself is not part of the output, and text that could be the beginning of a stop string
-    is held back until it is known not to be one (so streamed text never has to be retracted).
+    :attr:`state` is the length of the longest suffix of the text so far that is a prefix of the pattern.
+    """
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self.state = 0
+        self._fail = [0] * len(pattern)
+        k = 0
+        for i in range(1, len(pattern)):
+            while k and pattern[i] != pattern[k]:
+                k = self._fail[k - 1]
+            if pattern[i] == pattern[k]:
+                k += 1
+            self._fail[i] = k
+
+    def step(self, char: str) -> bool:
+        """Advance by one character; True when the pattern ends here."""
+        state = self.state
+        while state and self.pattern[state] != char:
+            state = self._fail[state - 1]
+        if self.pattern[state] == char:
+            state += 1
+        if state == len(self.pattern):
+            self.state = self._fail[state - 1]
+            return True
+        self.state = state
+        return False
+
+
+class StopStringMatcher:
+    """Cuts a text stream at the first stop string to appear, as OpenAI does.
+
+    The text is scanned one character at a time, so the result does not depend on how it is split into deltas:
+    generation stops as soon as a stop string is complete, and the output ends right before it (the stop
+    string is not included; when several complete at the same character, the cut is at the earliest start).
+    Text that could be the beginning of a stop string is held back until it is known not to be one, so streamed
+    text never has to be retracted. Linear time in the text length per stop string.
 
     Args:
         stops: non-empty stop strings (empty tuple: pass-through).
+
+    Raises:
+        ValueError: an empty stop string.
     """
 
     def __init__(self, stops: Sequence[str] = ()) -> None:
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        self._stops = tuple(stops)
-        self._longest = max((len(s) for s in self._stops), default=0)
+        self._automata = [_PrefixAutomaton(s) for s in dict.fromkeys(stops)]
         self._text = ""
         self._emitted = 0
         self.stopped = False
@@ -82,18 +119,19 @@ class StopStringMatcher:
         further input is ignored."""
         if self.stopped or not delta:
             return ""
-        if not self._stops:
+        if not self._automata:
             self._text += delta
-            self._emitted = len(self._text)
-            return delta
-        search_from = max(0, len(self._text) - self._longest + 1)
+            return self._take(len(self._text))
+        for i, char in enumerate(delta):
+            ended = [a for a in self._automata if a.step(char)]  # step every automaton on every character
+            if ended:
+                end = len(self._text) + i + 1
+                self._text = (self._text + delta[:i + 1])[:end - max(len(a.pattern) for a in ended)]
+                self.stopped = True
+                return self._take(len(self._text))
         self._text += delta
-        cut = self._earliest_match(search_from)
-        if cut is not None:
-            self.stopped = True
-            self._text = self._text[:cut]
-            return self._take(cut)
-        return self._take(max(self._emitted, len(self._text) - self._partial_match_length()))
+        held = max(a.state for a in self._automata)
+        return self._take(max(self._emitted, len(self._text) - held))
 
     def flush(self) -> str:
         """Return the held-back text (a partial stop string that never completed); call once at the end."""
@@ -108,20 +146,6 @@ class StopStringMatcher:
         out = self._text[self._emitted:end]
         self._emitted = max(self._emitted, end)
         return out
-
-    def _earliest_match(self, start: int) -> int | None:
-        found = [i for i in (self._text.find(s, start) for s in self._stops) if i >= 0]
-        return min(found) if found else None
-
-    def _partial_match_length(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of some stop string."""
-        best = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(self._text)), best, -1):
-                if self._text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
 
 
 class OutputText:
