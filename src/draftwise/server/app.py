@@ -23,7 +23,7 @@ from draftwise import __version__
 from draftwise.builder import EngineBundle
 from draftwise.server.errors import APIError, error_body, install_error_handlers
 from draftwise.server.metrics import ServerMetrics
-from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
 from draftwise.server.requests import GenerationRequest, RequestBuilder, TextCodec
 from draftwise.server.responses import (
     SSE_DONE,
@@ -67,8 +67,8 @@ class ServerState:
         """The primary served model name."""
         return self.builder.served_names[0]
 
-    def usage(self, prompt_tokens: int, finished: Finished):
-        """The response's usage object."""
+    def usage(self, prompt_tokens: int, finished: Finished) -> Usage:
+        """The response's usage object (OpenAI's counts plus the speculative statistics)."""
         engine = self.bundle.engine
         return make_usage(prompt_tokens, finished.completion_tokens, finished.stats, self.bundle.method,
                           engine.num_speculative_tokens)
@@ -201,7 +201,7 @@ class _CompletionFormat:
     def closing(self, finish_reason: str, include_usage: bool) -> dict:
         return completion_chunk(self.request_id, self.created, self.model, "", finish_reason, include_usage)
 
-    def body(self, text: str, finish_reason: str, usage) -> dict:
+    def body(self, text: str, finish_reason: str, usage: Usage) -> dict:
         return completion_body(self.request_id, self.model, text, finish_reason, usage)
 
 
@@ -220,7 +220,7 @@ class _ChatFormat(_CompletionFormat):
     def closing(self, finish_reason: str, include_usage: bool) -> dict:
         return chat_chunk(self.request_id, self.created, self.model, {}, finish_reason, include_usage)
 
-    def body(self, text: str, finish_reason: str, usage) -> dict:
+    def body(self, text: str, finish_reason: str, usage: Usage) -> dict:
         return chat_body(self.request_id, self.model, text, finish_reason, usage)
 
 

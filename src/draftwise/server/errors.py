@@ -66,6 +66,8 @@ def _validation_message(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return APIError(400, "the request body must be a JSON object (send Content-Type: application/json)")
     # drop pydantic's union-branch names ("str", "list[int]"...) that follow a field name
     param = ".".join(p for p in loc if not (p[:1].islower() and ("[" in p or p in _TYPE_NAMES))) or None
     message = first.get("msg", "invalid value")

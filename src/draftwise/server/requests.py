@@ -4,6 +4,7 @@ strings. Every user error becomes an :class:`APIError` (4xx) here, before the re
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -212,6 +213,9 @@ def _plain_message(message: ChatMessage, index: int) -> dict[str, str]:
 
 def _sampling_params(request, max_tokens: int) -> SamplingParams:
     """OpenAI defaults: temperature 1, top_p 1. vLLM's ``top_k=-1`` means disabled."""
+    for name in ("temperature", "top_p"):
+        value = getattr(request, name)
+        _reject(value is not None and not math.isfinite(value), f"{name} must be a finite number, got {value}", name)
     top_k = request.top_k if request.top_k is not None else 0
     try:
         return SamplingParams(
