@@ -1,21 +1,20 @@
 """``draftwise serve``: flag resolution (demo pair, plain, vLLM's --speculative-config) and one real run of the
-command in a subprocess, talked to with the openai client."""
+command, talked to with the openai client."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
+import threading
 import time
 
 import httpx
 import openai
 import pytest
+import torch
+import uvicorn
 
 from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
-from draftwise.cli import build_parser
+from draftwise.cli import build_parser, main
 from draftwise.commands.common import CliError
 from draftwise.commands.serve import plan_from_args
 
@@ -69,35 +68,46 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_command_end_to_end(draftwise_home, stories_path):
+def test_serve_command_end_to_end(draftwise_home, stories_path, monkeypatch):
+    """``draftwise serve`` through the CLI entry point, in-process (a subprocess would pay torch's and
+    transformers' imports again). Only ``uvicorn.run`` is replaced, by its own two steps with a handle to stop
+    the server."""
+    servers: list[uvicorn.Server] = []
+
+    def run_and_keep(app, **kwargs):
+        servers.append(uvicorn.Server(uvicorn.Config(app, **kwargs)))
+        servers[0].run()
+
+    monkeypatch.setattr(uvicorn, "run", run_and_keep)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model on a shared machine: avoid OpenMP barrier stalls
     port = _free_port()
-    env = {**os.environ, "DRAFTWISE_HOME": str(draftwise_home), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "draftwise.cli", "serve", str(stories_path), "--speculative-model",
-           str(stories_path), "--num-speculative-tokens", "2", "--port", str(port), "--served-model-name", "tiny",
-           "--api-key", "secret", "--device", "cpu"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = ["serve", str(stories_path), "--speculative-model", str(stories_path), "--num-speculative-tokens", "2",
+            "--port", str(port), "--served-model-name", "tiny", "--api-key", "secret", "--device", "cpu",
+            "--uvicorn-log-level", "warning"]
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(main(argv)), daemon=True)
+    thread.start()
     try:
-        _wait_healthy(proc, f"http://127.0.0.1:{port}/health")
+        _wait_healthy(thread, servers, f"http://127.0.0.1:{port}/health")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="secret", max_retries=0, timeout=60)
         result = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
         assert result.usage.completion_tokens == 12 and result.choices[0].text
         assert result.usage.speculative["acceptance_rate"] == 1.0  # the draft is the target itself
+        assert result.usage.speculative["num_speculative_tokens"] == 2
     finally:
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, output
-    assert "OpenAI-compatible API at http://127.0.0.1" in output and "Traceback" not in output
+        if servers:
+            servers[0].should_exit = True
+        thread.join(30)
+        torch.set_num_threads(old_threads)
+    assert codes == [0]
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 120) -> None:
+def _wait_healthy(thread: threading.Thread, servers: list, url: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"serve exited early:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+        assert thread.is_alive(), "serve exited early"
+        if servers and servers[0].started and httpx.get(url, timeout=5).status_code == 200:
+            return
+        time.sleep(0.1)
     raise AssertionError("serve did not become healthy")
