@@ -76,6 +76,10 @@ def build_proposer(
         draft = load_model(config.model, device=device, dtype=dtype, max_context=target.backend.max_context)
         check_same_tokenizer(target, draft)
         return DraftModelProposer(draft.backend, target.backend.vocab_size), draft
+    if config.method == "ngram":
+        from draftwise.proposers.ngram import NgramProposer
+
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), None
     raise ValueError(f"speculative method {config.method!r} is not available")
 
 
@@ -91,7 +95,8 @@ def build_engine(
 
     Args:
         target: registry name, ``.gguf`` path, HF directory or hub id.
-        speculative_config: proposer choice and K.
+        speculative_config: proposer choice, K and the K policy (``"auto"`` calibrates the forward costs
+            once per model and machine; see :func:`draftwise.calibration.calibrate_cost_model`).
         device, dtype: see :func:`draftwise.models.loading.load_model`.
         max_context: context length in tokens (default: the target config's).
     """
@@ -100,10 +105,20 @@ def build_engine(
         engine = SpeculativeEngine(target_model.backend, eos_token_ids=target_model.eos_token_ids)
         return EngineBundle(target=target_model, engine=engine)
     proposer, draft = build_proposer(speculative_config, target_model, device=device, dtype=dtype)
+    from draftwise.calibration import calibrate_cost_model
+    from draftwise.controller import k_controller_factory
+
+    max_k = speculative_config.num_speculative_tokens
+    cost_model = None
+    if speculative_config.k_policy == "auto":
+        cost_model = calibrate_cost_model(  # cached per model and machine after the first run
+            target_model.backend, max_k, draft=draft.backend if draft else None, proposer=proposer
+        )
     engine = SpeculativeEngine(
         target_model.backend,
         proposer,
-        speculative_config.num_speculative_tokens,
+        max_k,
         eos_token_ids=target_model.eos_token_ids,
+        controller_factory=k_controller_factory(speculative_config.k_policy, max_k, cost_model),
     )
     return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingParams", "SpeculativeConfig", "SPECULATIVE_METHODS"]
+__all__ = ["SamplingParams", "SpeculativeConfig", "SPECULATIVE_METHODS", "K_POLICIES"]
 
 SPECULATIVE_METHODS = ("draft_model", "ngram")
+K_POLICIES = ("fixed", "auto")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class SpeculativeConfig:
         num_speculative_tokens: K, the maximum number of draft tokens verified per target pass (>= 1).
         prompt_lookup_min: shortest suffix n-gram to look up (``ngram`` only).
         prompt_lookup_max: longest suffix n-gram to look up (``ngram`` only).
+        k_policy: ``"fixed"`` (default: always K = ``num_speculative_tokens``) or ``"auto"`` (a cost-model
+            controller picks K in 0..``num_speculative_tokens`` before every step; see
+            :class:`draftwise.controller.AutoK`). Not a vLLM field.
 
     Raises:
         ValueError: on an unknown method, a missing draft model or out-of-range sizes.
@@ -77,6 +81,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 5
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    k_policy: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -90,3 +95,5 @@ class SpeculativeConfig:
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min}, {self.prompt_lookup_max}"
             )
+        if self.k_policy not in K_POLICIES:
+            raise ValueError(f"unknown k_policy {self.k_policy!r}; choose one of {K_POLICIES}")
