@@ -1,7 +1,9 @@
-"""Side-by-side benchmark of plain and speculative decoding on the same target, prompts and process.
+"""Side-by-side benchmark of plain and speculative decoding (the Spec-Bench protocol, Xia et al. 2024).
 
-Methods run interleaved per prompt (plain, then each speculative configuration) so machine drift hits all
-alike. Greedy outputs are compared with plain decoding token for token; speed is reported as a ratio.
+Every method runs on every prompt in one process, interleaved per prompt (plain first, then each
+speculative configuration), so machine drift hits all alike. Greedy outputs are compared with plain decoding
+token for token; speed is reported as a ratio against plain on the same prompt. Results are saved after
+every prompt so an interrupted run can be resumed.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -24,45 +27,76 @@ from draftwise.engine import GenerationResult, SpeculativeEngine
 from draftwise.models.loading import LoadedModel
 
 __all__ = ["BenchPrompt", "MethodSpec", "PromptRun", "load_prompts", "default_prompts_path", "run_benchmark",
-           "summarize", "first_difference"]
+           "summarize", "first_difference", "load_results", "write_json"]
 
 logger = logging.getLogger(__name__)
+
+Runner = Callable[[list[int], SamplingParams], GenerationResult]
 
 
 @dataclass(frozen=True)
 class BenchPrompt:
-    """One benchmark prompt (the first turn of a Spec-Bench question, or a ``{"prompt": ...}`` line)."""
+    """One benchmark question: Spec-Bench ``turns`` (multi-turn) or a single ``{"prompt": ...}``."""
 
     id: str
     category: str
-    text: str
+    turns: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        """The first turn."""
+        return self.turns[0]
 
 
 @dataclass
 class MethodSpec:
-    """A named engine configuration to benchmark (``k`` is None for plain decoding)."""
+    """A named configuration to benchmark.
+
+    Attributes:
+        label: unique name in tables and JSON (e.g. ``"draft K=4"``, ``"ngram auto"``).
+        kind: ``"plain"``, ``"draft"``, ``"ngram"``, or an external anchor (``"hf-assisted"``, ``"hf-lookup"``).
+        k: K (the maximum K for a controller); None for plain decoding.
+        policy: ``"fixed"`` or ``"auto"``.
+        engine: the draftwise engine, or None when ``runner`` is given.
+        runner: ``(prompt_ids, params) -> GenerationResult`` for methods outside the engine.
+    """
 
     label: str
-    engine: SpeculativeEngine
+    kind: str = "plain"
     k: int | None = None
+    policy: str = "fixed"
+    engine: SpeculativeEngine | None = None
+    runner: Runner | None = None
+
+    def run(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        if self.runner is not None:
+            return self.runner(prompt_ids, params)
+        assert self.engine is not None, f"method {self.label} has neither an engine nor a runner"
+        return self.engine.generate(prompt_ids, params)
 
 
 @dataclass
 class PromptRun:
-    """One method on one prompt."""
+    """One method on one turn of one prompt (times in seconds, memory in bytes)."""
 
     prompt_id: str
     category: str
+    turn: int
     method: str
+    kind: str
     k: int | None
+    policy: str
     num_prompt_tokens: int
     num_tokens: int
     time_s: float
     tokens_per_s: float
     identical_to_plain: bool
     first_difference: int | None
+    speedup: float | None
+    peak_rss_bytes: int
+    peak_gpu_bytes: int | None
+    token_ids: list[int] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
-    speedup: float | None = None
 
 
 def default_prompts_path() -> Path:
@@ -82,6 +116,19 @@ def default_prompts_path() -> Path:
         if candidate.is_file():
             return candidate
     raise FileNotFoundError("Spec-Bench prompts not found; pass --prompts FILE or set DRAFTWISE_PROMPTS")
+
+
+def _parse_prompt_line(row: object, where: str) -> tuple[str, str | None, tuple[str, ...]]:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    if isinstance(row.get("prompt"), str) and row["prompt"]:
+        turns: tuple[str, ...] = (row["prompt"],)
+    elif isinstance(row.get("turns"), list) and row["turns"] and all(isinstance(t, str) and t for t in row["turns"]):
+        turns = tuple(row["turns"])
+    else:
+        raise ValueError(f"{where}: expected a 'prompt' string or a non-empty 'turns' list of strings")
+    identifier = row.get("question_id", row.get("id"))
+    return str(row.get("category", "prompt")), None if identifier is None else str(identifier), turns
 
 
 def load_prompts(path: str | Path, categories: Sequence[str] | None = None, limit: int | None = None) -> list[BenchPrompt]:
@@ -104,18 +151,13 @@ def load_prompts(path: str | Path, categories: Sequence[str] | None = None, limi
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number}: not valid JSON: {exc}") from exc
-            text = row.get("prompt") if isinstance(row, dict) else None
-            if text is None and isinstance(row, dict) and row.get("turns"):
-                text = row["turns"][0]
-            if not isinstance(text, str) or not text:
-                raise ValueError(f"{path}:{number}: expected a 'prompt' string or a non-empty 'turns' list")
-            category = str(row.get("category", "prompt"))
+            category, identifier, turns = _parse_prompt_line(row, f"{path}:{number}")
             if categories and category not in categories:
                 continue
             if limit is not None and per_category.get(category, 0) >= limit:
                 continue
             per_category[category] = per_category.get(category, 0) + 1
-            prompts.append(BenchPrompt(id=str(row.get("question_id", row.get("id", number))), category=category, text=text))
+            prompts.append(BenchPrompt(id=identifier or str(number), category=category, turns=turns))
     return prompts
 
 
@@ -127,6 +169,24 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _peak_memory() -> tuple[int, int | None]:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return rss, gpu
+
+
+def encode_turn(target: LoadedModel, prompt: BenchPrompt, turn: int, answers: Sequence[str], chat: bool) -> list[int]:
+    """Token ids of ``prompt``'s turn ``turn``; later turns see the method's own earlier ``answers``."""
+    if chat and target.has_chat_template:
+        messages = []
+        for i in range(turn):
+            messages += [{"role": "user", "content": prompt.turns[i]}, {"role": "assistant", "content": answers[i]}]
+        messages.append({"role": "user", "content": prompt.turns[turn]})
+        return target.encode_chat(messages)
+    history = "".join(f"{prompt.turns[i]}\n{answers[i]}\n" for i in range(turn))
+    return target.encode(history + prompt.turns[turn])
+
+
 def run_benchmark(
     target: LoadedModel,
     methods: Sequence[MethodSpec],
@@ -134,96 +194,141 @@ def run_benchmark(
     params: SamplingParams,
     *,
     chat: bool = True,
+    all_turns: bool = False,
+    done: Sequence[PromptRun] = (),
     on_run: Callable[[PromptRun], None] | None = None,
+    on_prompt: Callable[[list[PromptRun]], None] | None = None,
 ) -> list[PromptRun]:
-    """Run every method on every prompt, interleaved per prompt; ``methods[0]`` must be plain decoding.
+    """Run every method on every prompt (and turn), interleaved per prompt; ``methods[0]`` must be plain.
 
-    Returns one :class:`PromptRun` per (prompt, method), with greedy exactness against plain and the speed-up
-    over plain on the same prompt.
+    Args:
+        done: runs from an earlier, interrupted benchmark; prompts they complete are skipped.
+        on_run: called after each (prompt, turn, method) run; on_prompt: after each prompt with all runs.
+
+    Returns:
+        All runs, ``done`` included, each with greedy exactness against plain and the speed-up over plain
+        on the same prompt and turn.
 
     Raises:
         ValueError: if the first method is not plain decoding.
     """
-    if not methods or methods[0].k is not None:
-        raise ValueError("the first benchmark method must be plain decoding (k=None)")
-    runs: list[PromptRun] = []
+    if not methods or methods[0].kind != "plain":
+        raise ValueError("the first benchmark method must be plain decoding")
+    runs = list(done)
     for prompt in prompts:
-        ids = _encode(target, prompt.text, chat)
-        baseline: GenerationResult | None = None
+        num_turns = len(prompt.turns) if all_turns else 1
+        have = {(r.method, r.turn) for r in runs if r.prompt_id == prompt.id}
+        if {(m.label, t) for m in methods for t in range(num_turns)} <= have:
+            continue
+        runs = [r for r in runs if r.prompt_id != prompt.id]  # drop a half-finished prompt
+        runs.extend(_run_prompt(target, methods, prompt, params, chat, all_turns, on_run))
+        if on_prompt:
+            on_prompt(runs)
+    return runs
+
+
+def _run_prompt(target, methods, prompt, params, chat, all_turns, on_run) -> list[PromptRun]:
+    turns = range(len(prompt.turns) if all_turns else 1)
+    answers: dict[str, list[str]] = {m.label: [] for m in methods}
+    runs: list[PromptRun] = []
+    for turn in turns:
+        baseline: PromptRun | None = None
         for method in methods:
-            result = method.engine.generate(ids, params)
-            if baseline is None:
-                baseline = result
-            diff = first_difference(result.token_ids, baseline.token_ids)
-            run = _to_run(prompt, method, ids, result, diff)
-            base_tps = baseline.stats.tokens_per_s
-            run.speedup = run.tokens_per_s / base_tps if base_tps else None
-            if diff is not None and params.greedy:
-                logger.warning("%s on prompt %s differs from plain at token %d", method.label, prompt.id, diff)
+            ids = encode_turn(target, prompt, turn, answers[method.label], chat)
+            result = method.run(ids, params)
+            answers[method.label].append(target.decode(result.token_ids))
+            run = _to_run(prompt, turn, method, ids, result, baseline)
+            baseline = baseline or run
+            if not run.identical_to_plain and params.greedy:
+                logger.warning("%s on prompt %s turn %d differs from plain at token %s", method.label, prompt.id,
+                               turn, run.first_difference)
             runs.append(run)
             if on_run:
                 on_run(run)
     return runs
 
 
-def _encode(target: LoadedModel, text: str, chat: bool) -> list[int]:
-    if chat and target.has_chat_template:
-        return target.encode_chat([{"role": "user", "content": text}])
-    return target.encode(text)
-
-
-def _to_run(prompt: BenchPrompt, method: MethodSpec, ids: list[int], result: GenerationResult, diff) -> PromptRun:
+def _to_run(prompt: BenchPrompt, turn: int, method: MethodSpec, ids: list[int], result: GenerationResult,
+            baseline: PromptRun | None) -> PromptRun:
     stats = result.stats
+    diff = first_difference(result.token_ids, baseline.token_ids) if baseline else None
+    speedup = stats.tokens_per_s / baseline.tokens_per_s if baseline and baseline.tokens_per_s else (
+        1.0 if baseline is None else None)
+    rss, gpu = _peak_memory()
     return PromptRun(
-        prompt_id=prompt.id, category=prompt.category, method=method.label, k=method.k,
-        num_prompt_tokens=len(ids), num_tokens=len(result.token_ids), time_s=stats.total_time_s,
-        tokens_per_s=stats.tokens_per_s, identical_to_plain=diff is None, first_difference=diff,
-        stats=stats.to_dict(),
+        prompt_id=prompt.id, category=prompt.category, turn=turn, method=method.label, kind=method.kind,
+        k=method.k, policy=method.policy, num_prompt_tokens=len(ids), num_tokens=len(result.token_ids),
+        time_s=stats.total_time_s, tokens_per_s=stats.tokens_per_s, identical_to_plain=diff is None,
+        first_difference=diff, speedup=speedup, peak_rss_bytes=rss, peak_gpu_bytes=gpu,
+        token_ids=list(result.token_ids), stats=stats.to_dict(),
     )
+
+
+def _sum(runs: Sequence[PromptRun], key: str) -> float:
+    return sum(r.stats.get(key, 0) or 0 for r in runs)
+
+
+def _method_row(label: str, mine: list[PromptRun], plain_time: float) -> dict:
+    speedups = sorted(r.speedup for r in mine if r.speedup is not None)
+    drafted, accepted = _sum(mine, "num_draft_tokens"), _sum(mine, "num_accepted_tokens")
+    passes, step_tokens = _sum(mine, "num_target_passes"), _sum(mine, "num_step_tokens")
+    decode_time = sum(r.stats.get("total_time_s", 0) - r.stats.get("prefill_time_s", 0) for r in mine)
+    total_time = sum(r.time_s for r in mine)
+    drafted_pos: list[float] = []
+    accepted_pos: list[float] = []
+    for r in mine:
+        for i, (d, a) in enumerate(zip(r.stats.get("drafted_per_position", []), r.stats.get("accepted_per_position", []))):
+            if i == len(drafted_pos):
+                drafted_pos.append(0)
+                accepted_pos.append(0)
+            drafted_pos[i] += d
+            accepted_pos[i] += a
+    ks = [k for r in mine for k in r.stats.get("k_history", [])]
+    return {
+        "method": label, "kind": mine[0].kind, "k": mine[0].k, "policy": mine[0].policy, "runs": len(mine),
+        "tokens": sum(r.num_tokens for r in mine), "time_s": total_time,
+        "tokens_per_s": sum(r.num_tokens for r in mine) / total_time if total_time else 0.0,
+        "speedup_total": plain_time / total_time if total_time else None,
+        "speedup_median": statistics.median(speedups) if speedups else None,
+        "speedup_min": speedups[0] if speedups else None,
+        "speedup_max": speedups[-1] if speedups else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_accepted_length": step_tokens / passes if passes else None,
+        "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(accepted_pos, drafted_pos)],
+        "mean_k": statistics.fmean(ks) if ks else None,
+        "identical": sum(r.identical_to_plain for r in mine),
+        # external anchors report only wall time, so the engine's overhead share is undefined for them
+        "overhead_share": (_sum(mine, "overhead_time_s") / decode_time if decode_time > 0 else 0.0)
+        if not mine[0].kind.startswith("hf") else None,
+        "draft_time_s": _sum(mine, "draft_time_s"), "target_time_s": _sum(mine, "target_time_s"),
+        "peak_rss_bytes": max(r.peak_rss_bytes for r in mine),
+        "peak_gpu_bytes": max((r.peak_gpu_bytes or 0 for r in mine), default=None) if mine[0].peak_gpu_bytes is not None else None,
+    }
 
 
 def summarize(
     runs: Sequence[PromptRun],
     target_costs: ForwardCosts | None = None,
     draft_cost_s: float | None = None,
+    *,
+    by_category: bool = False,
 ) -> list[dict]:
-    """Per method: tokens/s (total tokens / total time), median/min/max speed-up over plain, alpha, tau,
-    identical outputs, engine overhead share, and (with calibration) c, v_(K+1) and the predicted speed-up."""
+    """Per method (and per category when asked): tokens/s, speed-up over plain (total, median, min, max),
+    alpha, tau, acceptance by position, mean K, identical outputs, engine overhead share, peak memory; for
+    fixed-K draft-model rows with calibration: c, v_(K+1) and the Leviathan-predicted speed-up."""
+    groups: dict[tuple[str, str], list[PromptRun]] = {}
+    for run in runs:
+        groups.setdefault((run.category if by_category else "all", run.method), []).append(run)
     rows = []
-    for label in dict.fromkeys(run.method for run in runs):
-        mine = [r for r in runs if r.method == label]
-        speedups = [r.speedup for r in mine if r.speedup is not None]
-        drafted = sum(r.stats["num_draft_tokens"] for r in mine)
-        accepted = sum(r.stats["num_accepted_tokens"] for r in mine)
-        passes = sum(r.stats["num_target_passes"] for r in mine)
-        step_tokens = sum(r.stats["num_step_tokens"] for r in mine)
-        decode_time = sum(r.stats["total_time_s"] - r.stats["prefill_time_s"] for r in mine)
-        overhead = sum(r.stats["overhead_time_s"] for r in mine)
-        total_time = sum(r.time_s for r in mine)
-        row = {
-            "method": label, "k": mine[0].k, "prompts": len(mine),
-            "tokens": sum(r.num_tokens for r in mine), "time_s": total_time,
-            "tokens_per_s": sum(r.num_tokens for r in mine) / total_time if total_time else 0.0,
-            "speedup_median": statistics.median(speedups) if speedups else None,
-            "speedup_min": min(speedups) if speedups else None,
-            "speedup_max": max(speedups) if speedups else None,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_accepted_length": step_tokens / passes if passes else None,
-            "identical": sum(r.identical_to_plain for r in mine),
-            "overhead_share": overhead / decode_time if decode_time else 0.0,
-            "draft_time_s": sum(r.stats["draft_time_s"] for r in mine),
-            "target_time_s": sum(r.stats["target_time_s"] for r in mine),
-        }
-        plain_rows = [r for r in runs if r.method == runs[0].method]
-        plain_time = sum(r.time_s for r in plain_rows)
-        row["speedup_total"] = plain_time / total_time if total_time else None
+    for (category, label), mine in groups.items():
+        plain = groups.get((category, runs[0].method), [])
+        row = {"category": category, **_method_row(label, mine, sum(r.time_s for r in plain))}
         k = row["k"]
-        if k and target_costs and draft_cost_s is not None and row["acceptance_rate"] is not None \
-                and (k + 1) in target_costs.seconds:
+        if (row["kind"] == "draft" and row["policy"] == "fixed" and k and target_costs and draft_cost_s is not None
+                and row["acceptance_rate"] is not None and (k + 1) in target_costs.seconds):
             c = draft_cost_s / target_costs.seconds[1]
             v = target_costs.relative(k + 1)
-            row.update(cost_ratio=c, verify_cost=v,
-                       predicted_speedup=predicted_speedup(row["acceptance_rate"], k, c, v))
+            row.update(cost_ratio=c, verify_cost=v, predicted_speedup=predicted_speedup(row["acceptance_rate"], k, c, v))
         rows.append(row)
     return rows
 
@@ -236,11 +341,28 @@ def environment() -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def write_json(path: str | Path, config: dict, runs: Sequence[PromptRun], summary: list[dict], calibration: dict) -> Path:
-    """Write every raw measurement plus the summary to ``path`` (parents created)."""
+def write_json(path: str | Path, config: dict, runs: Sequence[PromptRun], summary: list[dict], calibration: dict,
+               *, complete: bool = True) -> Path:
+    """Write every raw measurement plus the summary to ``path`` atomically (parents created)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"config": config, "environment": environment(), "calibration": calibration,
+    payload = {"config": config, "environment": environment(), "complete": complete, "calibration": calibration,
                "summary": summary, "runs": [asdict(r) for r in runs]}
-    path.write_text(json.dumps(payload, indent=2))
+    staging = path.with_suffix(path.suffix + ".tmp")
+    staging.write_text(json.dumps(payload, indent=1))
+    os.replace(staging, path)
     return path
+
+
+def load_results(path: str | Path) -> tuple[dict, list[PromptRun], dict]:
+    """Read a benchmark JSON: (config, runs, calibration).
+
+    Raises:
+        FileNotFoundError, ValueError: missing or malformed file.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+        runs = [PromptRun(**row) for row in data["runs"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not a draftwise benchmark file: {exc}") from exc
+    return data.get("config", {}), runs, data.get("calibration", {})

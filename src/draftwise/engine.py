@@ -167,6 +167,7 @@ class SpeculativeEngine:
             chunk, consumed = self._commit(state, result.token_ids)
             num_accepted = min(result.num_accepted, consumed)
             stats.record_step(len(proposal), num_accepted, len(chunk))
+            stats.step_end_s.append(time.perf_counter() - state.start)
             controller.observe(len(proposal), num_accepted, draft_time, target_time)
             if chunk:
                 yield chunk

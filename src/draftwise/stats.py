@@ -30,6 +30,8 @@ class SpeculativeStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     k_history: list[int] = field(default_factory=list)  # K used at each decode step
+    step_end_s: list[float] = field(default_factory=list)  # seconds since request start at each step's end
+    step_tokens: list[int] = field(default_factory=list)  # tokens committed by each decode step
     prefill_time_s: float = 0.0
     target_time_s: float = 0.0  # decode-phase target forward time
     draft_time_s: float = 0.0  # proposer time
@@ -43,6 +45,7 @@ class SpeculativeStats:
         self.num_target_passes += 1
         self.num_step_tokens += num_committed
         self.k_history.append(num_drafted)
+        self.step_tokens.append(num_committed)
         if num_drafted == 0:
             return
         self.num_drafts += 1

@@ -1,4 +1,10 @@
-"""``draftwise bench``: plain vs speculative decoding on the same models and prompts, in one process."""
+"""``draftwise bench``: every method side by side on the same models and prompts, in one process.
+
+Methods: ``plain`` (always first, the baseline and exactness oracle), ``draft`` (draft model), ``ngram``
+(prompt lookup), each at fixed K for every ``--ks`` value and/or with the cost-model controller (``--k-policies
+auto``, K_max = max(ks)), plus the transformers anchors ``hf`` (assisted generation and prompt lookup) when
+asked. Writes JSON (after every prompt; ``--resume`` continues it), a Markdown report and PNG plots.
+"""
 
 from __future__ import annotations
 
@@ -16,36 +22,54 @@ from draftwise.benchmark import (
     PromptRun,
     default_prompts_path,
     load_prompts,
+    load_results,
     run_benchmark,
     summarize,
     write_json,
 )
 from draftwise.builder import DEMO_DRAFT, DEMO_TARGET, check_same_tokenizer
-from draftwise.calibration import measure_forward_costs
+from draftwise.calibration import ForwardCosts, measure_forward_costs
 from draftwise.commands.common import CliError, add_sampling_args, sampling_params_from_args
 from draftwise.engine import SpeculativeEngine
-from draftwise.models.loading import load_model
-from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.models.loading import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
+
+METHODS = ("plain", "draft", "ngram", "hf")
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="benchmark plain vs speculative decoding")
     parser.add_argument("--model", "--target", dest="model", default=DEMO_TARGET, help=f"target (default {DEMO_TARGET})")
     parser.add_argument("--speculative-model", "--draft", dest="draft", default=DEMO_DRAFT,
-                        help=f"draft model (default {DEMO_DRAFT})")
-    parser.add_argument("--ks", default="4", help="comma-separated K values to run (default 4)")
+                        help=f"draft model for the draft and hf methods (default {DEMO_DRAFT})")
+    parser.add_argument("--methods", default="plain,draft",
+                        help=f"comma-separated, from {','.join(METHODS)} (default plain,draft; plain is always run)")
+    parser.add_argument("--ks", default="4", help="comma-separated fixed K values (default 4)")
+    parser.add_argument("--k-policies", default="fixed", help="fixed, auto or fixed,auto (auto: K_max = max(ks))")
     parser.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench questions)")
     parser.add_argument("--category", default=None, help="comma-separated categories (default: all)")
     parser.add_argument("--limit", type=int, default=None, help="prompts per category")
+    parser.add_argument("--turns", choices=["first", "all"], default="first",
+                        help="first turn only, or all turns (later turns see the model's own answers)")
     parser.add_argument("--chat", choices=["auto", "off"], default="auto", help="apply the chat template")
-    parser.add_argument("--output", default=None, help="JSON output (default bench_results/bench-<time>.json)")
+    parser.add_argument("--output", default=None, help="JSON output (default bench_results/bench-<time>.json); "
+                        "the Markdown report and plots go next to it")
+    parser.add_argument("--resume", default=None, help="continue an interrupted run from its JSON file")
     parser.add_argument("--no-calibrate", action="store_true", help="skip the forward-cost calibration")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     add_sampling_args(parser, max_tokens=128)
     parser.set_defaults(func=run)
+
+
+def _csv(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [item for item in items if item not in allowed]
+    if unknown or not items:
+        raise CliError(f"{flag}: unknown {unknown or text!r}; choose from {', '.join(allowed)}")
+    return list(dict.fromkeys(items))
 
 
 def parse_ks(text: str) -> list[int]:
@@ -58,87 +82,153 @@ def parse_ks(text: str) -> list[int]:
     return ks
 
 
+def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[str], ks: list[int],
+                  policies: list[str], calibrated: dict) -> list[MethodSpec]:
+    """Plain first, then each requested method x policy x K, sharing the target backend."""
+    from draftwise.anchors import hf_runner
+    from draftwise.proposers.draft_model import DraftModelProposer
+    from draftwise.proposers.ngram import NgramProposer
+
+    eos = target.eos_token_ids
+    specs = [MethodSpec("plain", "plain", engine=SpeculativeEngine(target.backend, eos_token_ids=eos))]
+    proposers = {}
+    if "draft" in methods:
+        proposers["draft"] = DraftModelProposer(draft.backend, target.backend.vocab_size)
+    if "ngram" in methods:
+        proposers["ngram"] = NgramProposer()
+    for kind, proposer in proposers.items():
+        for policy in policies:
+            for k in (ks if policy == "fixed" else [max(ks)]):
+                label = f"{kind} K={k}" if policy == "fixed" else f"{kind} auto(K<={k})"
+                factory = _controller_factory(policy, k, kind, target, draft, proposer, calibrated)
+                engine = SpeculativeEngine(target.backend, proposer, k, eos_token_ids=eos, controller_factory=factory)
+                specs.append(MethodSpec(label, kind, k, policy, engine=engine))
+    if "hf" in methods:
+        for k in ks:
+            if draft is not None:
+                specs.append(MethodSpec(f"hf-assisted K={k}", "hf-assisted", k, runner=hf_runner(
+                    target.backend, eos, assistant=draft.backend, num_assistant_tokens=k)))
+            specs.append(MethodSpec(f"hf-lookup K={k}", "hf-lookup", k, runner=hf_runner(
+                target.backend, eos, prompt_lookup_tokens=k)))
+    return specs
+
+
+def _controller_factory(policy, k, kind, target, draft, proposer, calibrated):
+    from draftwise.calibration import calibrate_cost_model
+    from draftwise.controller import k_controller_factory
+
+    if policy == "fixed":
+        return k_controller_factory("fixed", k)
+    key = (kind, k)
+    if key not in calibrated:
+        calibrated[key] = calibrate_cost_model(target.backend, k, draft=draft.backend if kind == "draft" else None,
+                                               proposer=proposer if kind != "draft" else None)
+    return k_controller_factory("auto", k, calibrated[key])
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     params = sampling_params_from_args(args)
     ks = parse_ks(args.ks)
+    methods = _csv(args.methods, METHODS, "--methods")
+    policies = _csv(args.k_policies, ("fixed", "auto"), "--k-policies")
+    done: list[PromptRun] = []
+    output = Path(args.resume or args.output or f"bench_results/bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    if args.resume:
+        _, done, _ = load_results(args.resume)
+        console.print(f"resuming {args.resume}: {len({r.prompt_id for r in done})} prompts already measured")
     prompts_path = Path(args.prompts) if args.prompts else default_prompts_path()
     categories = [c.strip() for c in args.category.split(",")] if args.category else None
     prompts = load_prompts(prompts_path, categories, args.limit)
     if not prompts:
         raise CliError(f"no prompts selected from {prompts_path} (category={args.category})")
 
-    console.print(f"loading target {args.model} and draft {args.draft} ...")
+    needs_draft = bool({"draft", "hf"} & set(methods))
+    console.print(f"loading target {args.model}" + (f" and draft {args.draft}" if needs_draft else "") + " ...")
     target = load_model(args.model, device=args.device, dtype=args.dtype)
-    draft = load_model(args.draft, device=args.device, dtype=args.dtype, max_context=target.backend.max_context)
-    check_same_tokenizer(target, draft)
-    eos = target.eos_token_ids
-    methods = [MethodSpec("plain", SpeculativeEngine(target.backend, eos_token_ids=eos))]
-    proposer = DraftModelProposer(draft.backend, target.backend.vocab_size)
-    methods += [MethodSpec(f"draft K={k}", SpeculativeEngine(target.backend, proposer, k, eos_token_ids=eos), k)
-                for k in ks]
+    draft = None
+    if needs_draft:
+        draft = load_model(args.draft, device=args.device, dtype=args.dtype, max_context=target.backend.max_context)
+        check_same_tokenizer(target, draft)
+    calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
+    specs = build_methods(target, draft, methods, ks, policies, {})
+    config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
+              "ks": ks, "k_policies": policies, "prompts": str(prompts_path), "categories": categories,
+              "limit": args.limit, "turns": args.turns, "max_tokens": params.max_tokens, "greedy": params.greedy,
+              "temperature": params.temperature}
 
-    calibration: dict = {}
-    target_costs = draft_cost = None
-    if not args.no_calibrate:
-        console.print("calibrating forward costs (target k = 1..K+1, draft k = 1) ...")
-        target_costs = measure_forward_costs(target.backend, range(1, max(ks) + 2))
-        draft_cost = measure_forward_costs(draft.backend, [1]).seconds[1]
-        calibration = {"target": target_costs.to_dict(), "draft_1_token_s": draft_cost,
-                       "cost_ratio_c": draft_cost / target_costs.seconds[1]}
+    def save(runs: list[PromptRun], complete: bool = False) -> None:
+        write_json(output, config, runs, summarize(runs, target_costs, draft_cost), calibration, complete=complete)
 
-    runs = _run_with_progress(console, target, methods, prompts, params, args.chat == "auto")
+    runs = _run_with_progress(console, target, specs, prompts, params, args, done, save)
     summary = summarize(runs, target_costs, draft_cost)
-    _print_tables(console, runs, summary, calibration)
-    output = args.output or f"bench_results/bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    config = {"target": args.model, "draft": args.draft, "ks": ks, "prompts": str(prompts_path),
-              "categories": categories, "limit": args.limit, "params": vars(params) if hasattr(params, "__dict__") else {}}
-    path = write_json(output, config, runs, summary, calibration)
-    console.print(f"wrote {path}")
+    by_category = summarize(runs, target_costs, draft_cost, by_category=True)
+    save(runs, complete=True)
+    _print_tables(console, summary, by_category, calibration)
+    _write_reports(console, output, config, runs, summary, by_category, calibration, plots=not args.no_plots)
     mismatches = [r for r in runs if params.greedy and not r.identical_to_plain]
+    if mismatches:
+        console.print(f"[red]{len(mismatches)} run(s) differ from plain decoding[/red]")
     return 1 if mismatches else 0
 
 
-def _run_with_progress(console, target, methods, prompts, params, chat) -> list[PromptRun]:
-    total = len(prompts) * len(methods)
+def _calibrate(console, args, target, draft, ks) -> tuple[dict, ForwardCosts | None, float | None]:
+    if args.no_calibrate:
+        return {}, None, None
+    console.print("calibrating forward costs (target k = 1..K+1" + (", draft k = 1)" if draft else ")") + " ...")
+    target_costs = measure_forward_costs(target.backend, range(1, max(ks) + 2))
+    calibration = {"target": target_costs.to_dict()}
+    draft_cost = None
+    if draft is not None:
+        draft_cost = measure_forward_costs(draft.backend, [1]).seconds[1]
+        calibration.update(draft_1_token_s=draft_cost, cost_ratio_c=draft_cost / target_costs.seconds[1])
+    return calibration, target_costs, draft_cost
+
+
+def _run_with_progress(console, target, specs, prompts, params, args, done, save) -> list[PromptRun]:
+    turns = sum(len(p.turns) if args.turns == "all" else 1 for p in prompts)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=total)
+        task = progress.add_task("benchmarking", total=turns * len(specs))
 
         def on_run(run: PromptRun) -> None:
             progress.update(task, advance=1, description=f"prompt {run.prompt_id} {run.method}")
+            logger.info("prompt %s turn %d %s: %.2f tokens/s, speedup %s", run.prompt_id, run.turn, run.method,
+                        run.tokens_per_s, run.speedup)
 
-        return run_benchmark(target, methods, prompts, params, chat=chat, on_run=on_run)
+        return run_benchmark(target, specs, prompts, params, chat=args.chat == "auto", all_turns=args.turns == "all",
+                             done=done, on_run=on_run, on_prompt=save)
 
 
 def _fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _print_tables(console: Console, runs: list[PromptRun], summary: list[dict], calibration: dict) -> None:
-    per_prompt = Table(title="per prompt")
-    for column in ("prompt", "category", "method", "tokens", "tokens/s", "speedup", "alpha", "tau", "identical"):
-        per_prompt.add_column(column)
-    for run in runs:
-        per_prompt.add_row(run.prompt_id, run.category, run.method, str(run.num_tokens), _fmt(run.tokens_per_s),
-                           _fmt(run.speedup), _fmt(run.stats["acceptance_rate"] if run.k else None, ".3f"),
-                           _fmt(run.stats["mean_accepted_length"] if run.k else None),
-                           "yes" if run.identical_to_plain else f"NO (token {run.first_difference})")
-    console.print(per_prompt)
-    overall = Table(title="overall")
-    for column in ("method", "tokens/s", "speedup (total)", "speedup median [min, max]", "alpha", "tau",
-                   "identical", "predicted", "overhead"):
-        overall.add_column(column)
-    for row in summary:
-        spread = (f"{_fmt(row['speedup_median'])} [{_fmt(row['speedup_min'])}, {_fmt(row['speedup_max'])}]"
-                  if row["k"] else "-")
-        overall.add_row(row["method"], _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]), spread,
-                        _fmt(row["acceptance_rate"], ".3f"), _fmt(row["mean_accepted_length"]),
-                        f"{row['identical']}/{row['prompts']}", _fmt(row.get("predicted_speedup")),
-                        f"{row['overhead_share']:.1%}")
-    console.print(overall)
+def _print_tables(console: Console, summary: list[dict], by_category: list[dict], calibration: dict) -> None:
+    table = Table(title="speculative decoding vs plain (same prompts, same process)")
+    for column in ("category", "method", "tok/s", "speedup", "median [min, max]", "alpha", "tau", "K",
+                   "identical", "predicted"):
+        table.add_column(column)
+    for row in summary + (by_category if len({r["category"] for r in by_category}) > 1 else []):
+        spread = f"{_fmt(row['speedup_median'])} [{_fmt(row['speedup_min'])}, {_fmt(row['speedup_max'])}]"
+        table.add_row(row["category"], row["method"], _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]), spread,
+                      _fmt(row["acceptance_rate"], ".3f"), _fmt(row["mean_accepted_length"]), _fmt(row["mean_k"], ".1f"),
+                      f"{row['identical']}/{row['runs']}", _fmt(row.get("predicted_speedup")))
+    console.print(table)
     if calibration:
         rel = calibration["target"]["relative"]
         curve = ", ".join(f"v{k}={float(v):.2f}" for k, v in rel.items())
-        console.print(f"calibration: target 1 token {calibration['target']['seconds']['1']*1000:.0f} ms; "
-                      f"draft 1 token {calibration['draft_1_token_s']*1000:.0f} ms; c={calibration['cost_ratio_c']:.2f}; {curve}")
+        draft_part = (f"draft 1 token {calibration['draft_1_token_s'] * 1000:.0f} ms; c={calibration['cost_ratio_c']:.2f}; "
+                      if "draft_1_token_s" in calibration else "")
+        console.print(f"calibration: target 1 token {calibration['target']['seconds']['1'] * 1000:.0f} ms; "
+                      f"{draft_part}{curve}")
+
+
+def _write_reports(console, output: Path, config, runs, summary, by_category, calibration, *, plots: bool) -> None:
+    from draftwise.report import write_markdown, write_plots
+
+    markdown = write_markdown(output.with_suffix(".md"), config, summary, by_category, calibration, runs)
+    console.print(f"wrote {output} and {markdown}")
+    if plots:
+        for path in write_plots(output.parent / (output.stem + "-plots"), runs, by_category, summary):
+            console.print(f"wrote {path}")
