@@ -111,6 +111,15 @@ def test_usage_errors_are_one_line(capsys, tmp_path, flags, message):
     assert message in capsys.readouterr().err
 
 
+def test_prompts_are_read_only_for_a_pair_that_passes(capsys, tmp_path):
+    missing = tmp_path / "no-prompts.jsonl"
+    target, draft = tiny_pair_dirs(tmp_path, draft_tokenizer=word_tokenizer(renamed={7: "seven"}))
+    code, report = run_json(capsys, target, draft, "--prompts", missing)
+    assert code == 1 and report["verdict"]["status"] == "incompatible"
+    assert main(["check", str(target), str(target), "--prompts", str(missing)]) == 2
+    assert "no-prompts.jsonl" in capsys.readouterr().err
+
+
 def test_unknown_model_is_a_usage_error(capsys, tmp_path):
     assert main(["check", str(tmp_path / "missing.gguf"), str(tmp_path / "missing.gguf"), "--no-measure"]) == 2
     assert "not found" in capsys.readouterr().err

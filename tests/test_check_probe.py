@@ -24,12 +24,12 @@ from test_check_support import padded_copy, word_tokenizer
 
 from conftest import tiny_llama
 
-PROMPTS = [BenchPrompt("1", "coding", "Once upon a time there was a dog."),
-           BenchPrompt("2", "writing", "The little girl saw a big tree.")]
+PROMPTS = [BenchPrompt("1", "coding", ("Once upon a time there was a dog.",)),
+           BenchPrompt("2", "writing", ("The little girl saw a big tree.",))]
 
 
 def test_select_probe_prompts_round_robin_preferred_first():
-    prompts = [BenchPrompt(str(i), cat, "x") for i, cat in enumerate(["rag", "rag", "qa", "coding", "coding"])]
+    prompts = [BenchPrompt(str(i), cat, ("x",)) for i, cat in enumerate(["rag", "rag", "qa", "coding", "coding"])]
     assert [p.id for p in select_probe_prompts(prompts, 4)] == ["3", "2", "0", "4"]
     assert [p.id for p in select_probe_prompts(prompts, 10)] == ["3", "2", "0", "4", "1"]
     with pytest.raises(ValueError):
@@ -50,7 +50,7 @@ def _tiny(seed: int, name: str, layers: int = 2) -> LoadedModel:
                        eos_token_ids=(1,))
 
 
-WORD_PROMPTS = [BenchPrompt("a", "coding", "w5 w9 w17 w33"), BenchPrompt("b", "writing", "w40 w41 w7")]
+WORD_PROMPTS = [BenchPrompt("a", "coding", ("w5 w9 w17 w33",)), BenchPrompt("b", "writing", ("w40 w41 w7",))]
 
 
 def test_probe_with_an_identical_draft_accepts_everything():
@@ -82,7 +82,7 @@ def test_probe_with_a_derived_draft_counts_consistently(stories, stories_draft):
 
 
 def test_probe_skips_prompts_longer_than_the_context():
-    long_prompt = BenchPrompt("long", "qa", "w3 " * 300)  # the tiny models hold 256 tokens
+    long_prompt = BenchPrompt("long", "qa", ("w3 " * 300,))  # the tiny models hold 256 tokens
     probe = run_acceptance_probe(_tiny(0, "t"), _tiny(0, "d"), [long_prompt, WORD_PROMPTS[0]], k=2, max_tokens=4,
                                  chat=False)
     assert probe.skipped == ["long"] and len(probe.prompts) == 1

@@ -89,12 +89,13 @@ def describe_model(spec: str) -> ModelDescription:
         ModelLoadError: a registry model that is not pulled, a missing file, or unreadable config/tokenizer.
     """
     source = resolve_model(spec)
+    local = Path(source)
     try:
         if source.endswith(".gguf"):
-            return describe_gguf(Path(source), name=spec)
-        if Path(source).suffix and not Path(source).is_dir():
-            raise ModelLoadError(f"model not found: {source}")
-        return describe_hf(source, name=spec)
+            return describe_gguf(local, name=spec)
+        if not local.is_dir() and (local.exists() or local.is_absolute() or source.startswith(".")):
+            raise ModelLoadError(f"model not found: {source} (expected a .gguf file, a model directory or a hub id)")
+        return describe_hf(source, name=spec)  # a directory, or a hub id such as Qwen/Qwen2.5-0.5B
     except ModelLoadError:
         raise
     except (OSError, ValueError, KeyError) as exc:

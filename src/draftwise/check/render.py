@@ -114,7 +114,7 @@ def render_report(report: CheckReport, console: Console) -> None:
     _print_tokenizer(console, report)
     if report.memory is not None:
         console.print(_memory_table(report))
-        console.print(f"memory: {escape(report.memory.summary())}")
+        console.print(f"memory: {escape(report.memory.summary())}", highlight=False, soft_wrap=True)
     _print_measurements(console, report)
     verdict = report.verdict
     style = _VERDICT_STYLES.get(verdict.status, "bold red")

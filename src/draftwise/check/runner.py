@@ -16,6 +16,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+import torch
+
 from draftwise.backends.torch_backend import default_device
 from draftwise.benchmark import BenchPrompt
 from draftwise.check.describe import ModelDescription, describe_model
@@ -26,7 +28,7 @@ from draftwise.check.tokenizer import compare_tokenizers
 from draftwise.check.verdict import speculation_verdict, static_verdict
 from draftwise.models.loading import LoadedModel, load_model, parse_dtype
 
-__all__ = ["CheckSettings", "check_pair", "measure_pair", "static_check"]
+__all__ = ["CheckSettings", "check_models", "check_pair", "load_and_measure", "measure_pair", "static_check"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +78,8 @@ class CheckSettings:
             raise ValueError(f"memory_budget must be >= 0 bytes, got {self.memory_budget}")
 
 
-def _resolved_settings(settings: CheckSettings, target: ModelDescription) -> dict:
+def _resolved_settings(settings: CheckSettings, target: ModelDescription, device: str, dtype: torch.dtype) -> dict:
     """The settings with defaults filled in: device, dtype (and its bytes per element), context length."""
-    device = settings.device or default_device()
-    dtype = parse_dtype(settings.dtype, device)
     return {**asdict(settings), "device": device, "dtype": str(dtype).removeprefix("torch."),
             "bytes_per_param": dtype_bytes(dtype),
             "context_len": settings.max_model_len or target.context_length or FALLBACK_CONTEXT}
@@ -92,7 +92,9 @@ def static_check(target: ModelDescription, draft: ModelDescription, settings: Ch
     Raises:
         ValueError: a CUDA device without CUDA (when the budget has to be read from the device).
     """
-    resolved = _resolved_settings(settings, target)
+    device = settings.device or default_device()
+    dtype = parse_dtype(settings.dtype, device)
+    resolved = _resolved_settings(settings, target, device, dtype)
     tokenizer = compare_tokenizers(target.tokenizer, draft.tokenizer, target_vocab_width=target.vocab_width,
                                    draft_vocab_width=draft.vocab_width, target_name=target.name,
                                    draft_name=draft.name)
@@ -103,10 +105,9 @@ def static_check(target: ModelDescription, draft: ModelDescription, settings: Ch
         return report
     budget, source = settings.memory_budget, "--memory-budget"
     if budget is None:
-        budget, source = available_memory(resolved["device"]) or (None, "")
-    report.memory = estimate_memory(target, draft, dtype=parse_dtype(resolved["dtype"], resolved["device"]),
-                                    context_len=resolved["context_len"], num_seqs=settings.max_num_seqs,
-                                    budget=budget, budget_source=source)
+        budget, source = available_memory(device) or (None, "")
+    report.memory = estimate_memory(target, draft, dtype=dtype, context_len=resolved["context_len"],
+                                    num_seqs=settings.max_num_seqs, budget=budget, budget_source=source)
     report.settings["memory_budget"] = budget
     if report.memory.fits is False:
         report.verdict = static_verdict("does_not_fit", report.memory.summary())
@@ -127,6 +128,41 @@ def measure_pair(
     return report
 
 
+def check_models(
+    target: str, draft: str, settings: CheckSettings, on_stage: Callable[[str], None] | None = None
+) -> CheckReport:
+    """The static half: describe both models (no weights) and run :func:`static_check`.
+
+    Raises:
+        ModelLoadError: a model that is missing, not pulled or unreadable.
+        ValueError: a CUDA device without CUDA (when the budget has to be read from the device).
+    """
+    _stage(on_stage, f"reading {target} and {draft} (no weights yet)")
+    return static_check(describe_model(target), describe_model(draft), settings)
+
+
+def load_and_measure(
+    report: CheckReport,
+    prompts: Sequence[BenchPrompt],
+    settings: CheckSettings,
+    on_stage: Callable[[str], None] | None = None,
+) -> CheckReport:
+    """The measured half: load both models as the report's settings say, then :func:`measure_pair`.
+
+    Raises:
+        ModelLoadError: a model that cannot be loaded. ValueError: no prompts.
+    """
+    if not prompts:
+        raise ValueError("measuring needs at least one probe prompt")
+    target, draft = report.target.name, report.draft.name
+    device, dtype = report.settings["device"], report.settings["dtype"]
+    _stage(on_stage, f"loading {target} and {draft} ({dtype} on {device})")
+    target_model = load_model(target, device=device, dtype=dtype, max_context=report.settings["context_len"])
+    draft_model = load_model(draft, device=device, dtype=dtype, max_context=target_model.backend.max_context)
+    _stage(on_stage, f"timing forward passes and probing acceptance on {len(prompts)} prompts")
+    return measure_pair(report, target_model, draft_model, prompts, settings)
+
+
 def check_pair(
     target: str,
     draft: str,
@@ -134,9 +170,9 @@ def check_pair(
     prompts: Sequence[BenchPrompt] = (),
     on_stage: Callable[[str], None] | None = None,
 ) -> CheckReport:
-    """Check a target + draft pair (names as :func:`draftwise.models.loading.load_model` takes them).
-
-    Weights are loaded only when the static checks pass and ``settings.measure`` is set.
+    """Check a target + draft pair (names as :func:`draftwise.models.loading.load_model` takes them):
+    :func:`check_models`, then, when those checks pass and ``settings.measure`` is set,
+    :func:`load_and_measure`.
 
     Args:
         prompts: the probe prompts (see :func:`draftwise.check.probe.select_probe_prompts`); required
@@ -147,16 +183,14 @@ def check_pair(
         ModelLoadError: a model that is missing, not pulled or unreadable.
         ValueError: measuring without prompts; a CUDA device without CUDA.
     """
-    stage = on_stage or (lambda text: logger.info("%s", text))
-    if settings.measure and not prompts:
-        raise ValueError("measuring needs at least one probe prompt")
-    stage(f"reading {target} and {draft} (no weights yet)")
-    report = static_check(describe_model(target), describe_model(draft), settings)
-    if not report.ok or not settings.measure:
-        return report
-    device, dtype = report.settings["device"], report.settings["dtype"]
-    stage(f"loading {target} and {draft} ({dtype} on {device})")
-    target_model = load_model(target, device=device, dtype=dtype, max_context=report.settings["context_len"])
-    draft_model = load_model(draft, device=device, dtype=dtype, max_context=target_model.backend.max_context)
-    stage(f"timing forward passes and probing acceptance on {len(prompts)} prompts")
-    return measure_pair(report, target_model, draft_model, prompts, settings)
+    report = check_models(target, draft, settings, on_stage)
+    if report.ok and settings.measure:
+        load_and_measure(report, prompts, settings, on_stage)
+    return report
+
+
+def _stage(on_stage: Callable[[str], None] | None, text: str) -> None:
+    if on_stage is None:
+        logger.info("%s", text)
+    else:
+        on_stage(text)

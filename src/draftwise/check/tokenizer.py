@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from draftwise.check.gguf_header import GGUFHeader
 
@@ -108,7 +108,7 @@ class TokenizerReport:
 
     def to_dict(self) -> dict:
         """JSON-ready copy."""
-        return dict(self.__dict__)
+        return asdict(self)
 
 
 def _strip_placeholders(tokens: Sequence[str | None], token_types: Sequence[int] | None = None) -> tuple:

@@ -17,7 +17,7 @@ from draftwise.benchmark import BenchPrompt, default_prompts_path, load_prompts
 from draftwise.check.memory import parse_bytes
 from draftwise.check.probe import select_probe_prompts
 from draftwise.check.render import render_report
-from draftwise.check.runner import CheckSettings, check_pair
+from draftwise.check.runner import CheckSettings, check_models, load_and_measure
 from draftwise.commands.common import CliError
 
 _DESCRIPTION = (
@@ -85,10 +85,14 @@ def probe_prompts(path: str | None, count: int) -> list[BenchPrompt]:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    prompts = probe_prompts(args.prompts, settings.num_prompts) if settings.measure else []
     progress = Console(stderr=True)
-    report = check_pair(args.target, args.draft, settings, prompts,
-                        on_stage=lambda text: progress.print(f"[dim]{escape(text)} ...[/]", highlight=False))
+
+    def on_stage(text: str) -> None:
+        progress.print(f"[dim]{escape(text)} ...[/]", highlight=False)
+
+    report = check_models(args.target, args.draft, settings, on_stage)
+    if report.ok and settings.measure:  # prompts are read before the (slow) loading
+        load_and_measure(report, probe_prompts(args.prompts, settings.num_prompts), settings, on_stage)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
