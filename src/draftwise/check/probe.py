@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from draftwise.benchmark import BenchPrompt
+from draftwise.benchmark import BenchPrompt, encode_turn
 from draftwise.calibration import ForwardCosts, measure_forward_costs, predicted_speedup
 from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
@@ -132,11 +132,6 @@ class ProbeResult:
                 "prompts": [{**asdict(p), "acceptance_rate": p.acceptance_rate} for p in self.prompts]}
 
 
-def _encode(model: LoadedModel, text: str, chat: bool) -> list[int]:
-    return model.encode_chat([{"role": "user", "content": text}]) if chat and model.has_chat_template \
-        else model.encode(text)
-
-
 def run_acceptance_probe(
     target: LoadedModel,
     draft: LoadedModel,
@@ -163,7 +158,7 @@ def run_acceptance_probe(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     result = ProbeResult(k=k, max_tokens=max_tokens)
     for prompt in prompts:
-        ids = _encode(target, prompt.text, chat)
+        ids = encode_turn(target, prompt, 0, (), chat)  # the first turn, with the chat template when asked
         if len(ids) + max_tokens > target.backend.max_context:
             logger.warning("probe prompt %s (%d tokens) does not fit the context; skipped", prompt.id, len(ids))
             result.skipped.append(prompt.id)
@@ -253,15 +248,15 @@ class SpeedupPrediction:
     speedup: float
 
 
-def _tokens_per_step(alpha: float, k: int) -> float:
-    return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
 def predict_speedups(alpha: float, costs: CostMeasurement, max_k: int) -> list[SpeedupPrediction]:
     """Predicted speed-up for K = 1..max_k (only the K whose verify pass was timed), with
     :meth:`CostMeasurement.verify_cost` as v_(K+1)."""
-    c = costs.cost_ratio
-    return [SpeedupPrediction(k=k, cost_ratio=c, verify_cost=costs.verify_cost(k + 1),
-                              tokens_per_step=_tokens_per_step(alpha, k),
-                              speedup=predicted_speedup(alpha, k, c, costs.verify_cost(k + 1)))
-            for k in range(1, max_k + 1) if (k + 1) in costs.target.seconds]
+    predictions = []
+    for k in range(1, max_k + 1):
+        if (k + 1) not in costs.target.seconds:
+            continue
+        c, v = costs.cost_ratio, costs.verify_cost(k + 1)
+        speedup = predicted_speedup(alpha, k, c, v)
+        predictions.append(SpeedupPrediction(k=k, cost_ratio=c, verify_cost=v, tokens_per_step=speedup * (k * c + v),
+                                             speedup=speedup))
+    return predictions
