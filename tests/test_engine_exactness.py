@@ -150,3 +150,17 @@ def test_prompt_errors():
         engine.generate([3, 99], SamplingParams())
     with pytest.raises(ContextOverflowError, match="context length"):
         engine.generate(list(range(8)), SamplingParams())
+
+
+def test_target_token_outside_a_narrower_draft_vocabulary_stays_exact():
+    """Padded vocabularies: the target (width 12) emits id 11, which the draft (width 10) cannot embed."""
+    vocab_t, vocab_d = 12, 10
+    table = torch.zeros(vocab_t, vocab_t)
+    for a, b in [(1, 3), (3, 11), (11, 4), (4, 5), (5, 1)]:
+        table[a, b] = 10.0
+    target, draft = BigramLM(table), BigramLM(table[:vocab_d, :vocab_d].clone())
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    oracle = plain(target, [1], params)
+    assert 11 in oracle.token_ids
+    result = speculative(target, draft, [1], params, 3)
+    assert result.token_ids == oracle.token_ids

@@ -110,7 +110,7 @@ def default_prompts_path() -> Path:
     if os.environ.get("DRAFTWISE_PROMPTS"):
         candidates.append(Path(os.environ["DRAFTWISE_PROMPTS"]))
     relative = Path("shared/data/spec_bench/question.jsonl")
-    for base in (Path.cwd(), Path.cwd().parent, Path(__file__).resolve().parents[3].parent):
+    for base in (Path.cwd(), Path.cwd().parent, Path(__file__).resolve().parents[3]):  # repo's parent
         candidates.append(base / relative)
     for candidate in candidates:
         if candidate.is_file():

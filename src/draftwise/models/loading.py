@@ -21,6 +21,7 @@ from draftwise.backends.base import CausalLM
 from draftwise.backends.torch_backend import TorchCausalLM, default_attention, default_device, default_dtype
 from draftwise.models.gguf_tokenizer import gguf_metadata, tokenizer_from_gguf_vocab
 from draftwise.models.pull import MODEL_REGISTRY, draftwise_home, is_pulled, model_path
+from draftwise.quantization import parse_quantization, quantize_model
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_model"]
 
@@ -112,6 +113,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     max_context: int | None = None,
     attn_implementation: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer for the PyTorch backend.
 
@@ -122,10 +124,15 @@ def load_model(
         dtype: ``"fp32"``, ``"bf16"``, ``"fp16"``; default: fp32 on CPU, bf16 on GPU.
         max_context: context length in tokens (default: the model config's).
         attn_implementation: transformers attention kernel (default: see ``default_attention``).
+        quantization: ``"none"`` (default) or ``"int8"``: batch-invariant int8 linear layers and row-wise
+            attention on the CPU (see :mod:`draftwise.quantization`), applied after loading; the backend's
+            name then ends in ``+int8`` (so calibration caches keep the two apart).
 
     Raises:
         ModelLoadError: missing file, unreadable model, or a registry model that is not pulled.
+        ValueError: an unknown quantization mode, or int8 off the CPU / without fbgemm kernels.
     """
+    quantization = parse_quantization(quantization)
     device = device or default_device()
     torch_dtype = parse_dtype(dtype, device)
     attention = attn_implementation or default_attention(device)
@@ -136,7 +143,7 @@ def load_model(
             model, tokenizer = _load_hf_dir(model_dir, torch_dtype, attention)
         elif Path(path).is_dir():
             model, tokenizer = _load_hf_dir(Path(path), torch_dtype, attention)
-        elif Path(path).suffix or os.sep in path and not Path(path).exists():
+        elif _looks_local(path):
             raise ModelLoadError(f"model not found: {path}")
         else:
             model, tokenizer = _load_hf_dir(path, torch_dtype, attention)  # hub id
@@ -145,8 +152,16 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model {spec!r}: {exc}") from exc
     model.to(device)
-    backend = TorchCausalLM(model, name=spec, max_context=max_context)
+    quantize_model(model, quantization)
+    name = spec if quantization == "none" else f"{spec}+{quantization}"
+    backend = TorchCausalLM(model, name=name, max_context=max_context)
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=_eos_ids(model, tokenizer))
+
+
+def _looks_local(spec: str) -> bool:
+    """A path the user meant as a local file (absolute, relative or home-based); hub ids look like
+    ``org/name`` and may contain dots (``Qwen/Qwen2.5-0.5B``)."""
+    return spec.startswith(("/", "./", "../", "~")) or spec.endswith((".gguf", ".safetensors", ".bin"))
 
 
 def _load_hf_dir(source: Path | str, torch_dtype: torch.dtype, attention: str):

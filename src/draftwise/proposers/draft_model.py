@@ -82,7 +82,10 @@ class DraftModelProposer(Proposer):
         return self._feed(context_ids[common:])
 
     def _feed(self, token_ids: Sequence[int]) -> torch.Tensor:
-        out = self.draft.forward(token_ids, num_logits=1)
+        # An id only the target's (padded) vocabulary has cannot be embedded by the draft: feed id 0 in its
+        # place. Draft quality drops at that point; verification keeps the output exact.
+        readable = [t if t < self.draft.vocab_size else 0 for t in token_ids]
+        out = self.draft.forward(readable, num_logits=1)
         self._cached.extend(token_ids)
         return self._fit_vocab(out.logits[-1])
 
