@@ -9,6 +9,10 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The test models are tiny: one intra-op thread is faster than two and does not collapse when the CPU is
+# shared with other work (two OpenMP threads on a busy 2-core machine ran 10-50x slower).
+torch.set_num_threads(1)
 STORIES = Path(os.environ.get("DRAFTWISE_SHARED", REPO.parent / "shared")) / "models/stories260K/stories260K.gguf"
 
 
