@@ -62,9 +62,16 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def build_proposer(
-    config: SpeculativeConfig, target: LoadedModel, *, device: str | None, dtype: str | None
+    config: SpeculativeConfig,
+    target: LoadedModel,
+    *,
+    device: str | None,
+    dtype: str | None,
+    quantization: str | None = None,
 ) -> tuple[Proposer, LoadedModel | None]:
     """Create the proposer a speculative config names; returns it and its draft model (if any).
+
+    ``quantization`` applies to a draft model as to the target (see :func:`load_model`).
 
     Raises:
         ModelLoadError, TokenizerMismatchError, ValueError: bad draft model or method.
@@ -73,7 +80,8 @@ def build_proposer(
         from draftwise.proposers.draft_model import DraftModelProposer
 
         assert config.model is not None
-        draft = load_model(config.model, device=device, dtype=dtype, max_context=target.backend.max_context)
+        draft = load_model(config.model, device=device, dtype=dtype, max_context=target.backend.max_context,
+                           quantization=quantization)
         check_same_tokenizer(target, draft)
         return DraftModelProposer(draft.backend, target.backend.vocab_size), draft
     if config.method == "ngram":
@@ -90,6 +98,7 @@ def build_engine(
     device: str | None = None,
     dtype: str | None = None,
     max_context: int | None = None,
+    quantization: str | None = None,
 ) -> EngineBundle:
     """Load the target (and draft) and build the engine. Without a speculative config: plain decoding.
 
@@ -99,12 +108,16 @@ def build_engine(
             once per model and machine; see :func:`draftwise.calibration.calibrate_cost_model`).
         device, dtype: see :func:`draftwise.models.loading.load_model`.
         max_context: context length in tokens (default: the target config's).
+        quantization: ``"none"`` or ``"int8"`` for the target and a draft model (see
+            :mod:`draftwise.quantization`).
     """
-    target_model = load_model(target, device=device, dtype=dtype, max_context=max_context)
+    target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
+                              quantization=quantization)
     if speculative_config is None:
         engine = SpeculativeEngine(target_model.backend, eos_token_ids=target_model.eos_token_ids)
         return EngineBundle(target=target_model, engine=engine)
-    proposer, draft = build_proposer(speculative_config, target_model, device=device, dtype=dtype)
+    proposer, draft = build_proposer(speculative_config, target_model, device=device, dtype=dtype,
+                                     quantization=quantization)
     from draftwise.calibration import calibrate_cost_model
     from draftwise.controller import k_controller_factory
 

@@ -9,7 +9,7 @@ from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
 from draftwise.config import SamplingParams, SpeculativeConfig
 
 __all__ = ["add_model_args", "add_sampling_args", "speculative_config_from_args", "sampling_params_from_args",
-           "CliError"]
+           "CliError", "add_quantization_arg"]
 
 
 class CliError(Exception):
@@ -30,6 +30,16 @@ def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = Fals
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on GPU)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
+
+
+def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
+    """--quantization {none,int8}: pass ``args.quantization`` to ``load_model`` / ``build_engine`` (it applies to
+    the target and a draft model alike)."""
+    from draftwise.quantization import QUANTIZATION_MODES
+
+    parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default="none",
+                        help="int8: batch-invariant int8 linear layers on the CPU, so a k-token verify pass gives "
+                        "the same logits as one-token decoding and costs about one token (default: none)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 128) -> None:

@@ -1,0 +1,158 @@
+"""Int8 linear layers and row-wise attention: accuracy, row independence, model surgery, loading."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_llama
+from draftwise.attention import ROWWISE_ATTENTION, register_rowwise_attention, use_rowwise_attention
+from draftwise.quantization import (
+    Int8Linear,
+    QuantizationError,
+    int8_kernels_available,
+    parse_quantization,
+    quantize_model,
+    quantize_weight_rows,
+)
+
+pytestmark = pytest.mark.skipif(not int8_kernels_available(), reason="torch build without fbgemm int8 kernels")
+
+
+def tiny_qwen2(seed: int = 0, sliding_window: int | None = None):
+    """A tiny random Qwen2 (q/k/v biases, grouped-query attention, tied embeddings), fp32 eager."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from draftwise.backends.torch_backend import TorchCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=True,
+        use_sliding_window=sliding_window is not None, sliding_window=sliding_window, max_window_layers=0,
+        attn_implementation="eager", bos_token_id=0, eos_token_id=1, pad_token_id=0,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # random biases (the initializer zeroes them), so the bias path is exercised
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.3)
+    return TorchCausalLM(model, name=f"tiny-qwen2-{seed}")
+
+
+# ------------------------------------------------------------------------------------------- Int8Linear
+@pytest.mark.parametrize("shape", [(64, 48), (37, 100), (300, 129)])
+def test_int8_linear_is_close_to_float(shape):
+    torch.manual_seed(0)
+    linear = nn.Linear(shape[1], shape[0])
+    x = torch.randn(5, 3, shape[1])
+    quantized = Int8Linear.from_linear(linear)
+    y, ref = quantized(x), linear(x)
+    assert y.shape == ref.shape == (5, 3, shape[0]) and y.dtype == torch.float32
+    # 8-bit weights and 7-bit activations: error about 1% of the output scale
+    assert (y - ref).norm() / ref.norm() < 0.02
+
+
+def test_int8_linear_rows_are_independent_bit_for_bit():
+    torch.manual_seed(1)
+    for out_features, in_features in [(48, 48), (200, 64), (33, 1000)]:
+        quantized = Int8Linear(torch.randn(out_features, in_features), torch.randn(out_features))
+        x = torch.randn(17, in_features) * torch.logspace(-3, 3, 17)[:, None]  # very different row scales
+        alone = torch.cat([quantized(x[i:i + 1]) for i in range(17)])
+        for m in range(1, 18):
+            assert torch.equal(quantized(x[:m]), alone[:m]), (out_features, in_features, m)
+
+
+def test_int8_linear_zero_rows_bias_and_dtype():
+    quantized = Int8Linear(torch.randn(8, 16), torch.arange(8.0))
+    assert torch.equal(quantized(torch.zeros(2, 16)), torch.arange(8.0).expand(2, 8))
+    y = quantized(torch.randn(3, 16, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 8)
+    assert quantized.weight.shape == (8, 16) and quantized.weight.device.type == "meta"
+
+
+def test_weight_rows_quantization():
+    weight = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [2.0, 1.0, -0.5]])
+    q, scales = quantize_weight_rows(weight)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    assert scales[1] == 1.0 and torch.equal(q[1], torch.zeros(3, dtype=torch.int8))
+    torch.testing.assert_close(q.double() * scales[:, None], weight.double(), atol=2.0 / 127, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------- model surgery
+def test_quantize_model_replaces_every_linear_and_keeps_the_embedding():
+    backend = tiny_qwen2()
+    model = backend.model
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    quantize_model(model, "int8")
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(model.lm_head, Int8Linear)
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    assert model.config._attn_implementation == ROWWISE_ATTENTION
+    assert model.get_output_embeddings().weight.shape == (128, 64)
+
+
+def test_quantized_model_survives_deepcopy():
+    backend = tiny_llama(seed=4)
+    quantize_model(backend.model, "int8")
+    clone = copy.deepcopy(backend.model)
+    ids = torch.tensor([[1, 5, 9, 13]])
+    assert torch.equal(backend.model(input_ids=ids).logits, clone(input_ids=ids).logits)
+
+
+def test_quantization_mode_errors():
+    assert parse_quantization(None) == "none" and parse_quantization("INT8") == "int8"
+    with pytest.raises(ValueError, match="unknown quantization"):
+        parse_quantization("int4")
+    backend = tiny_llama(seed=4)
+    assert quantize_model(backend.model, "none") is backend.model
+    assert isinstance(backend.model.model.layers[0].mlp.up_proj, nn.Linear)
+    with pytest.raises(QuantizationError, match="CPU only"):
+        quantize_model(copy.deepcopy(backend.model).to("meta"), "int8")
+
+
+# ------------------------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_rowwise_attention_matches_eager(sliding_window):
+    """Same maths as transformers' eager attention (GQA, biases, cache, sliding window), up to rounding."""
+    eager = tiny_qwen2(seed=2, sliding_window=sliding_window)
+    rowwise = tiny_qwen2(seed=2, sliding_window=sliding_window)
+    use_rowwise_attention(rowwise.model)
+    tokens = [(3 + 7 * i) % 128 for i in range(20)]
+    for backend in (eager, rowwise):
+        backend.reset()
+    ref = torch.cat([eager.forward(tokens[:12]).logits, eager.forward(tokens[12:]).logits])
+    out = torch.cat([rowwise.forward(tokens[:12]).logits, rowwise.forward(tokens[12:]).logits])
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_rowwise_attention_registration_is_idempotent_and_rejects_padding():
+    assert register_rowwise_attention() == register_rowwise_attention() == ROWWISE_ATTENTION
+    backend = tiny_llama(seed=6)
+    use_rowwise_attention(backend.model)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    backend.model(input_ids=ids, attention_mask=torch.ones_like(ids))  # unpadded batch: fine
+    with pytest.raises(NotImplementedError, match="unpadded"):
+        backend.model(input_ids=ids, attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
+
+
+# ------------------------------------------------------------------------------------------- loading
+def test_load_model_int8_on_stories(draftwise_home, stories_path, stories):
+    from draftwise.models.loading import load_model
+
+    loaded = load_model(str(stories_path), device="cpu", quantization="int8")
+    assert loaded.backend.name.endswith("+int8") and loaded.name == str(stories_path)
+    assert isinstance(loaded.backend.model.lm_head, Int8Linear)
+    tokens = stories.encode("Once upon a time, there was a little girl named Lily. She loved to play")
+    stories.backend.reset()
+    loaded.backend.reset()
+    ref = stories.backend.forward(tokens).logits
+    out = loaded.backend.forward(tokens).logits
+    agreement = (ref.argmax(-1) == out.argmax(-1)).float().mean().item()
+    assert agreement >= 0.85, agreement  # int8 changes the model slightly; see docs/cpu_int8.md
+    with pytest.raises(ValueError, match="unknown quantization"):
+        load_model(str(stories_path), device="cpu", quantization="fp4")
