@@ -13,6 +13,7 @@ from draftwise.calibration import (
     cached_forward_costs,
     calibrate_cost_model,
     calibration_dir,
+    monotone_fit,
 )
 from draftwise.proposers.ngram import NgramProposer
 from fakes import BigramLM, peaked_table
@@ -22,6 +23,21 @@ from fakes import BigramLM, peaked_table
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTWISE_HOME", str(tmp_path))
     return tmp_path
+
+
+@pytest.fixture
+def timer(monkeypatch):
+    """Replace the stopwatch with scripted timings (0.1 s * (1 + 0.2 (k - 1)), k = 3 dips as noise) and record
+    which backends were timed for which ks."""
+    calls = []
+
+    def fake(backend, ks, *, context_len, repeats, warmup):
+        ks = sorted(set(ks) | {1})
+        calls.append((backend.name, ks, context_len))
+        return {k: [0.1 * (1 + 0.2 * (k - 1)) * (0.5 if k == 3 else 1.0)] * repeats for k in ks}
+
+    monkeypatch.setattr(calibration, "_time_forward_passes", fake)
+    return calls
 
 
 def bigram(name="bigram", max_context=512):
@@ -46,68 +62,88 @@ def test_cost_model_curve_and_round_trip():
         CostModel.from_forward_costs(ForwardCosts(seconds={1: 0.1, 3: 0.2}, context_len=8), 0.0)
 
 
-def test_forward_costs_are_cached_per_model_and_reused(home):
+def test_real_measurement_is_cached(home):
+    model = bigram()
+    costs = cached_forward_costs(model, [1, 2, 3], repeats=2, max_spread=float("inf"))
+    assert model.num_forwards > 0 and set(costs.seconds) == {1, 2, 3}
+    (path,) = (home / "calibration").glob("*.json")
+    assert calibration_dir() == home / "calibration"
+    stored = json.loads(path.read_text())
+    assert stored["key"]["model"]["name"] == "bigram" and "cpu_count" in stored["key"]["machine"]
+    assert ForwardCosts.from_dict(stored["forward_costs"]) == costs
+
+
+def test_forward_costs_are_cached_per_model_and_reused(home, timer):
     model = bigram()
     first = cached_forward_costs(model, [1, 2, 3], repeats=2)
-    measured_forwards = model.num_forwards
-    assert measured_forwards > 0
-    files = list((home / "calibration").glob("*.json"))
-    assert len(files) == 1 and calibration_dir() == home / "calibration"
-    stored = json.loads(files[0].read_text())
-    assert stored["key"]["model"]["name"] == "bigram" and "cpu_count" in stored["key"]["machine"]
-
+    assert len(timer) == 1
     again = cached_forward_costs(model, [2, 3], repeats=2)  # a subset: read from the cache
-    assert model.num_forwards == measured_forwards
-    assert again == first
-
+    assert len(timer) == 1 and again == first
     cached_forward_costs(model, [1, 2, 3, 4], repeats=2)  # more ks than cached: measured again
-    assert model.num_forwards > measured_forwards
-    other = bigram(name="other-model")
-    cached_forward_costs(other, [1, 2], repeats=2)
-    assert other.num_forwards > 0
+    assert timer[-1][1] == [1, 2, 3, 4]
+    cached_forward_costs(bigram(name="other-model"), [1, 2], repeats=2)
+    assert timer[-1][0] == "other-model"
     assert len(list((home / "calibration").glob("*.json"))) == 2
+    cached_forward_costs(model, [1, 2], repeats=2, refresh=True)
+    assert len(timer) == 4
 
 
-def test_cache_key_includes_the_machine(home, monkeypatch):
+def test_cache_key_includes_the_machine(home, timer, monkeypatch):
     model = bigram()
     cached_forward_costs(model, [1, 2], repeats=1)
-    count = model.num_forwards
     monkeypatch.setattr(calibration, "machine_identity", lambda device="cpu": {"cpu_count": 999})
     cached_forward_costs(model, [1, 2], repeats=1)
-    assert model.num_forwards > count
+    assert len(timer) == 2
 
 
-def test_unreadable_cache_is_measured_again(home):
+def test_unreadable_cache_is_measured_again(home, timer):
     model = bigram()
     cached_forward_costs(model, [1, 2], repeats=1)
     (path,) = (home / "calibration").glob("*.json")
     path.write_text("{not json")
-    count = model.num_forwards
     costs = cached_forward_costs(model, [1, 2], repeats=1)
-    assert model.num_forwards > count and set(costs.seconds) == {1, 2}
+    assert len(timer) == 2 and set(costs.seconds) == {1, 2}
     assert json.loads(path.read_text())["forward_costs"]["seconds"].keys() == {"1", "2"}
 
 
-def test_context_length_is_fitted_to_the_model(home):
-    model = bigram(max_context=12)
-    costs = cached_forward_costs(model, [1, 2, 3, 4], repeats=1)
-    assert costs.context_len == 8
+def test_noisy_measurement_is_used_but_not_cached(home, monkeypatch):
+    monkeypatch.setattr(calibration, "_time_forward_passes",
+                        lambda backend, ks, **_: {1: [0.1, 0.1, 0.5], 2: [0.2, 0.2, 0.2]})
+    costs = cached_forward_costs(bigram(), [1, 2], repeats=3)
+    assert costs.seconds == {1: 0.1, 2: 0.2}  # medians
+    assert not list(home.glob("calibration/*.json"))
+
+
+def test_context_length_is_fitted_to_the_model(home, timer):
+    costs = cached_forward_costs(bigram(max_context=12), [1, 2, 3, 4], repeats=1)
+    assert costs.context_len == 8 and timer[-1][2] == 8
     with pytest.raises(ValueError, match="too short"):
         cached_forward_costs(bigram(max_context=4), [1, 2, 3, 4], repeats=1)
 
 
-def test_calibrate_cost_model_for_draft_model_and_ngram(home):
+def test_monotone_fit():
+    assert monotone_fit([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert monotone_fit([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone_fit([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert monotone_fit([]) == []
+
+
+def test_calibrate_cost_model_for_draft_model_and_ngram(home, timer):
     target, draft = bigram("target"), bigram("draft")
     with_draft = calibrate_cost_model(target, 4, draft=draft, repeats=1)
     assert with_draft.max_k == 4 and with_draft.source == "measured"
-    assert draft.num_forwards > 0 and with_draft.draft_seconds_per_token > 0
-    forwards = target.num_forwards, draft.num_forwards
+    assert [name for name, *_ in timer] == ["target", "draft"]
+    assert with_draft.draft_seconds_per_token == pytest.approx(0.1)
+    curve = with_draft.verify_seconds
+    assert all(a <= b for a, b in zip(curve, curve[1:]))  # the dip at k = 3 is smoothed away
+    assert curve == pytest.approx(monotone_fit([0.1, 0.12, 0.07, 0.16, 0.18]))
     assert calibrate_cost_model(target, 4, draft=draft, repeats=1) == with_draft  # both from the cache
-    assert (target.num_forwards, draft.num_forwards) == forwards
+    assert len(timer) == 2
 
     with_ngram = calibrate_cost_model(target, 3, proposer=NgramProposer(1, 3), repeats=1)
-    assert with_ngram.verify_seconds == with_draft.verify_seconds[:4]  # the target's cached curve is shared
-    assert 0 < with_ngram.draft_seconds_per_token < with_ngram.verify_seconds[0]
+    assert len(timer) == 2  # the target's cached curve is shared
+    assert with_ngram.max_k == 3
+    assert 0 < with_ngram.draft_seconds_per_token < 0.01  # really timed: microseconds
     assert calibrate_cost_model(target, 2, repeats=1).draft_seconds_per_token == 0.0
     with pytest.raises(ValueError):
         calibrate_cost_model(target, 0)
@@ -122,8 +158,8 @@ def test_build_engine_with_auto_k_on_stories260k(stories_path, draftwise_home):
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, k_policy="auto")
     bundle = build_engine(str(stories_path), config, device="cpu")
     assert bundle.method == "ngram" and bundle.draft is None
-    assert isinstance(bundle.engine._controller_factory(), AutoK)
-    assert list((draftwise_home / "calibration").glob("*.json"))
+    controller = bundle.engine._controller_factory()
+    assert isinstance(controller, AutoK) and controller.max_k == 4 and controller.cost_model.max_k == 4
     prompt = bundle.target.encode("One two three. One two three. One two three. One")
     params = SamplingParams(max_tokens=40)
     plain = build_engine(str(stories_path), None, device="cpu").engine.generate(prompt, params)

@@ -46,6 +46,7 @@ __all__ = [
     "backend_identity",
     "machine_identity",
     "measure_proposer_seconds_per_token",
+    "monotone_fit",
 ]
 
 logger = logging.getLogger(__name__)
@@ -82,30 +83,38 @@ def measure_forward_costs(
 ) -> ForwardCosts:
     """Time forward passes of k new tokens on top of a ``context_len``-token cache, median of ``repeats``.
 
-    Token ids are arbitrary but valid; the cache is rolled back between passes and reset at the end.
+    Token ids are arbitrary but valid; the cache is rolled back between passes and reset at the end. The ks
+    are timed round-robin (k = 1, 2, ..., 1, 2, ...), so a burst of load on the machine affects all of them
+    alike rather than one k.
 
     Raises:
         ContextOverflowError: if ``context_len + max(ks)`` exceeds the model's context.
     """
+    samples = _time_forward_passes(backend, ks, context_len=context_len, repeats=repeats, warmup=warmup)
+    return ForwardCosts(seconds={k: statistics.median(t) for k, t in samples.items()}, context_len=context_len)
+
+
+def _time_forward_passes(
+    backend: CausalLM, ks: Iterable[int], *, context_len: int, repeats: int, warmup: int
+) -> dict[int, list[float]]:
+    """``{k: [seconds of each timed pass]}`` (see :func:`measure_forward_costs`)."""
     ks = sorted(set(ks) | {1})
     vocab = backend.vocab_size
     context = [(7 + 31 * i) % vocab for i in range(context_len)]
     backend.reset()
     backend.forward(context, num_logits=1)
-    seconds: dict[int, float] = {}
-    for k in ks:
-        new = [(11 + 17 * i) % vocab for i in range(k)]
-        times = []
-        for rep in range(warmup + repeats):
+    samples: dict[int, list[float]] = {k: [] for k in ks}
+    for rep in range(warmup + repeats):
+        for k in ks:
+            new = [(11 + 17 * i) % vocab for i in range(k)]
             t0 = time.perf_counter()
             backend.forward(new)
             elapsed = time.perf_counter() - t0
             backend.rollback(context_len)
             if rep >= warmup:
-                times.append(elapsed)
-        seconds[k] = statistics.median(times)
+                samples[k].append(elapsed)
     backend.reset()
-    return ForwardCosts(seconds=seconds, context_len=context_len)
+    return samples
 
 
 def predicted_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float) -> float:
@@ -265,11 +274,13 @@ def cached_forward_costs(
     repeats: int = 5,
     cache_dir: Path | None = None,
     refresh: bool = False,
+    max_spread: float = 1.0,
 ) -> ForwardCosts:
     """:func:`measure_forward_costs`, cached as JSON per (model, dtype, device, machine, context length).
 
     A cached entry is used when it holds every requested k; otherwise the backend is measured and the
-    entry replaced (atomically). ``context_len`` is lowered to fit the model's context.
+    entry replaced (atomically). ``context_len`` is lowered to fit the model's context. Delete the JSON file
+    under :func:`calibration_dir` (or pass ``refresh``) to measure again, e.g. after the machine changed load.
 
     Args:
         backend: the model to time (its KV cache is reset).
@@ -279,6 +290,8 @@ def cached_forward_costs(
         repeats: timed passes per k (median).
         cache_dir: default :func:`calibration_dir`.
         refresh: measure even when a cached entry fits.
+        max_spread: a measurement whose repeated timings of one k differ by more than this fraction of
+            their median ((max - min) / median) is returned but not cached (a busy machine).
 
     Raises:
         ValueError: if the model's context cannot hold one token plus the largest k.
@@ -296,12 +309,24 @@ def cached_forward_costs(
         logger.debug("calibration of %s read from %s", backend.name, path)
         return cached
     logger.info("calibrating %s: forward passes of k = %s tokens (once per model and machine)", backend.name, ks)
-    costs = measure_forward_costs(backend, ks, context_len=context_len, repeats=repeats)
+    samples = _time_forward_passes(backend, ks, context_len=context_len, repeats=repeats, warmup=1)
+    costs = ForwardCosts(seconds={k: statistics.median(t) for k, t in samples.items()}, context_len=context_len)
+    spread = _max_relative_spread(samples)
+    if spread > max_spread:
+        logger.warning("calibration of %s is noisy (timings of one pass differ by %.0f%%; is the machine busy?): "
+                       "using it for this run without caching it", backend.name, 100 * spread)
+        return costs
     try:
         _write_atomic(path, {"key": key, "forward_costs": costs.to_dict()})
     except OSError as exc:
         logger.warning("could not cache calibration at %s: %s", path, exc)
     return costs
+
+
+def _max_relative_spread(samples: dict[int, list[float]]) -> float:
+    """Largest (max - min) / median over the ks' repeated timings (0 with fewer than 2 repeats)."""
+    spreads = [(max(t) - min(t)) / statistics.median(t) for t in samples.values() if len(t) >= 2 and min(t) > 0]
+    return max(spreads, default=0.0)
 
 
 def measure_proposer_seconds_per_token(
@@ -326,6 +351,17 @@ def measure_proposer_seconds_per_token(
     return statistics.median(times)
 
 
+def monotone_fit(values: Sequence[float]) -> list[float]:
+    """Least-squares non-decreasing fit of a sequence (pool-adjacent-violators, equal weights)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([float(value), 1.0])
+        while len(blocks) >= 2 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
 def calibrate_cost_model(
     target: CausalLM,
     max_k: int,
@@ -340,7 +376,8 @@ def calibrate_cost_model(
 ) -> CostModel:
     """Measure (or read from the cache) the costs :class:`draftwise.controller.AutoK` needs.
 
-    - verify curve: the target's forward time over j = 1..max_k + 1 tokens;
+    - verify curve: the target's forward time over j = 1..max_k + 1 tokens, made non-decreasing in j
+      (:func:`monotone_fit`: a pass over more tokens never costs less; dips are timing noise);
     - draft cost per token: a draft model's one-token forward time (cached like the target's), else the
       model-free ``proposer``'s measured time per drafted token, else 0.
 
@@ -364,8 +401,8 @@ def calibrate_cost_model(
         draft_cost = measure_proposer_seconds_per_token(proposer, target.vocab_size, k=max_k)
     else:
         draft_cost = 0.0
-    curve = ForwardCosts({j: verify.seconds[j] for j in range(1, max_k + 2)}, verify.context_len)
-    model = CostModel.from_forward_costs(curve, draft_cost)
+    curve = monotone_fit([verify.seconds[j] for j in range(1, max_k + 2)])
+    model = CostModel(tuple(curve), draft_cost, source="measured")
     logger.info("cost model for %s: verify %s s, draft %.2e s/token", target.name,
                 ", ".join(f"{v:.4f}" for v in model.verify_seconds), draft_cost)
     return model

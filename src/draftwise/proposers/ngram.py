@@ -18,7 +18,8 @@ Index: for each n, a dict from n-gram (tuple) to the start of its latest indexed
 start position, the start of the previous occurrence of the same n-gram (a linked list through ``prev``).
 Appending a token indexes the n-grams that end at it: O(number of n) dict operations. Rolling back (a new
 request, or any context that differs from what was indexed) unlinks the n-grams past the longest common
-prefix in reverse order, restoring each key's previous occurrence: O(tokens removed). A lookup is one dict
+prefix in reverse order, restoring each key's previous occurrence: O(tokens removed), or rebuilds the kept
+prefix when that is shorter. A lookup is one dict
 access per n. Checking that the context still extends the indexed tokens is one C-level list comparison
 (the same order of cost as the engine building the context list), never a Python loop over the context.
 """
@@ -81,17 +82,33 @@ class NgramIndex:
         return len(self.tokens)
 
     def extend(self, token_ids: Sequence[int]) -> None:
-        """Append tokens and index the n-grams that end at each of them."""
-        for token in token_ids:
-            self.tokens.append(int(token))
-            self._index_last_token()
+        """Append tokens and index the n-grams that end at each of them (O(len(token_ids)) per n)."""
+        old_len = len(self.tokens)
+        self.tokens.extend(int(t) for t in token_ids)
+        tokens = self.tokens
+        for n in range(self.min_n, self.max_n + 1):
+            first, end = max(0, old_len - n + 1), len(tokens) - n + 1  # starts of the new n-grams
+            if end <= first:
+                continue
+            table, prev = self._last[n], self._prev[n]
+            for start, key in enumerate(zip(*(tokens[first + i : end + i] for i in range(n))), first):
+                prev.append(table.get(key, -1))
+                table[key] = start
 
     def truncate(self, length: int) -> None:
-        """Keep the first ``length`` tokens (0 <= length), unlinking the n-grams past them."""
-        if length <= 0:
-            self.clear()
+        """Keep the first ``length`` tokens (0 <= length), unlinking the n-grams past them.
+
+        Costs O(min(tokens removed, tokens kept)): a large rollback rebuilds the kept part instead.
+        """
+        length = max(0, length)
+        if length >= len(self.tokens):
             return
-        while len(self.tokens) > max(0, length):
+        if length < len(self.tokens) - length:
+            kept = self.tokens[:length]
+            self.clear()
+            self.extend(kept)
+            return
+        while len(self.tokens) > length:
             self._unindex_last_token()
             self.tokens.pop()
 
@@ -108,15 +125,6 @@ class NgramIndex:
         if table is None:
             raise ValueError(f"n-gram length {len(ngram)} is outside [{self.min_n}, {self.max_n}]")
         return table.get(tuple(ngram))
-
-    def _index_last_token(self) -> None:
-        end = len(self.tokens)
-        for n in range(self.min_n, min(self.max_n, end) + 1):
-            start = end - n
-            key = tuple(self.tokens[start:end])
-            table = self._last[n]
-            self._prev[n].append(table.get(key, -1))
-            table[key] = start
 
     def _unindex_last_token(self) -> None:
         end = len(self.tokens)
