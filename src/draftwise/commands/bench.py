@@ -29,7 +29,7 @@ from draftwise.benchmark import (
 )
 from draftwise.builder import DEMO_DRAFT, DEMO_TARGET, check_same_tokenizer
 from draftwise.calibration import ForwardCosts, measure_forward_costs
-from draftwise.commands.common import CliError, add_sampling_args, sampling_params_from_args
+from draftwise.commands.common import CliError, add_quantization_arg, add_sampling_args, sampling_params_from_args
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel, load_model
 
@@ -60,6 +60,7 @@ def register(subparsers) -> None:
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
+    add_quantization_arg(parser)
     add_sampling_args(parser, max_tokens=128)
     parser.set_defaults(func=run)
 
@@ -145,16 +146,17 @@ def run(args: argparse.Namespace) -> int:
 
     needs_draft = bool({"draft", "hf"} & set(methods))
     console.print(f"loading target {args.model}" + (f" and draft {args.draft}" if needs_draft else "") + " ...")
-    target = load_model(args.model, device=args.device, dtype=args.dtype)
+    options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization)
+    target = load_model(args.model, **options)
     draft = None
     if needs_draft:
-        draft = load_model(args.draft, device=args.device, dtype=args.dtype, max_context=target.backend.max_context)
+        draft = load_model(args.draft, max_context=target.backend.max_context, **options)
         check_same_tokenizer(target, draft)
     calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
     specs = build_methods(target, draft, methods, ks, policies, {})
     config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
               "ks": ks, "k_policies": policies, "prompts": str(prompts_path), "categories": categories,
-              "limit": args.limit, "turns": args.turns, "max_tokens": params.max_tokens, "greedy": params.greedy,
+              "limit": args.limit, "turns": args.turns, "quantization": args.quantization, "dtype": args.dtype, "max_tokens": params.max_tokens, "greedy": params.greedy,
               "temperature": params.temperature}
 
     def save(runs: list[PromptRun], complete: bool = False) -> None:
