@@ -289,6 +289,7 @@ def _method_row(label: str, mine: list[PromptRun], plain_time: float) -> dict:
         "tokens": sum(r.num_tokens for r in mine), "time_s": total_time,
         "tokens_per_s": sum(r.num_tokens for r in mine) / total_time if total_time else 0.0,
         "speedup_total": plain_time / total_time if total_time else None,
+        "decode_time_s": decode_time,
         "speedup_median": statistics.median(speedups) if speedups else None,
         "speedup_min": speedups[0] if speedups else None,
         "speedup_max": speedups[-1] if speedups else None,
@@ -323,6 +324,8 @@ def summarize(
     for (category, label), mine in groups.items():
         plain = groups.get((category, runs[0].method), [])
         row = {"category": category, **_method_row(label, mine, sum(r.time_s for r in plain))}
+        plain_decode = sum(r.stats.get("total_time_s", 0) - r.stats.get("prefill_time_s", 0) for r in plain)
+        row["decode_speedup_total"] = plain_decode / row["decode_time_s"] if row["decode_time_s"] > 0 else None
         k = row["k"]
         if (row["kind"] == "draft" and row["policy"] == "fixed" and k and target_costs and draft_cost_s is not None
                 and row["acceptance_rate"] is not None and (k + 1) in target_costs.seconds):

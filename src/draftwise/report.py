@@ -20,13 +20,14 @@ def write_markdown(path: Path, config: dict, summary: list[dict], by_category: l
     lines = [f"# draftwise bench: {config.get('target')} (draft: {config.get('draft')})", "",
              f"Prompts: {config.get('prompts')} categories={config.get('categories')} limit={config.get('limit')}, "
              f"max_tokens={config.get('max_tokens')}, greedy={config.get('greedy')}", ""]
-    header = ("| category | method | tokens/s | speedup (total) | speedup median [min, max] | alpha | tau | mean K "
+    header = ("| category | method | tokens/s | speedup (total) | decode speedup | speedup median [min, max] | alpha | tau | mean K "
               "| identical | overhead | peak RSS (GB) | predicted |")
     lines += ["## Results", "", header, "|" + "---|" * (header.count("|") - 1)]
     for row in summary + by_category:
         spread = f"{_fmt(row['speedup_median'])} [{_fmt(row['speedup_min'])}, {_fmt(row['speedup_max'])}]"
         lines.append(
             f"| {row['category']} | {row['method']} | {_fmt(row['tokens_per_s'])} | {_fmt(row['speedup_total'])} | "
+            f"{_fmt(row.get('decode_speedup_total'))} | "
             f"{spread} | {_fmt(row['acceptance_rate'], '.3f')} | {_fmt(row['mean_accepted_length'])} | "
             f"{_fmt(row['mean_k'], '.1f')} | {row['identical']}/{row['runs']} | {_fmt(row['overhead_share'], '.1%')} | "
             f"{row['peak_rss_bytes'] / 1e9:.1f} | {_fmt(row.get('predicted_speedup'))} |")

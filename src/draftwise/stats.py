@@ -83,6 +83,12 @@ class SpeculativeStats:
         return self.num_generated_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
 
     @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second of decode time (prefill excluded)."""
+        decode = self.total_time_s - self.prefill_time_s
+        return self.num_generated_tokens / decode if decode > 0 else 0.0
+
+    @property
     def overhead_time_s(self) -> float:
         """Wall time spent outside prefill, target and proposer calls (the engine's own work)."""
         return max(0.0, self.total_time_s - self.prefill_time_s - self.target_time_s - self.draft_time_s)
@@ -95,6 +101,7 @@ class SpeculativeStats:
             mean_accepted_length=self.mean_accepted_length,
             acceptance_by_position=self.acceptance_by_position,
             tokens_per_s=self.tokens_per_s,
+            decode_tokens_per_s=self.decode_tokens_per_s,
             overhead_time_s=self.overhead_time_s,
         )
         return data

@@ -29,7 +29,13 @@ from draftwise.benchmark import (
 )
 from draftwise.builder import DEMO_DRAFT, DEMO_TARGET, check_same_tokenizer
 from draftwise.calibration import ForwardCosts, measure_forward_costs
-from draftwise.commands.common import CliError, add_quantization_arg, add_sampling_args, sampling_params_from_args
+from draftwise.commands.common import (
+    CliError,
+    add_backend_arg,
+    add_quantization_arg,
+    add_sampling_args,
+    sampling_params_from_args,
+)
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel, load_model
 
@@ -61,6 +67,7 @@ def register(subparsers) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     add_quantization_arg(parser)
+    add_backend_arg(parser)
     add_sampling_args(parser, max_tokens=128)
     parser.set_defaults(func=run)
 
@@ -144,9 +151,12 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise CliError(f"no prompts selected from {prompts_path} (category={args.category})")
 
+    if "hf" in methods and args.backend != "torch":
+        raise CliError("--methods hf runs transformers' own generate and needs --backend torch")
     needs_draft = bool({"draft", "hf"} & set(methods))
     console.print(f"loading target {args.model}" + (f" and draft {args.draft}" if needs_draft else "") + " ...")
-    options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization)
+    options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization, backend=args.backend,
+                   threads=args.threads)
     target = load_model(args.model, **options)
     draft = None
     if needs_draft:
@@ -156,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
     specs = build_methods(target, draft, methods, ks, policies, {})
     config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
               "ks": ks, "k_policies": policies, "prompts": str(prompts_path), "categories": categories,
-              "limit": args.limit, "turns": args.turns, "quantization": args.quantization, "dtype": args.dtype, "max_tokens": params.max_tokens, "greedy": params.greedy,
+              "limit": args.limit, "turns": args.turns, "quantization": args.quantization, "backend": args.backend,
+              "threads": args.threads, "dtype": args.dtype, "max_tokens": params.max_tokens, "greedy": params.greedy,
               "temperature": params.temperature}
 
     def save(runs: list[PromptRun], complete: bool = False) -> None:
@@ -208,12 +219,13 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 def _print_tables(console: Console, summary: list[dict], by_category: list[dict], calibration: dict) -> None:
     table = Table(title="speculative decoding vs plain (same prompts, same process)")
-    for column in ("category", "method", "tok/s", "speedup", "median [min, max]", "alpha", "tau", "K",
-                   "identical", "predicted"):
+    for column in ("category", "method", "tok/s", "speedup", "decode speedup", "median [min, max]", "alpha", "tau",
+                   "K", "identical", "predicted"):
         table.add_column(column)
     for row in summary + (by_category if len({r["category"] for r in by_category}) > 1 else []):
         spread = f"{_fmt(row['speedup_median'])} [{_fmt(row['speedup_min'])}, {_fmt(row['speedup_max'])}]"
-        table.add_row(row["category"], row["method"], _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]), spread,
+        table.add_row(row["category"], row["method"], _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]),
+                      _fmt(row.get("decode_speedup_total")), spread,
                       _fmt(row["acceptance_rate"], ".3f"), _fmt(row["mean_accepted_length"]), _fmt(row["mean_k"], ".1f"),
                       f"{row['identical']}/{row['runs']}", _fmt(row.get("predicted_speedup")))
     console.print(table)
