@@ -19,7 +19,8 @@ from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel, load_model
 from draftwise.proposers.base import Proposer
 
-__all__ = ["EngineBundle", "TokenizerMismatchError", "build_engine", "build_proposer", "check_same_tokenizer"]
+__all__ = ["EngineBundle", "TokenizerMismatchError", "backend_kind", "build_engine", "build_proposer",
+           "check_same_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
 
     A padded vocabulary (embeddings of different widths over the same real tokens) passes; the proposer cuts
     or pads the draft's logits to the target's width. Differing special tokens or chat templates are logged.
+    A draft on another backend than the target needs an identical table (no extra tokens on either side).
 
     Raises:
         TokenizerMismatchError: naming the first differing ids and tokens, or a draft embedding too narrow to
@@ -59,6 +61,31 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
         target_name=target.name, draft_name=draft.name,
     )
     require_compatible(report)
+    _require_identical_tables_across_backends(target, draft, report)
+
+
+def backend_kind(model: LoadedModel) -> str:
+    """``"llama.cpp"`` or ``"torch"``: which backend runs a loaded model."""
+    from draftwise.backends.torch_backend import TorchCausalLM
+
+    return "torch" if isinstance(model.backend, TorchCausalLM) else "llama.cpp"
+
+
+def _require_identical_tables_across_backends(target: LoadedModel, draft: LoadedModel, report) -> None:
+    """A draft on another backend than the target (PyTorch and llama.cpp) must have exactly the target's token
+    table: each side has its own tokenizer implementation, so only an identical id -> token table guarantees
+    that the ids handed across mean the same text.
+
+    Raises:
+        TokenizerMismatchError: the tables differ in size (the shared ids were already checked).
+    """
+    target_kind, draft_kind = backend_kind(target), backend_kind(draft)
+    if target_kind == draft_kind or report.target_tokens == report.draft_tokens:
+        return
+    raise TokenizerMismatchError(
+        f"target {target.name!r} ({target_kind}) and draft {draft.name!r} ({draft_kind}) run on different backends, "
+        f"which needs identical token tables; they have {report.target_tokens} and {report.draft_tokens} tokens. "
+        "Load both with the same --backend")
 
 
 def build_proposer(
@@ -68,10 +95,14 @@ def build_proposer(
     device: str | None,
     dtype: str | None,
     quantization: str | None = None,
+    backend: str = "torch",
+    threads: int | None = None,
 ) -> tuple[Proposer, LoadedModel | None]:
     """Create the proposer a speculative config names; returns it and its draft model (if any).
 
-    ``quantization`` applies to a draft model as to the target (see :func:`load_model`).
+    ``quantization``, ``backend`` and ``threads`` apply to a draft model as to the target (see
+    :func:`load_model`). With ``backend="auto"`` the draft may land on another backend than the target (a
+    ``.gguf`` draft for a Hugging Face target); that is allowed only with identical token tables.
 
     Raises:
         ModelLoadError, TokenizerMismatchError, ValueError: bad draft model or method.
@@ -81,7 +112,7 @@ def build_proposer(
 
         assert config.model is not None
         draft = load_model(config.model, device=device, dtype=dtype, max_context=target.backend.max_context,
-                           quantization=quantization)
+                           quantization=quantization, backend=backend, threads=threads)
         check_same_tokenizer(target, draft)
         return DraftModelProposer(draft.backend, target.backend.vocab_size), draft
     if config.method == "ngram":
@@ -99,6 +130,8 @@ def build_engine(
     dtype: str | None = None,
     max_context: int | None = None,
     quantization: str | None = None,
+    backend: str = "torch",
+    threads: int | None = None,
 ) -> EngineBundle:
     """Load the target (and draft) and build the engine. Without a speculative config: plain decoding.
 
@@ -110,14 +143,17 @@ def build_engine(
         max_context: context length in tokens (default: the target config's).
         quantization: ``"none"`` or ``"int8"`` for the target and a draft model (see
             :mod:`draftwise.quantization`).
+        backend: ``"torch"``, ``"llama.cpp"`` or ``"auto"`` for the target and a draft model (see
+            :func:`draftwise.models.loading.select_backend`).
+        threads: llama.cpp CPU threads (default: all available).
     """
     target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
-                              quantization=quantization)
+                              quantization=quantization, backend=backend, threads=threads)
     if speculative_config is None:
         engine = SpeculativeEngine(target_model.backend, eos_token_ids=target_model.eos_token_ids)
         return EngineBundle(target=target_model, engine=engine)
     proposer, draft = build_proposer(speculative_config, target_model, device=device, dtype=dtype,
-                                     quantization=quantization)
+                                     quantization=quantization, backend=backend, threads=threads)
     from draftwise.calibration import calibrate_cost_model
     from draftwise.controller import k_controller_factory
 

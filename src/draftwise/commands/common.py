@@ -9,7 +9,7 @@ from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
 from draftwise.config import SamplingParams, SpeculativeConfig
 
 __all__ = ["add_model_args", "add_sampling_args", "speculative_config_from_args", "sampling_params_from_args",
-           "CliError", "add_quantization_arg"]
+           "CliError", "add_quantization_arg", "add_backend_arg"]
 
 
 class CliError(Exception):
@@ -40,6 +40,19 @@ def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default="none",
                         help="int8: batch-invariant int8 linear layers on the CPU, so a k-token verify pass gives "
                         "the same logits as one-token decoding and costs about one token (default: none)")
+
+
+def add_backend_arg(parser: argparse.ArgumentParser) -> None:
+    """--backend {torch,llama.cpp,auto} and --threads: pass ``args.backend`` / ``args.threads`` to ``load_model`` /
+    ``build_engine`` (for the target and a draft model alike; see ``draftwise.models.loading.select_backend``)."""
+    from draftwise.models.loading import BACKENDS
+
+    parser.add_argument("--backend", choices=BACKENDS, default="torch",
+                        help="torch (default; GGUF files are dequantized to float), llama.cpp (GGUF files as they are, "
+                        "on the CPU; needs llama-cpp-python) or auto (llama.cpp for .gguf files and registry names "
+                        "when llama-cpp-python is installed and no PyTorch-only option is set)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="llama.cpp CPU threads (default: every CPU this process may use)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 128) -> None:

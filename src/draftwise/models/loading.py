@@ -3,6 +3,8 @@ of the models ``draftwise pull`` installs.
 
 GGUF files are dequantized by ``transformers`` (``gguf_file=``), which takes minutes for a 1.5B model; the
 result is cached once as safetensors under ``$DRAFTWISE_HOME/dequantized/`` so the next load takes seconds.
+With ``backend="llama.cpp"`` (or ``"auto"``, see :func:`select_backend`) GGUF files run as they are in llama.cpp
+(:mod:`draftwise.backends.llama_cpp_backend`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from draftwise.models.gguf_tokenizer import gguf_metadata, tokenizer_from_gguf_v
 from draftwise.models.pull import MODEL_REGISTRY, draftwise_home, is_pulled, model_path
 from draftwise.quantization import parse_quantization, quantize_model
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_model"]
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_model", "select_backend", "BACKENDS"]
+
+#: Values of ``load_model(backend=...)`` and ``--backend``.
+BACKENDS = ("torch", "llama.cpp", "auto")
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +119,10 @@ def load_model(
     max_context: int | None = None,
     attn_implementation: str | None = None,
     quantization: str | None = None,
+    backend: str = "torch",
+    threads: int | None = None,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer for the PyTorch backend.
+    """Load a causal LM and its tokenizer, for the PyTorch backend or (GGUF files) the llama.cpp backend.
 
     Args:
         spec: a registry name (see ``draftwise pull``), a ``.gguf`` file, a local Hugging Face directory or
@@ -127,16 +134,22 @@ def load_model(
         quantization: ``"none"`` (default) or ``"int8"``: batch-invariant int8 linear layers and row-wise
             attention on the CPU (see :mod:`draftwise.quantization`), applied after loading; the backend's
             name then ends in ``+int8`` (so calibration caches keep the two apart).
+        backend: ``"torch"`` (default), ``"llama.cpp"`` or ``"auto"``; see :func:`select_backend` for the rule.
+        threads: llama.cpp only: CPU threads (default: every CPU this process may use).
 
     Raises:
-        ModelLoadError: missing file, unreadable model, or a registry model that is not pulled.
-        ValueError: an unknown quantization mode, or int8 off the CPU / without fbgemm kernels.
+        ModelLoadError: missing file, unreadable model, a registry model that is not pulled, or the llama.cpp
+            backend asked for a non-GGUF model or without llama-cpp-python installed.
+        ValueError: an unknown quantization mode or backend, int8 off the CPU / without fbgemm kernels, or a
+            PyTorch-only option (CUDA device, dtype, int8) given to the llama.cpp backend.
     """
     quantization = parse_quantization(quantization)
+    path = resolve_model(spec)
+    if select_backend(backend, path, device=device, dtype=dtype, quantization=quantization) == "llama.cpp":
+        return _load_llama_cpp(spec, path, max_context=max_context, threads=threads)
     device = device or default_device()
     torch_dtype = parse_dtype(dtype, device)
     attention = attn_implementation or default_attention(device)
-    path = resolve_model(spec)
     try:
         if path.endswith(".gguf"):
             model_dir = _dequantized_dir(Path(path))
@@ -156,6 +169,63 @@ def load_model(
     name = spec if quantization == "none" else f"{spec}+{quantization}"
     backend = TorchCausalLM(model, name=name, max_context=max_context)
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=_eos_ids(model, tokenizer))
+
+
+def select_backend(backend: str, path: str, *, device: str | None = None, dtype=None,
+                   quantization: str | None = None) -> str:
+    """The backend that loads ``path`` (a resolved spec): ``"torch"`` or ``"llama.cpp"``.
+
+    The rule: llama.cpp runs a model only when asked. ``"llama.cpp"`` selects it (and needs a ``.gguf`` file,
+    which registry names are); ``"auto"`` selects it for a ``.gguf`` file (path or registry name) when
+    llama-cpp-python is importable and no PyTorch-only option is set (a CUDA device, a dtype, int8
+    quantization), and PyTorch otherwise; ``"torch"`` (the default) always selects PyTorch, which dequantizes
+    GGUF files to float.
+
+    Raises:
+        ValueError: an unknown backend, or a PyTorch-only option with ``"llama.cpp"``.
+        ModelLoadError: ``"llama.cpp"`` for a non-GGUF model, or without llama-cpp-python.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "torch":
+        return "torch"
+    from draftwise.backends.llama_cpp_backend import llama_cpp_available
+
+    is_gguf = str(path).endswith(".gguf")
+    torch_only = _torch_only_options(device, dtype, quantization)
+    if backend == "auto":
+        return "llama.cpp" if is_gguf and not torch_only and llama_cpp_available() else "torch"
+    if torch_only:
+        raise ValueError(f"the llama.cpp backend runs GGUF files on the CPU as they are; {', '.join(torch_only)} "
+                         "only apply to --backend torch")
+    if not is_gguf:
+        raise ModelLoadError(f"the llama.cpp backend needs a .gguf file or a registry name, got {path!r}")
+    if not llama_cpp_available():
+        raise ModelLoadError("the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python "
+                             "(it compiles llama.cpp, about 10 minutes the first time)")
+    return "llama.cpp"
+
+
+def _torch_only_options(device: str | None, dtype, quantization: str | None) -> list[str]:
+    found = []
+    if device and device != "cpu":
+        found.append(f"device {device!r}")
+    if dtype not in (None, "auto"):
+        found.append(f"dtype {dtype!r}")
+    if quantization not in (None, "none"):
+        found.append(f"quantization {quantization!r}")
+    return found
+
+
+def _load_llama_cpp(spec: str, path: str, *, max_context: int | None, threads: int | None) -> LoadedModel:
+    from draftwise.backends.llama_cpp_backend import load_llama_cpp
+
+    if not Path(path).is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    try:
+        return load_llama_cpp(path, name=spec, max_context=max_context, n_threads=threads)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load model {spec!r} with llama.cpp: {exc}") from exc
 
 
 def _looks_local(spec: str) -> bool:

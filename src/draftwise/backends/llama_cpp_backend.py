@@ -1,0 +1,475 @@
+"""llama.cpp backend: GGUF models (quantized or not) on the CPU through ``llama-cpp-python``'s C API.
+
+The backend drives llama.cpp's low-level context directly (the high-level ``Llama`` class turns flash attention
+off and is slower for this loop):
+
+- ``forward`` writes the new tokens into one ``llama_batch`` (positions ``num_cached ..``), flags the rows whose
+  logits are wanted, calls ``llama_decode`` and copies ``llama_get_logits`` (``[rows, n_vocab]`` float32);
+- ``rollback`` removes the cache cells past ``length`` with ``llama_memory_seq_rm(memory, 0, length, -1)``.
+
+**Batch invariance.** llama.cpp computes a one-token pass with other kernels than a pass over two or more
+tokens (ggml's matrix-vector path against llamafile's tinyBLAS GEMM for F32 weights, the vector against the
+tiled flash-attention kernel): measured on stories260K (all tensors F32), the logits of a token decoded alone
+differ from the same token decoded inside a batch by up to 3e-3, with one thread, with and without flash
+attention. Passes over 2..63 tokens, on the other hand, give bit-identical logits for a given position and
+context, whatever the batch size and offset. With flash attention, passes of 64 or more tokens switch to a
+tiled attention kernel (ggml's ``GGML_FA_TILE_Q``) and differ again (:data:`FLASH_ATTENTION_TILE_TOKENS`).
+Speculative verification runs k + 1 >= 2 tokens while plain decoding runs one, so greedy speculative output
+would drift from plain output.
+
+With ``batch_invariant=True`` (the default) the backend therefore never runs a one-token pass: a single new
+token is decoded together with a throw-away copy of itself at the next position, and that cell is removed
+right after (causal attention: the extra token cannot change the real token's logits). Any pass that returns
+logits returns at least two rows internally (llama.cpp computes the last layer and the LM head only for the
+requested rows, so one requested row would again be a matrix-vector product), and with flash attention no
+pass holds more than 63 tokens (long prompts are prefilled in chunks). The price is that a one-token step
+costs a two-token pass (see ``docs/llama_cpp.md`` for measurements). ``batch_invariant=False`` gives
+llama.cpp's native path: faster plain steps, but speculative output is then not guaranteed to equal plain
+output.
+
+Threads default to the CPUs this process may run on; llama.cpp's log lines go to this module's logger at
+DEBUG level.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import logging
+import os
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from draftwise.backends.base import CausalLM, ForwardOutput
+
+__all__ = ["LlamaCppCausalLM", "LlamaCppTokenizer", "llama_cpp_available", "load_llama_cpp",
+           "DEFAULT_MAX_CONTEXT"]
+
+logger = logging.getLogger(__name__)
+
+#: Context length (tokens) when none is given: the model's training context, capped here because llama.cpp
+#: preallocates the whole KV cache.
+DEFAULT_MAX_CONTEXT = 4096
+#: Largest number of tokens sent to ``llama_decode`` at once (longer inputs are split into even chunks).
+MAX_BATCH_TOKENS = 512
+#: ggml's flash attention switches to a tiled kernel (another summation order) for this many or more query
+#: tokens in one pass (``GGML_FA_TILE_Q``); batch-invariant passes with flash attention stay below it.
+FLASH_ATTENTION_TILE_TOKENS = 64
+
+
+def llama_cpp_available() -> bool:
+    """True when the ``llama_cpp`` module (``pip install llama-cpp-python``) can be imported."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+@functools.cache
+def _llama():
+    """Import ``llama_cpp``, initialise its backend once and route its log lines to :data:`logger`.
+
+    Cached, so the ctypes log callback stays referenced for the life of the process.
+
+    Raises:
+        ImportError: llama-cpp-python is not installed.
+    """
+    import llama_cpp
+
+    @llama_cpp.llama_log_callback
+    def forward_log(level, text, user_data):  # pragma: no cover - called from C
+        if text:
+            logger.debug("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+    llama_cpp.llama_log_set(forward_log, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
+    return llama_cpp, forward_log
+
+
+def _lib():
+    return _llama()[0]
+
+
+def default_threads() -> int:
+    """CPUs this process may use (``sched_getaffinity``), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class _ModelHandle:
+    """Owns one ``llama_model`` (weights and vocabulary); freed when the last user lets go of it.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: llama.cpp cannot load the file.
+    """
+
+    def __init__(self, path: Path) -> None:
+        lib = _lib()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        params = lib.llama_model_default_params()
+        model = lib.llama_model_load_from_file(str(path).encode(), params)
+        if not model:
+            raise ValueError(f"llama.cpp could not load {path} (not a GGUF model it supports?)")
+        self.ptr = model
+        self.vocab = lib.llama_model_get_vocab(model)
+        self.path = path
+        self._finalizer = weakref.finalize(self, lib.llama_model_free, model)
+
+    @property
+    def n_vocab(self) -> int:
+        """Rows of the token embedding = width of the logits."""
+        return int(_lib().llama_vocab_n_tokens(self.vocab))
+
+    @property
+    def n_ctx_train(self) -> int:
+        """Context length the model was trained with (tokens)."""
+        return int(_lib().llama_model_n_ctx_train(self.ptr))
+
+    def chat_template(self) -> str | None:
+        """The chat template stored in the GGUF metadata (``tokenizer.chat_template``), if any."""
+        raw = _lib().llama_model_chat_template(self.ptr, None)
+        return raw.decode("utf-8") if raw else None
+
+
+def _free_context(lib, ctx, batch, model: _ModelHandle) -> None:
+    """Free a context and its batch before the model they belong to (``model`` is kept alive until then)."""
+    lib.llama_batch_free(batch)
+    lib.llama_free(ctx)
+
+
+class LlamaCppCausalLM(CausalLM):
+    """A GGUF model run by llama.cpp, with one sequence in its KV cache.
+
+    Args:
+        path: the ``.gguf`` file.
+        name: identity used in messages (default: the path).
+        max_context: context length in tokens (default: the training context, at most
+            :data:`DEFAULT_MAX_CONTEXT`); the KV cache is preallocated for it (plus one cell, see below).
+        n_threads: CPU threads for decoding (default: every CPU this process may use).
+        flash_attention: use llama.cpp's flash-attention kernels (faster on the CPU here).
+        batch_invariant: never run one-token passes, so logits do not depend on how tokens are batched (see
+            the module docstring); needed for exact greedy speculation.
+        model: an already loaded model to share (a second context on the same weights); ``path`` is then
+            only used for messages.
+
+    Raises:
+        FileNotFoundError, ValueError: the file is missing or llama.cpp cannot load it or create a context.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        name: str | None = None,
+        max_context: int | None = None,
+        n_threads: int | None = None,
+        flash_attention: bool = True,
+        batch_invariant: bool = True,
+        model: _ModelHandle | None = None,
+    ) -> None:
+        lib = _lib()
+        self.handle = model or _ModelHandle(Path(path))
+        self.name = name or str(path)
+        self.vocab_size = self.handle.n_vocab
+        self.max_context = int(max_context or min(self.handle.n_ctx_train, DEFAULT_MAX_CONTEXT))
+        if self.max_context < 2:
+            raise ValueError(f"max_context must be at least 2 tokens, got {self.max_context}")
+        self.n_threads = int(n_threads or default_threads())
+        self.batch_invariant = batch_invariant
+        self.flash_attention = flash_attention
+        self.device = torch.device("cpu")
+        self._batch_capacity = self._largest_pass()
+        self._ctx = self._create_context(lib)
+        self._memory = lib.llama_get_memory(self._ctx)
+        self._batch = lib.llama_batch_init(self._batch_capacity, 0, 1)
+        self._finalizer = weakref.finalize(self, _free_context, lib, self._ctx, self._batch, self.handle)
+        self._num_cached = 0
+
+    def _largest_pass(self) -> int:
+        """Most tokens one ``llama_decode`` may hold (see :data:`FLASH_ATTENTION_TILE_TOKENS`)."""
+        largest = min(MAX_BATCH_TOKENS, self.max_context + 1)
+        if self.batch_invariant and self.flash_attention:
+            largest = min(largest, FLASH_ATTENTION_TILE_TOKENS - 1)
+        return largest
+
+    def _create_context(self, lib):
+        params = lib.llama_context_default_params()
+        params.n_ctx = self.max_context + 1  # one spare cell for the throw-away token of a one-token pass
+        params.n_batch = params.n_ubatch = self._batch_capacity
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = self.n_threads
+        params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attention
+                                  else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.no_perf = True
+        ctx = lib.llama_init_from_model(self.handle.ptr, params)
+        if not ctx:
+            raise ValueError(f"llama.cpp could not create a context of {self.max_context} tokens for {self.name}")
+        return ctx
+
+    def close(self) -> None:
+        """Free the context now (the model goes with its last user). The backend is unusable afterwards."""
+        self._finalizer()
+
+    # ------------------------------------------------------------------ CausalLM
+    @property
+    def num_cached(self) -> int:
+        return self._num_cached
+
+    def forward(
+        self, token_ids: Sequence[int], *, num_logits: int | None = None, return_hidden: bool = False
+    ) -> ForwardOutput:
+        """Decode ``token_ids`` (``[n]``) on top of the cache; logits ``[keep, vocab]`` float32 (see
+        :meth:`CausalLM.forward`). Hidden states ``[keep, n_embd]`` are the final-norm outputs llama.cpp
+        returns as embeddings.
+
+        Raises:
+            ContextOverflowError, ValueError: see :meth:`CausalLM.forward`.
+            RuntimeError: ``llama_decode`` failed (the cache is rolled back to its state before the call).
+        """
+        ids = [int(t) for t in token_ids]
+        self._check_forward_args(ids)
+        n = len(ids)
+        keep = n if num_logits is None else max(1, min(num_logits, n))
+        padded = self.batch_invariant and n == 1
+        sequence = ids + ids[-1:] if padded else ids  # the copy sits at the next position and is removed below
+        start = self._num_cached
+        wanted = range(n - keep, n)
+        if return_hidden:
+            _lib().llama_set_embeddings(self._ctx, True)
+        try:
+            logits, hidden = self._decode_chunks(sequence, start, wanted, return_hidden)
+        except BaseException:
+            self._remove_from(start)
+            raise
+        finally:
+            if return_hidden:
+                _lib().llama_set_embeddings(self._ctx, False)
+        if padded:
+            self._remove_from(start + n)
+        self._num_cached = start + n
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+    def rollback(self, length: int) -> None:
+        self._check_rollback_args(length)
+        if length != self._num_cached:
+            self._remove_from(length)
+            self._num_cached = length
+
+    # ------------------------------------------------------------------ decoding
+    def _remove_from(self, position: int) -> None:
+        """Drop every cache cell at ``position`` and after."""
+        if not _lib().llama_memory_seq_rm(self._memory, 0, position, -1):
+            raise RuntimeError(f"{self.name}: llama.cpp could not remove cache cells from position {position}")
+
+    def _chunks(self, total: int) -> list[range]:
+        """Split ``total`` tokens into even chunks of at most the batch capacity (each >= 2 tokens when
+        ``total`` >= 2, so no chunk is a one-token pass)."""
+        count = -(-total // self._batch_capacity)
+        bounds = [round(i * total / count) for i in range(count + 1)]
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def _output_rows(self, chunk: range, wanted: range) -> list[int]:
+        """Rows of ``chunk`` to request logits for: the wanted ones, plus a neighbour when exactly one is
+        wanted and the backend is batch-invariant (one output row would make the last layer a matrix-vector
+        product)."""
+        rows = [i for i in chunk if i in wanted]
+        if self.batch_invariant and len(rows) == 1 and len(chunk) > 1:
+            extra = rows[0] - 1 if rows[0] > chunk.start else rows[0] + 1
+            rows = sorted([extra, rows[0]])
+        return rows
+
+    def _decode_chunks(
+        self, sequence: list[int], start: int, wanted: range, return_hidden: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits_parts: list[np.ndarray] = []
+        hidden_parts: list[np.ndarray] = []
+        for chunk in self._chunks(len(sequence)):
+            rows = self._output_rows(chunk, wanted)
+            self._decode(sequence, chunk, start, rows)
+            kept = [r for r in rows if r in wanted]
+            picks = [rows.index(r) for r in kept]
+            if kept:
+                logits_parts.append(self._read_logits(len(rows))[picks])
+                if return_hidden:
+                    hidden_parts.append(self._read_hidden(len(rows))[picks])
+        logits = torch.from_numpy(np.concatenate(logits_parts))  # [keep, vocab]
+        hidden = torch.from_numpy(np.concatenate(hidden_parts)) if return_hidden else None  # [keep, n_embd]
+        return logits, hidden
+
+    def _decode(self, sequence: list[int], chunk: range, start: int, rows: list[int]) -> None:
+        """One ``llama_decode`` over ``sequence[chunk]`` at positions ``start + i``, with logits for ``rows``."""
+        batch = self._batch
+        output = set(rows)
+        batch.n_tokens = len(chunk)
+        for slot, i in enumerate(chunk):
+            batch.token[slot] = sequence[i]
+            batch.pos[slot] = start + i
+            batch.n_seq_id[slot] = 1
+            batch.seq_id[slot][0] = 0
+            batch.logits[slot] = 1 if i in output else 0
+        status = _lib().llama_decode(self._ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"{self.name}: llama_decode returned {status} for {len(chunk)} tokens at position "
+                               f"{start + chunk.start}")
+
+    def _read_logits(self, rows: int) -> np.ndarray:
+        """Copy the last decode's logits: ``[rows, vocab]`` float32."""
+        pointer = _lib().llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(pointer, shape=(rows, self.vocab_size)).copy()
+
+    def _read_hidden(self, rows: int) -> np.ndarray:
+        """Copy the last decode's final hidden states: ``[rows, n_embd]`` float32."""
+        lib = _lib()
+        width = int(lib.llama_model_n_embd(self.handle.ptr))
+        pointer = lib.llama_get_embeddings(self._ctx)
+        if not pointer:
+            raise RuntimeError(f"{self.name}: llama.cpp returned no hidden states")
+        return np.ctypeslib.as_array(pointer, shape=(rows, width)).copy()
+
+
+class LlamaCppTokenizer:
+    """The subset of a ``transformers`` tokenizer draftwise uses, over llama.cpp's own tokenizer.
+
+    Token ids are llama.cpp's by construction (the model is fed exactly what its own tokenizer produces), no
+    conversion to a ``transformers`` tokenizer is needed (minutes for a 150k-token vocabulary, and it fails for
+    some GGUF vocabularies), and the chat template is the GGUF's, rendered with ``transformers``' Jinja
+    renderer, so chat prompts match the PyTorch backend's.
+
+    Args:
+        model: the loaded model (shared with its backend).
+    """
+
+    def __init__(self, model: _ModelHandle) -> None:
+        self._model = model
+        lib = _lib()
+        self.chat_template = model.chat_template()
+        self.bos_token_id = _special(lib.llama_vocab_bos(model.vocab))
+        self.eos_token_id = _special(lib.llama_vocab_eos(model.vocab))
+        self.pad_token_id = _special(lib.llama_vocab_pad(model.vocab))
+        self.add_bos_token = bool(lib.llama_vocab_get_add_bos(model.vocab))
+
+    def __len__(self) -> int:
+        return self._model.n_vocab
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self.convert_ids_to_tokens(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self.convert_ids_to_tokens(self.eos_token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize ``text``; special-token text (``<|im_start|>``) becomes its special id, and BOS is added
+        when the model asks for it and ``add_special_tokens`` is True.
+
+        Raises:
+            RuntimeError: llama.cpp failed to tokenize.
+        """
+        lib = _lib()
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        for _ in range(2):
+            buffer = (lib.llama_token * capacity)()
+            count = lib.llama_tokenize(self._model.vocab, data, len(data), buffer, capacity, add_special_tokens, True)
+            if count >= 0:
+                return list(buffer[:count])
+            capacity = -count
+        raise RuntimeError(f"llama.cpp could not tokenize a text of {len(data)} bytes")
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Detokenize; with ``skip_special_tokens`` control tokens (BOS, EOS, ``<|im_end|>``) are dropped."""
+        lib = _lib()
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            return ""
+        tokens = (lib.llama_token * len(ids))(*ids)
+        capacity = 8 * len(ids) + 16
+        for _ in range(2):
+            buffer = ctypes.create_string_buffer(capacity)
+            count = lib.llama_detokenize(self._model.vocab, tokens, len(ids), buffer, capacity,
+                                         skip_special_tokens, not skip_special_tokens)
+            if count >= 0:
+                return self._strip_bos_space(ids, buffer.raw[:count].decode("utf-8", "replace"))
+            capacity = -count
+        raise RuntimeError(f"llama.cpp could not detokenize {len(ids)} tokens")
+
+    def _strip_bos_space(self, ids: list[int], text: str) -> str:
+        """llama.cpp keeps the word-boundary space of the token after a BOS (SentencePiece vocabularies);
+        ``transformers`` and llama-cpp-python's ``Llama.detokenize`` drop it."""
+        if ids[0] == self.bos_token_id and text.startswith(" "):
+            return text[1:]
+        return text
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
+        """Token strings as stored in the GGUF table (``Ġ``/``▁`` forms, as ``transformers`` shows them)."""
+        lib = _lib()
+        if isinstance(ids, int):
+            return lib.llama_vocab_get_text(self._model.vocab, ids).decode("utf-8", "replace")
+        return [lib.llama_vocab_get_text(self._model.vocab, int(i)).decode("utf-8", "replace") for i in ids]
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True, **kwargs
+    ) -> str | list[int]:
+        """Render ``messages`` with the GGUF chat template (Jinja, as ``transformers`` does) and, by default,
+        tokenize the result without adding BOS again (the template writes its own special tokens).
+
+        Raises:
+            ValueError: the model has no chat template.
+        """
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        specials = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
+                                            add_generation_prompt=add_generation_prompt, **{**specials, **kwargs})
+        text = rendered[0]
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def eog_token_ids(self) -> tuple[int, ...]:
+        """Every id llama.cpp treats as end of generation (EOS, EOT, ``<|im_end|>`` ...), sorted."""
+        lib = _lib()
+        vocab = self._model.vocab
+        return tuple(i for i in range(self._model.n_vocab) if lib.llama_vocab_is_eog(vocab, i))
+
+
+def _special(token_id: int) -> int | None:
+    """llama.cpp writes an unset special token as -1."""
+    return None if token_id is None or int(token_id) < 0 else int(token_id)
+
+
+def load_llama_cpp(
+    path: str | Path,
+    *,
+    name: str | None = None,
+    max_context: int | None = None,
+    n_threads: int | None = None,
+    flash_attention: bool = True,
+    batch_invariant: bool = True,
+):
+    """Load a GGUF file for the llama.cpp backend: the backend, llama.cpp's tokenizer and its EOG ids.
+
+    Returns:
+        a :class:`draftwise.models.loading.LoadedModel`.
+
+    Raises:
+        ImportError: llama-cpp-python is not installed.
+        FileNotFoundError, ValueError: see :class:`LlamaCppCausalLM`.
+    """
+    from draftwise.models.loading import LoadedModel
+
+    handle = _ModelHandle(Path(path))
+    backend = LlamaCppCausalLM(path, name=name, max_context=max_context, n_threads=n_threads,
+                               flash_attention=flash_attention, batch_invariant=batch_invariant, model=handle)
+    tokenizer = LlamaCppTokenizer(handle)
+    logger.info("llama.cpp: loaded %s (%d tokens, context %d, %d threads, batch-invariant %s)", backend.name,
+                backend.vocab_size, backend.max_context, backend.n_threads, batch_invariant)
+    return LoadedModel(backend=backend, tokenizer=tokenizer, name=name or str(path),
+                       eos_token_ids=tokenizer.eog_token_ids())

@@ -1,0 +1,286 @@
+"""The llama.cpp backend on stories260K (all tensors F32): cache rollback, logits shapes, batch invariance,
+greedy exactness of speculative decoding (draft model and n-gram proposers), mixed backends, the bench command.
+
+Skipped as a whole only when llama-cpp-python is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
+
+from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM  # noqa: E402
+from draftwise.builder import TokenizerMismatchError, build_engine, build_proposer  # noqa: E402
+from draftwise.config import SamplingParams, SpeculativeConfig  # noqa: E402
+from draftwise.engine import SpeculativeEngine  # noqa: E402
+from draftwise.models.loading import load_model  # noqa: E402
+from draftwise.proposers.draft_model import DraftModelProposer  # noqa: E402
+from draftwise.proposers.ngram import NgramProposer  # noqa: E402
+
+KS = [1, 2, 4, 8]
+PROMPTS = ["Once upon a time", "Lily and Ben went to the park. They saw"]
+TOKENS = [1, 17, 33, 8, 21, 40, 12, 5, 9, 30, 77, 3, 101, 64, 200, 18]
+
+
+def write_gguf_variant(source, target, *, layers: int | None = None, swap_tokens: tuple[int, int] | None = None,
+                       extra_tokens: int = 0) -> None:
+    """Copy a llama GGUF file, keeping its first ``layers`` blocks, swapping two token strings, or appending
+    ``extra_tokens`` tokens (with zero embedding and output rows)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(str(source))
+    writer = GGUFWriter(str(target), arch="llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        if key == "llama.block_count" and layers is not None:
+            value = layers
+        if key == "tokenizer.ggml.tokens":
+            value = list(value)
+            if swap_tokens:
+                a, b = swap_tokens
+                value[a], value[b] = value[b], value[a]
+            value += [f"<extra{i}>" for i in range(extra_tokens)]
+        elif key == "tokenizer.ggml.scores":
+            value = list(value) + [0.0] * extra_tokens
+        elif key == "tokenizer.ggml.token_type":
+            value = list(value) + [1] * extra_tokens
+        types = field.types
+        writer.add_key_value(key, value, types[0], types[1] if types[0] == GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        if layers is not None and tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= layers:
+            continue
+        data = np.array(tensor.data)
+        if extra_tokens and tensor.name in ("token_embd.weight", "output.weight"):
+            data = np.concatenate([data, np.zeros((extra_tokens, data.shape[1]), dtype=data.dtype)])
+        writer.add_tensor(tensor.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def lc_stories(stories_path):
+    """stories260K on llama.cpp, one thread."""
+    return load_model(str(stories_path), backend="llama.cpp", threads=1)
+
+
+@pytest.fixture(scope="module")
+def lc_same_draft(stories_path):
+    """A second llama.cpp instance of the same file: a draft that is always right."""
+    return load_model(str(stories_path), backend="llama.cpp", threads=1)
+
+
+@pytest.fixture(scope="module")
+def variants(stories_path, tmp_path_factory):
+    """GGUF variants of stories260K: its first 3 of 5 layers (a real, imperfect draft), a swapped token table,
+    and a table with 8 extra tokens."""
+    folder = tmp_path_factory.mktemp("gguf_variants")
+    paths = {"layers3": folder / "stories-3layers.gguf", "swapped": folder / "stories-swapped.gguf",
+             "extra": folder / "stories-extra.gguf"}
+    write_gguf_variant(stories_path, paths["layers3"], layers=3)
+    write_gguf_variant(stories_path, paths["swapped"], swap_tokens=(300, 301))
+    write_gguf_variant(stories_path, paths["extra"], extra_tokens=8)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def lc_small_draft(variants):
+    return load_model(str(variants["layers3"]), backend="llama.cpp", threads=1)
+
+
+def plain(target, prompt, params, eos=()):
+    return SpeculativeEngine(target, eos_token_ids=eos).generate(prompt, params)
+
+
+def speculate(target, proposer, prompt, params, k, eos=()):
+    return SpeculativeEngine(target, proposer, k, eos_token_ids=eos).generate(prompt, params)
+
+
+# ---------------------------------------------------------------------------------------------- the backend
+def test_logits_shape_dtype_and_hidden(lc_stories):
+    backend = lc_stories.backend
+    backend.reset()
+    out = backend.forward([1, 2, 3, 4])
+    assert out.logits.shape == (4, backend.vocab_size) == (4, 512) and out.logits.dtype == torch.float32
+    assert out.hidden is None and backend.num_cached == 4
+    out = backend.forward([5, 6, 7], num_logits=2, return_hidden=True)
+    assert out.logits.shape == (2, 512) and out.hidden.shape == (2, 64)
+    assert backend.forward([8], num_logits=5).logits.shape == (1, 512)
+    assert backend.num_cached == 8
+
+
+def test_rollback_then_refeed_equals_fresh_prefill(lc_stories):
+    backend = lc_stories.backend
+    backend.reset()
+    fresh = backend.forward(TOKENS[:10]).logits  # [10, vocab]
+    backend.reset()
+    backend.forward(TOKENS[:4])
+    backend.forward([44, 45, 46, 47])  # speculative tokens that get rejected
+    backend.rollback(4)
+    assert backend.num_cached == 4
+    again = backend.forward(TOKENS[4:10]).logits  # [6, vocab]
+    assert torch.equal(again, fresh[4:])
+
+
+def test_rollback_bounds_and_errors(lc_stories):
+    from draftwise.backends.base import ContextOverflowError
+
+    backend = lc_stories.backend
+    backend.reset()
+    backend.forward([1, 2, 3])
+    for bad in (4, -1):
+        with pytest.raises(ValueError):
+            backend.rollback(bad)
+    backend.rollback(0)
+    assert backend.num_cached == 0
+    with pytest.raises(ValueError, match="out of range"):
+        backend.forward([512])
+    with pytest.raises(ValueError, match="at least one token"):
+        backend.forward([])
+    with pytest.raises(ContextOverflowError):
+        backend.forward([5] * (backend.max_context + 1))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8])
+def test_logits_do_not_depend_on_batching(lc_stories, chunk):
+    """Batch invariance: the same positions decoded one at a time, in chunks, or all at once give
+    bit-identical logits, also past 256 cached tokens (llama.cpp pads its attention window to 256 cells)."""
+    backend = lc_stories.backend
+    tokens = [1] + [int(t) for t in torch.randint(3, 512, (299,), generator=torch.Generator().manual_seed(0))]
+    backend.reset()
+    whole = backend.forward(tokens).logits  # [300, vocab]
+    backend.reset()
+    parts = [backend.forward(tokens[i:i + chunk]).logits for i in range(0, len(tokens), chunk)]
+    assert torch.equal(torch.cat(parts), whole)
+
+
+def test_native_one_token_pass_is_not_batch_invariant(stories_path):
+    """Why the padding exists: llama.cpp's own one-token pass uses other kernels than batched passes. If this
+    starts failing, llama.cpp became batch-invariant and ``batch_invariant=True`` could stop padding."""
+    native = LlamaCppCausalLM(stories_path, n_threads=1, batch_invariant=False, max_context=64)
+    batched = native.forward(TOKENS).logits
+    native.reset()
+    one_by_one = torch.cat([native.forward([t]).logits for t in TOKENS])
+    assert not torch.equal(batched, one_by_one)
+    assert torch.equal(batched.argmax(-1), one_by_one.argmax(-1))  # tiny differences, same greedy tokens here
+    torch.testing.assert_close(batched, one_by_one, rtol=0, atol=1e-2)
+
+
+def test_tokenizer_matches_llama_cpp_and_round_trips(lc_stories, stories):
+    tokenizer = lc_stories.tokenizer
+    ids = lc_stories.encode("Once upon a time")
+    assert ids[0] == tokenizer.bos_token_id == 1
+    assert lc_stories.decode(ids) == "Once upon a time"
+    assert len(tokenizer) == 512 and lc_stories.eos_token_ids == (2,)
+    assert tokenizer.convert_ids_to_tokens(list(range(512))) == stories.tokenizer.convert_ids_to_tokens(list(range(512)))
+    assert not lc_stories.has_chat_template
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("k", KS)
+def test_same_file_draft_is_exact_and_always_accepted(lc_stories, lc_same_draft, k):
+    target = lc_stories
+    params = SamplingParams(max_tokens=48)
+    for text in PROMPTS:
+        prompt = target.encode(text)
+        oracle = plain(target.backend, prompt, params, target.eos_token_ids)
+        proposer = DraftModelProposer(lc_same_draft.backend, target.backend.vocab_size)
+        result = speculate(target.backend, proposer, prompt, params, k, target.eos_token_ids)
+        assert result.token_ids == oracle.token_ids, (text, k)
+        assert result.finish_reason == oracle.finish_reason
+        assert result.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("k", KS)
+def test_truncated_draft_is_exact(lc_stories, lc_small_draft, k):
+    """A real, imperfect draft (stories260K's first 3 of 5 layers, its own GGUF file) on llama.cpp."""
+    target = lc_stories
+    params = SamplingParams(max_tokens=48)
+    for text in PROMPTS:
+        prompt = target.encode(text)
+        oracle = plain(target.backend, prompt, params, target.eos_token_ids)
+        proposer = DraftModelProposer(lc_small_draft.backend, target.backend.vocab_size)
+        result = speculate(target.backend, proposer, prompt, params, k, target.eos_token_ids)
+        assert result.token_ids == oracle.token_ids, (text, k)
+        assert 0.0 < result.stats.acceptance_rate < 1.0
+
+
+@pytest.mark.parametrize("k", KS)
+def test_ngram_is_exact(lc_stories, k):
+    target = lc_stories
+    params = SamplingParams(max_tokens=64, ignore_eos=True)  # long enough to repeat itself
+    drafted = 0
+    for text in PROMPTS:
+        prompt = target.encode(text)
+        oracle = plain(target.backend, prompt, params)
+        result = speculate(target.backend, NgramProposer(), prompt, params, k)
+        assert result.token_ids == oracle.token_ids, (text, k)
+        drafted += result.stats.num_draft_tokens
+    assert drafted > 0
+
+
+def test_build_engine_with_the_llama_cpp_backend(stories_path):
+    config = SpeculativeConfig(method="draft_model", model=str(stories_path), num_speculative_tokens=3)
+    bundle = build_engine(str(stories_path), config, backend="llama.cpp", threads=1)
+    assert isinstance(bundle.target.backend, LlamaCppCausalLM) and isinstance(bundle.draft.backend, LlamaCppCausalLM)
+    prompt = bundle.target.encode(PROMPTS[0])
+    params = SamplingParams(max_tokens=24)
+    oracle = plain(bundle.target.backend, prompt, params, bundle.target.eos_token_ids)
+    assert bundle.engine.generate(prompt, params).token_ids == oracle.token_ids
+
+
+# ---------------------------------------------------------------------------------------------- mixed backends
+@pytest.mark.parametrize("k", [1, 4])
+def test_torch_target_with_llama_cpp_draft_is_exact(stories, stories_path, k):
+    """Identical token tables: a PyTorch target may take a llama.cpp draft (and the output is the target's)."""
+    config = SpeculativeConfig(method="draft_model", model=str(stories_path), num_speculative_tokens=k)
+    proposer, draft = build_proposer(config, stories, device="cpu", dtype=None, backend="llama.cpp", threads=1)
+    assert isinstance(draft.backend, LlamaCppCausalLM)
+    params = SamplingParams(max_tokens=48)
+    for text in PROMPTS:
+        prompt = stories.encode(text)
+        oracle = plain(stories.backend, prompt, params, stories.eos_token_ids)
+        result = speculate(stories.backend, proposer, prompt, params, k, stories.eos_token_ids)
+        assert result.token_ids == oracle.token_ids, (text, k)
+        assert result.stats.acceptance_rate > 0.9  # same weights, two implementations
+
+
+@pytest.mark.parametrize("variant, message", [("swapped", "different tokenizers"),
+                                              ("extra", "different backends, which needs identical token tables")])
+def test_mixed_backends_need_identical_token_tables(stories, variants, variant, message):
+    config = SpeculativeConfig(method="draft_model", model=str(variants[variant]), num_speculative_tokens=2)
+    with pytest.raises(TokenizerMismatchError, match=message):
+        build_proposer(config, stories, device="cpu", dtype=None, backend="llama.cpp", threads=1)
+
+
+def test_extra_tokens_pass_on_one_backend(lc_stories, variants):
+    """The same 8 extra tokens are only a warning when both models run on llama.cpp (the usual rule)."""
+    config = SpeculativeConfig(method="draft_model", model=str(variants["extra"]), num_speculative_tokens=2)
+    _, draft = build_proposer(config, lc_stories, device=None, dtype=None, backend="llama.cpp", threads=1)
+    assert draft.backend.vocab_size == 520
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def test_bench_command_on_llama_cpp(stories_path, tmp_path):
+    from draftwise.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"question_id": 1, "category": "a", "turns": ["Once upon a time"]}\n'
+                       '{"question_id": 2, "category": "b", "turns": ["Tom had a red ball."]}\n')
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(stories_path), "--draft", str(stories_path), "--prompts", str(prompts),
+                 "--methods", "plain,draft,ngram", "--ks", "2,4", "--max-tokens", "24", "--chat", "off",
+                 "--backend", "llama.cpp", "--threads", "1", "--output", str(out), "--no-plots"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["backend"] == "llama.cpp"
+    assert all(run["identical_to_plain"] for run in data["runs"])
+    assert [row["method"] for row in data["summary"]] == ["plain", "draft K=2", "draft K=4", "ngram K=2", "ngram K=4"]
