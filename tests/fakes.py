@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -70,3 +71,17 @@ class ScriptedProposer(Proposer):
         if self.wrong_at is not None and self.wrong_at < len(tokens):
             tokens[self.wrong_at] = (tokens[self.wrong_at] + 1) % self.vocab
         return DraftProposal(token_ids=tuple(tokens))
+
+
+def sequence_distribution(table: torch.Tensor, first: int, length: int, temperature: float) -> dict:
+    """Exact probability of every length-``length`` continuation of token ``first`` under a bigram table at
+    ``temperature`` (the oracle for statistical tests of lossless sampling)."""
+    probs = torch.softmax(table / temperature, dim=-1)
+    dist = {}
+    for seq in itertools.product(range(table.shape[0]), repeat=length):
+        p, prev = 1.0, first
+        for t in seq:
+            p *= float(probs[prev, t])
+            prev = t
+        dist[seq] = p
+    return dist

@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
 from draftwise.proposers.draft_model import DraftModelProposer
-from fakes import BigramLM
-
-
-def sequence_distribution(table: torch.Tensor, first: int, length: int, temperature: float) -> dict:
-    probs = torch.softmax(table / temperature, dim=-1)
-    dist = {}
-    for seq in itertools.product(range(table.shape[0]), repeat=length):
-        p, prev = 1.0, first
-        for t in seq:
-            p *= float(probs[prev, t])
-            prev = t
-        dist[seq] = p
-    return dist
+from fakes import BigramLM, sequence_distribution
 
 
 def test_speculative_sampling_matches_target_sequence_distribution():

@@ -13,7 +13,7 @@ from conftest import tiny_llama
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
 from draftwise.proposers.ngram import NgramIndex, NgramProposer, common_prefix_length
-from fakes import BigramLM, peaked_table
+from fakes import BigramLM, peaked_table, sequence_distribution
 
 KS = [1, 2, 4, 8]
 GREEDY = SamplingParams()
@@ -208,18 +208,6 @@ def test_one_proposer_serves_consecutive_requests(tiny_target):
 
 
 # ---------------------------------------------------------------------------------------------- lossless sampling
-def sequence_distribution(table: torch.Tensor, first: int, length: int, temperature: float) -> dict:
-    probs = torch.softmax(table / temperature, dim=-1)
-    dist = {}
-    for seq in itertools.product(range(table.shape[0]), repeat=length):
-        p, prev = 1.0, first
-        for t in seq:
-            p *= float(probs[prev, t])
-            prev = t
-        dist[seq] = p
-    return dist
-
-
 def test_one_hot_ngram_draft_keeps_sampling_lossless():
     """Bigram target at temperature 0.9 with a prompt whose n-grams always match: the n-gram draft is verified
     as a one-hot q; the sequence distribution must equal the target's (total variation on 5000 draws)."""
