@@ -88,12 +88,15 @@ def rowwise_attention(
 def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
     """Attention of one position: q ``[b, kv, g, d]``, k/v ``[b, kv, l, d]`` -> ``[b, kv, g, d]``.
 
-    Inputs are made contiguous so the kernels see identical shapes, strides and alignment whether the keys
-    are a whole cache (one-token decoding) or a prefix of a longer one (a row of a verify pass).
+    ``k`` and ``v`` are prefixes (along l) of the cache tensors, so each ``[l, d]`` matrix has the same
+    strides and start address whether the pass has one position or many; only the batch stride differs,
+    which selects matrices and does not change how each product is computed (tested bit for bit).
     """
-    scores = torch.matmul(q.contiguous(), k.contiguous().transpose(-1, -2)) * scaling  # [b, kv, g, l]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.matmul(probs, v.contiguous())
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling)  # [b, kv, g, l]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if probs.dtype != v.dtype:
+        probs = probs.to(v.dtype)
+    return torch.matmul(probs, v)
 
 
 def _no_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:

@@ -8,9 +8,9 @@ with :class:`Int8Linear`:
 
 - weights: int8, symmetric, one scale per output channel (``scale_c = max|W_c| / 127``);
 - activations: quantized per row (per token) to 7 bits plus sign: each row is multiplied by
-  ``63.5 / max|x_row|`` in float, then run through fbgemm's u8 x s8 GEMM
+  ``g = 63.5 / max|x_row|`` in float, then run through fbgemm's u8 x s8 GEMM
   (``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``) with a FIXED input scale 1 and zero
-  point 64, and the fp32 result is multiplied back by ``max|x_row| / 63.5`` and the bias added.
+  point 64, and the fp32 result is divided by ``g`` and the bias added.
 
 Why this is batch-invariant: a row's scale depends on that row only; the GEMM accumulates integer products
 in int32, which is exact and so independent of blocking or the order in which rows and columns are
@@ -151,16 +151,19 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., in_features]`` float on CPU -> ``[..., out_features]`` in ``x``'s dtype."""
-        rows = x.reshape(-1, self.in_features).float()  # [m, in]
-        row_max = rows.abs().amax(dim=1, keepdim=True).clamp_min_(_MIN_ROW_MAX)  # [m, 1]
-        scaled = rows * (_ACT_HALF_RANGE / row_max)  # each row in [-63.5, 63.5]
+        rows = x.reshape(-1, self.in_features)  # [m, in]
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        row_max = torch.linalg.vector_norm(rows, ord=float("inf"), dim=1, keepdim=True)  # [m, 1], max |x|
+        to_grid = _ACT_HALF_RANGE / row_max.clamp_min_(_MIN_ROW_MAX)  # each row to [-63.5, 63.5]
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            scaled, 1.0, _ACT_ZERO_POINT, self._packed
+            rows * to_grid, 1.0, _ACT_ZERO_POINT, self._packed
         )  # [m, out]
-        y.mul_(row_max / _ACT_HALF_RANGE)
+        y.div_(to_grid)
         if self.bias is not None:
             y.add_(self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
