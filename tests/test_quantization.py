@@ -156,3 +156,18 @@ def test_load_model_int8_on_stories(draftwise_home, stories_path, stories):
     assert agreement >= 0.85, agreement  # int8 changes the model slightly; see docs/cpu_int8.md
     with pytest.raises(ValueError, match="unknown quantization"):
         load_model(str(stories_path), device="cpu", quantization="fp4")
+
+
+def test_costs_command_json(draftwise_home, stories_path, capsys):
+    import json
+
+    from draftwise.cli import main
+
+    code = main(["costs", str(stories_path), "--quantization", "int8", "--ks", "2,4", "--repeats", "1",
+                 "--context", "8", "--draft", str(stories_path), "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["quantization"] == "int8" and result["context_len"] == 8
+    assert sorted(result["seconds"]) == ["1", "2", "4"] and result["relative"]["1"] == 1.0
+    assert result["cost_ratio_c"] > 0
+    assert main(["costs", str(stories_path), "--ks", "0"]) == 2  # one-line user error
