@@ -17,15 +17,23 @@ tiled attention kernel (ggml's ``GGML_FA_TILE_Q``) and differ again (:data:`FLAS
 Speculative verification runs k + 1 >= 2 tokens while plain decoding runs one, so greedy speculative output
 would drift from plain output.
 
-With ``batch_invariant=True`` (the default) the backend therefore never runs a one-token pass: a single new
-token is decoded together with a throw-away copy of itself at the next position, and that cell is removed
-right after (causal attention: the extra token cannot change the real token's logits). Any pass that returns
-logits returns at least two rows internally (llama.cpp computes the last layer and the LM head only for the
-requested rows, so one requested row would again be a matrix-vector product), and with flash attention no
-pass holds more than 63 tokens (long prompts are prefilled in chunks). The price is that a one-token step
-costs a two-token pass (see ``docs/llama_cpp.md`` for measurements). ``batch_invariant=False`` gives
-llama.cpp's native path: faster plain steps, but speculative output is then not guaranteed to equal plain
-output.
+Quantized weights add two more batch-size-dependent kernels, measured on Qwen2.5-Coder-1.5B Q4_K_M (logits
+moved by up to 0.68 between batch sizes): repacked Q4_K weights switch kernels at 4 tokens, and ggml's tiled
+K-quant product takes over at 8 tokens. With both off, passes of 1..16 tokens gave bit-identical logits there.
+
+With ``batch_invariant=True`` (the default) the backend therefore
+1. never runs a one-token pass: a single new token is decoded together with a throw-away copy of itself at the
+   next position, and that cell is removed right after (causal attention: the copy cannot change the real
+   token's logits);
+2. requests at least two output rows from any pass that returns logits (llama.cpp computes the last layer and
+   the LM head only for the requested rows, so one requested row would again be a matrix-vector product);
+3. with flash attention, puts at most 63 tokens in one pass (long prompts are prefilled in chunks);
+4. loads weights without repacking (``use_extra_bufts = false``) and sets ``GGML_CPU_TILED_MM=0`` unless the
+   environment already sets it.
+
+The price is that a one-token step costs a two-token pass (see ``docs/llama_cpp.md`` for measurements).
+``batch_invariant=False`` gives llama.cpp's native path: faster plain steps, but speculative output is then
+not guaranteed to equal plain output.
 
 Threads default to the CPUs this process may run on; llama.cpp's log lines go to this module's logger at
 DEBUG level.
@@ -88,6 +96,19 @@ def _llama():
     return llama_cpp, forward_log
 
 
+def _disable_tiled_matmul() -> None:
+    """Turn off ggml's tiled K-quant matrix product (``GGML_CPU_TILED_MM=0``) unless the user chose otherwise.
+
+    From 8 tokens per pass, ggml multiplies Q4_K/Q5_K/Q6_K weights with a tiled kernel that sums in another
+    order (logits of Qwen2.5-Coder-1.5B Q4_K_M moved by up to 0.68) and was slower on the CPUs measured here.
+    The variable is process-wide, so a user's explicit setting wins (with a warning when it breaks invariance).
+    """
+    value = os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+    if value != "0":
+        logger.warning("GGML_CPU_TILED_MM=%s: passes of 8 or more tokens use another kernel, so speculative output "
+                       "may differ from plain output", value)
+
+
 def _lib():
     return _llama()[0]
 
@@ -103,16 +124,21 @@ def default_threads() -> int:
 class _ModelHandle:
     """Owns one ``llama_model`` (weights and vocabulary); freed when the last user lets go of it.
 
+    ``repack`` lets llama.cpp repack quantized weights for its CPU GEMM kernels (its default). Repacked Q4_K
+    weights are multiplied by one kernel for 1-3 tokens and another from 4 tokens on, whose results differ
+    (Qwen2.5-Coder-1.5B Q4_K_M: logits moved by up to 0.68), so batch-invariant backends load without it.
+
     Raises:
         FileNotFoundError: no file at ``path``.
         ValueError: llama.cpp cannot load the file.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, repack: bool = False) -> None:
         lib = _lib()
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
         params = lib.llama_model_default_params()
+        params.use_extra_bufts = repack
         model = lib.llama_model_load_from_file(str(path).encode(), params)
         if not model:
             raise ValueError(f"llama.cpp could not load {path} (not a GGUF model it supports?)")
@@ -156,7 +182,7 @@ class LlamaCppCausalLM(CausalLM):
         batch_invariant: never run one-token passes, so logits do not depend on how tokens are batched (see
             the module docstring); needed for exact greedy speculation.
         model: an already loaded model to share (a second context on the same weights); ``path`` is then
-            only used for messages.
+            only used for messages. For a batch-invariant backend it must be loaded with ``repack=False``.
 
     Raises:
         FileNotFoundError, ValueError: the file is missing or llama.cpp cannot load it or create a context.
@@ -174,7 +200,9 @@ class LlamaCppCausalLM(CausalLM):
         model: _ModelHandle | None = None,
     ) -> None:
         lib = _lib()
-        self.handle = model or _ModelHandle(Path(path))
+        if batch_invariant:
+            _disable_tiled_matmul()
+        self.handle = model or _ModelHandle(Path(path), repack=not batch_invariant)
         self.name = name or str(path)
         self.vocab_size = self.handle.n_vocab
         self.max_context = int(max_context or min(self.handle.n_ctx_train, DEFAULT_MAX_CONTEXT))
@@ -465,7 +493,7 @@ def load_llama_cpp(
     """
     from draftwise.models.loading import LoadedModel
 
-    handle = _ModelHandle(Path(path))
+    handle = _ModelHandle(Path(path), repack=not batch_invariant)
     backend = LlamaCppCausalLM(path, name=name, max_context=max_context, n_threads=n_threads,
                                flash_attention=flash_attention, batch_invariant=batch_invariant, model=handle)
     tokenizer = LlamaCppTokenizer(handle)
