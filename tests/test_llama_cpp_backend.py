@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
 
-from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM  # noqa: E402
+from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM, relax_for_drafting  # noqa: E402
 from draftwise.builder import TokenizerMismatchError, build_engine, build_proposer  # noqa: E402
 from draftwise.config import SamplingParams, SpeculativeConfig  # noqa: E402
 from draftwise.engine import SpeculativeEngine  # noqa: E402
@@ -93,7 +93,11 @@ def variants(stories_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lc_small_draft(variants):
-    return load_model(str(variants["layers3"]), backend="llama.cpp", threads=1)
+    """The 3-layer draft, running llama.cpp's native (batch-variant) one-token passes, as drafts do."""
+    draft = load_model(str(variants["layers3"]), backend="llama.cpp", threads=1)
+    relax_for_drafting(draft)
+    assert not draft.backend.batch_invariant
+    return draft
 
 
 def plain(target, prompt, params, eos=()):
@@ -231,6 +235,7 @@ def test_build_engine_with_the_llama_cpp_backend(stories_path):
     config = SpeculativeConfig(method="draft_model", model=str(stories_path), num_speculative_tokens=3)
     bundle = build_engine(str(stories_path), config, backend="llama.cpp", threads=1)
     assert isinstance(bundle.target.backend, LlamaCppCausalLM) and isinstance(bundle.draft.backend, LlamaCppCausalLM)
+    assert bundle.target.backend.batch_invariant and not bundle.draft.backend.batch_invariant
     prompt = bundle.target.encode(PROMPTS[0])
     params = SamplingParams(max_tokens=24)
     oracle = plain(bundle.target.backend, prompt, params, bundle.target.eos_token_ids)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from draftwise.backends.llama_cpp_backend import relax_for_drafting
 from draftwise.check.tokenizer import (
     TokenizerMismatchError,
     compare_tokenizers,
@@ -114,6 +115,7 @@ def build_proposer(
         draft = load_model(config.model, device=device, dtype=dtype, max_context=target.backend.max_context,
                            quantization=quantization, backend=backend, threads=threads)
         check_same_tokenizer(target, draft)
+        relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
         return DraftModelProposer(draft.backend, target.backend.vocab_size), draft
     if config.method == "ngram":
         from draftwise.proposers.ngram import NgramProposer

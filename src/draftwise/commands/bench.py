@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from draftwise.backends.llama_cpp_backend import relax_for_drafting
 from draftwise.benchmark import (
     MethodSpec,
     PromptRun,
@@ -162,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if needs_draft:
         draft = load_model(args.draft, max_context=target.backend.max_context, **options)
         check_same_tokenizer(target, draft)
+        relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
     calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
     specs = build_methods(target, draft, methods, ks, policies, {})
     config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
