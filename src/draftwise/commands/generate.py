@@ -11,6 +11,7 @@ from draftwise.commands.common import (
     CliError,
     add_model_args,
     add_quantization_arg,
+    add_backend_arg,
     add_sampling_args,
     default_target,
     sampling_params_from_args,
@@ -24,6 +25,7 @@ def register(subparsers) -> None:
     parser.add_argument("--model", default=None, help="target model (default: the demo target)")
     add_model_args(parser)
     add_quantization_arg(parser)
+    add_backend_arg(parser)
     add_sampling_args(parser)
     parser.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
                         help="apply the model's chat template (auto: when it has one)")
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise CliError("the prompt is empty")
     bundle = build_engine(default_target(args.model), spec, device=args.device, dtype=args.dtype,
-                          max_context=args.max_model_len, quantization=args.quantization)
+                          max_context=args.max_model_len, quantization=args.quantization,
+                          backend=args.backend, threads=args.threads)
     target = bundle.target
     use_chat = args.chat == "on" or (args.chat == "auto" and target.has_chat_template)
     prompt_ids = target.encode_chat([{"role": "user", "content": prompt}]) if use_chat else target.encode(prompt)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
-from draftwise.commands.common import CliError, add_model_args, add_quantization_arg, speculative_config_from_args
+from draftwise.commands.common import CliError, add_backend_arg, add_model_args, add_quantization_arg, speculative_config_from_args
 from draftwise.config import SpeculativeConfig
 from draftwise.server.settings import DEFAULT_MAX_TOKENS, ServerSettings
 
@@ -34,6 +34,7 @@ def register(subparsers) -> None:
     parser.add_argument("--model", dest="model_flag", default=None, help="same as TARGET (vLLM's older flag)")
     add_model_args(parser)
     add_quantization_arg(parser)
+    add_backend_arg(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
@@ -119,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
                 f"draft {plan.speculative_config.model or plan.speculative_config.method}, "
                 f"K={plan.speculative_config.num_speculative_tokens}" if plan.speculative_config else "plain decoding")
     bundle = build_engine(plan.target, plan.speculative_config, device=args.device, dtype=args.dtype,
-                          max_context=args.max_model_len, quantization=args.quantization)
+                          max_context=args.max_model_len, quantization=args.quantization,
+                          backend=args.backend, threads=args.threads)
     app = create_app(bundle, plan.settings)
     logger.info("OpenAI-compatible API at http://%s:%d/v1", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
