@@ -20,7 +20,7 @@ import torch
 
 from draftwise.config import SamplingParams
 
-__all__ = ["DraftProposal", "Proposer"]
+__all__ = ["DraftProposal", "Proposer", "common_prefix_length"]
 
 
 @dataclass(frozen=True)
@@ -67,3 +67,23 @@ class Proposer(ABC):
         May return fewer tokens, including none (the engine then takes a plain decoding step). Must use
         ``generator`` for any randomness so that seeded requests are reproducible.
         """
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists.
+
+    One slice comparison when ``a`` is a prefix of ``b`` (the common case); otherwise a binary search over
+    prefix equality (O(n log n) element comparisons, all in C).
+    """
+    a, b = list(a), list(b)
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low]; a[:high] != b[:high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low

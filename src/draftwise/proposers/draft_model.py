@@ -15,20 +15,12 @@ import torch
 
 from draftwise.backends.base import CausalLM
 from draftwise.config import SamplingParams
-from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import logits_to_probs, sample_from_probs
 
 __all__ = ["DraftModelProposer"]
 
 logger = logging.getLogger(__name__)
-
-
-def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class DraftModelProposer(Proposer):
@@ -75,7 +67,7 @@ class DraftModelProposer(Proposer):
     def _sync_cache(self, context_ids: Sequence[int]) -> torch.Tensor:
         """Roll the draft cache back to the longest common prefix with ``context_ids`` and feed the rest;
         returns the draft's logits ``[vocab]`` for the token after the context."""
-        common = _common_prefix_length(self._cached, context_ids)
+        common = common_prefix_length(self._cached, context_ids)
         common = min(common, len(context_ids) - 1)  # at least one token must be fed to get logits
         self.draft.rollback(common)
         del self._cached[common:]

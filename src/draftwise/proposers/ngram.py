@@ -32,31 +32,11 @@ from collections.abc import Sequence
 import torch
 
 from draftwise.config import SamplingParams
-from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 
 __all__ = ["NgramProposer", "NgramIndex"]
 
 logger = logging.getLogger(__name__)
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists.
-
-    One slice comparison when ``a`` is a prefix of ``b`` (the common case); otherwise a binary search over
-    prefix equality (O(n log n) element comparisons, all in C).
-    """
-    a, b = list(a), list(b)
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n  # a[:low] == b[:low]; a[:high] != b[:high]
-    while high - low > 1:
-        mid = (low + high) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid
-    return low
 
 
 class NgramIndex:
