@@ -63,7 +63,7 @@ def write_plots(directory: Path, runs: Sequence[PromptRun], by_category: list[di
 
 def _plot_speedup(plt, path: Path, rows: list[dict]) -> Path:
     categories = list(dict.fromkeys(r["category"] for r in rows))
-    methods = [m for m in dict.fromkeys(r["method"] for r in rows)]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) * max(1, len(methods)) / 2), 4))
     width = 0.8 / max(1, len(methods))
     for j, method in enumerate(methods):
@@ -74,10 +74,7 @@ def _plot_speedup(plt, path: Path, rows: list[dict]) -> Path:
     ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(categories))], categories)
     ax.set_ylabel("median speedup over plain")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _plot_acceptance(plt, path: Path, summary: list[dict]) -> Path | None:
@@ -92,10 +89,7 @@ def _plot_acceptance(plt, path: Path, summary: list[dict]) -> Path | None:
     ax.set_ylabel("acceptance (accepted / drafted at that position)")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _plot_timeline(plt, path: Path, runs: Sequence[PromptRun]) -> Path | None:
@@ -119,6 +113,11 @@ def _plot_timeline(plt, path: Path, runs: Sequence[PromptRun]) -> Path | None:
     ax_k.set_ylabel("K used")
     ax_k.set_xlabel("seconds since request start")
     ax_rate.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: Path) -> Path:
+    """Lay out, write (110 dpi PNG) and close a figure."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
