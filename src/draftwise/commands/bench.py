@@ -54,7 +54,7 @@ def register(subparsers) -> None:
                         help=f"comma-separated, from {','.join(METHODS)} (default plain,draft; plain is always run)")
     parser.add_argument("--ks", default="4", help="comma-separated fixed K values (default 4)")
     parser.add_argument("--k-policies", default="fixed", help="fixed, auto or fixed,auto (auto: K_max = max(ks))")
-    parser.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench questions)")
+    parser.add_argument("--prompts", default=None, help="JSONL prompt file(s), comma-separated (default: Spec-Bench questions)")
     parser.add_argument("--category", default=None, help="comma-separated categories (default: all)")
     parser.add_argument("--limit", type=int, default=None, help="prompts per category")
     parser.add_argument("--turns", choices=["first", "all"], default="first",
@@ -146,11 +146,14 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         _, done, _ = load_results(args.resume)
         console.print(f"resuming {args.resume}: {len({r.prompt_id for r in done})} prompts already measured")
-    prompts_path = Path(args.prompts) if args.prompts else default_prompts_path()
+    prompt_paths = [Path(p.strip()) for p in args.prompts.split(",") if p.strip()] if args.prompts else [default_prompts_path()]
+    prompts_path = ",".join(str(p) for p in prompt_paths)
     categories = [c.strip() for c in args.category.split(",")] if args.category else None
-    prompts = load_prompts(prompts_path, categories, args.limit)
+    prompts = [prompt for path in prompt_paths for prompt in load_prompts(path, categories, args.limit)]
     if not prompts:
         raise CliError(f"no prompts selected from {prompts_path} (category={args.category})")
+    if len({p.id for p in prompts}) != len(prompts):
+        raise CliError(f"prompt ids repeat across {prompts_path}; give each prompt a distinct question_id")
 
     if "hf" in methods and args.backend != "torch":
         raise CliError("--methods hf runs transformers' own generate and needs --backend torch")

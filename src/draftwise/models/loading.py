@@ -25,7 +25,10 @@ from draftwise.models.gguf_tokenizer import gguf_metadata, tokenizer_from_gguf_v
 from draftwise.models.pull import MODEL_REGISTRY, draftwise_home, is_pulled, model_path
 from draftwise.quantization import parse_quantization, quantize_model
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_model", "select_backend", "BACKENDS"]
+__all__ = ["RANDOM_PREFIX", "randomize_weights", "LoadedModel", "ModelLoadError", "load_model", "resolve_model", "select_backend", "BACKENDS"]
+
+#: ``load_model("random:SPEC")``: SPEC's architecture and tokenizer with random weights.
+RANDOM_PREFIX = "random:"
 
 #: Values of ``load_model(backend=...)`` and ``--backend``.
 BACKENDS = ("torch", "llama.cpp", "auto")
@@ -126,7 +129,8 @@ def load_model(
 
     Args:
         spec: a registry name (see ``draftwise pull``), a ``.gguf`` file, a local Hugging Face directory or
-            a hub id (needs a reachable hub).
+            a hub id (needs a reachable hub). ``random:SPEC`` loads SPEC's architecture and tokenizer with
+            random weights (PyTorch backend only): a deliberately mismatched draft for benchmarks and tests.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: CUDA when present.
         dtype: ``"fp32"``, ``"bf16"``, ``"fp16"``; default: fp32 on CPU, bf16 on GPU.
         max_context: context length in tokens (default: the model config's).
@@ -144,8 +148,11 @@ def load_model(
             PyTorch-only option (CUDA device, dtype, int8) given to the llama.cpp backend.
     """
     quantization = parse_quantization(quantization)
-    path = resolve_model(spec)
-    if select_backend(backend, path, device=device, dtype=dtype, quantization=quantization) == "llama.cpp":
+    randomize = spec.startswith(RANDOM_PREFIX)
+    path = resolve_model(spec[len(RANDOM_PREFIX):] if randomize else spec)
+    if randomize and backend == "llama.cpp":
+        raise ValueError(f"{spec!r}: random weights need the PyTorch backend")
+    if not randomize and select_backend(backend, path, device=device, dtype=dtype, quantization=quantization) == "llama.cpp":
         return _load_llama_cpp(spec, path, max_context=max_context, threads=threads)
     device = device or default_device()
     torch_dtype = parse_dtype(dtype, device)
@@ -165,6 +172,8 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model {spec!r}: {exc}") from exc
     model.to(device)
+    if randomize:
+        randomize_weights(model)
     quantize_model(model, quantization)
     name = spec if quantization == "none" else f"{spec}+{quantization}"
     backend = TorchCausalLM(model, name=name, max_context=max_context)
@@ -321,6 +330,22 @@ def _load_gguf(path: Path):
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
+
+
+@torch.no_grad()
+def randomize_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Overwrite every weight matrix and embedding with N(0, std^2) draws from a seeded generator (norm
+    weights stay 1, biases 0): the same architecture and vocabulary with no knowledge, i.e. a draft that
+    disagrees with its target. Deterministic for a given ``seed``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32).mul_(std).to(param.dtype))
+        elif "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.zero_()
 
 
 def derive_layer_draft(loaded: LoadedModel, num_layers: int) -> LoadedModel:
