@@ -16,7 +16,7 @@ from draftwise import __version__
 __all__ = ["main", "build_parser"]
 
 # One module per subcommand in draftwise.commands, each with register(subparsers).
-_COMMANDS = ("pull", "generate", "bench", "serve", "check", "costs")
+_COMMANDS = ("pull", "generate", "bench", "serve", "check", "costs", "train_heads")
 
 
 def build_parser() -> argparse.ArgumentParser:
