@@ -43,6 +43,17 @@ class BigramLM(CausalLM):
         self._check_rollback_args(length)
         del self.tokens[length:]
 
+    supports_tree = True
+
+    def forward_tree(self, token_ids, parents, *, return_hidden=False) -> ForwardOutput:
+        """A bigram's row depends only on its own token, so a tree pass is a plain pass over the rows."""
+        assert len(parents) == len(token_ids) - 1
+        return self.forward(token_ids)
+
+    def compact(self, base: int, keep) -> None:
+        tail = self.tokens[base:]
+        self.tokens = self.tokens[:base] + [tail[j] for j in keep]
+
 
 def peaked_table(vocab: int, seed: int, scale: float = 4.0) -> torch.Tensor:
     """A random ``[vocab, vocab]`` logits table with clear argmaxes."""
@@ -71,6 +82,35 @@ class ScriptedProposer(Proposer):
         if self.wrong_at is not None and self.wrong_at < len(tokens):
             tokens[self.wrong_at] = (tokens[self.wrong_at] + 1) % self.vocab
         return DraftProposal(token_ids=tuple(tokens))
+
+
+class ScriptedTreeProposer(Proposer):
+    """Proposes a tree of depth k: ``width`` siblings at every depth below the correct node, the oracle token
+    at sibling rank ``rank`` (the others wrong), and no correct child at depth index ``wrong_at`` (0-based;
+    None: every depth has one). Exactly ``min(wrong_at, k)`` tokens are accepted per step."""
+
+    name = "scripted-tree"
+
+    def __init__(self, prompt_len: int, oracle: Sequence[int], vocab: int, width: int = 3, rank: int = 1,
+                 wrong_at: int | None = None) -> None:
+        self.prompt_len, self.oracle, self.vocab = prompt_len, list(oracle), vocab
+        self.width, self.rank, self.wrong_at = width, rank, wrong_at
+
+    def propose(self, context_ids, k, params: SamplingParams, generator) -> DraftProposal:
+        done = len(context_ids) - self.prompt_len
+        truth = self.oracle[done : done + k]
+        tokens: list[int] = []
+        parents: list[int] = []
+        parent = -1
+        for depth, right in enumerate(truth):
+            siblings = [(right + 1 + j) % self.vocab for j in range(self.width)]  # all wrong
+            if depth != self.wrong_at:
+                siblings[self.rank % self.width] = right
+            first = len(tokens)
+            tokens.extend(siblings)
+            parents.extend([parent] * self.width)
+            parent = first + self.rank % self.width
+        return DraftProposal(token_ids=tuple(tokens), parents=tuple(parents) if tokens else None)
 
 
 def sequence_distribution(table: torch.Tensor, first: int, length: int, temperature: float) -> dict:

@@ -13,6 +13,9 @@ tensor shapes one-token decoding at position p uses (one query row against ``p +
 is computed by the same kernels on the same numbers: bit for bit the one-token result. The causal (and
 sliding-window) structure comes from the shapes; no mask tensor is built.
 
+Tree passes (several draft branches in one pass) pass a 4D mask; each row's visible keys are gathered into
+the same contiguous layout one-token decoding along that branch uses, so tree verification stays exact.
+
 Limits: one unpadded sequence per batch row (the draftwise backends never pad); a padded 2D attention mask
 raises ``NotImplementedError``. The loop costs a few small kernel launches per row and layer, negligible for
 the k <= ~17 rows of a verify pass and a few percent of a long prefill.
@@ -58,7 +61,10 @@ def rowwise_attention(
         query: ``[b, heads, n, head_dim]``, the n new positions (the last n of the sequence).
         key, value: ``[b, kv_heads, L, head_dim]``, every position so far (cache plus the n new ones);
             ``heads`` must be a multiple of ``kv_heads`` (grouped-query attention).
-        attention_mask: ignored (always None from the registered mask function; causality comes from shapes).
+        attention_mask: None from the registered mask function (causality then comes from shapes), or a
+            custom 4D ``[1, 1, n, L]`` tree mask (bool, or additive with 0 = visible) from a tree pass
+            (:meth:`draftwise.backends.torch_backend.TorchCausalLM.forward_tree`): each row then attends to
+            its visible keys, gathered in order (batch 1 only).
         scaling: multiplier of the scores (usually ``head_dim ** -0.5``).
         dropout: must be 0 (inference only).
         sliding_window: attend to at most this many most recent keys (None: all).
@@ -77,12 +83,28 @@ def rowwise_attention(
         raise ValueError(f"rowwise attention: {heads} heads over {kv_heads} kv heads, {n} queries over {total} keys")
     groups = heads // kv_heads
     out = query.new_empty(batch, n, heads, head_dim)
+    tree = attention_mask is not None and attention_mask.dim() == 4
     for i in range(n):
-        end = total - n + i + 1  # keys [start, end) are visible to row i
-        start = max(0, end - sliding_window) if sliding_window else 0
         q = query[:, :, i].reshape(batch, kv_heads, groups, head_dim)  # [b, kv, g, d]
-        out[:, i] = _one_row(q, key[:, :, start:end], value[:, :, start:end], scaling).reshape(batch, heads, head_dim)
+        if tree:
+            keys, values = _visible_keys(attention_mask[0, 0, i], key, value)
+        else:
+            end = total - n + i + 1  # keys [start, end) are visible to row i
+            start = max(0, end - sliding_window) if sliding_window else 0
+            keys, values = key[:, :, start:end], value[:, :, start:end]
+        out[:, i] = _one_row(q, keys, values, scaling).reshape(batch, heads, head_dim)
     return out, None
+
+
+def _visible_keys(row_mask: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values one row of a tree pass may see (``row_mask``: ``[L]``, bool True or additive 0 = visible),
+    gathered in position order into the contiguous ``[b, kv, l, d]`` layout one-token decoding of that path
+    would have, so the row's result is bit for bit the linear one (tested)."""
+    visible = row_mask if row_mask.dtype == torch.bool else row_mask == 0
+    index = visible.nonzero().flatten()  # [l]
+    if int(index[-1]) + 1 == len(index):  # a prefix: slice, as the causal path does
+        return key[:, :, : len(index)], value[:, :, : len(index)]
+    return key.index_select(2, index), value.index_select(2, index)
 
 
 def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -121,7 +121,48 @@ def build_proposer(
         from draftwise.proposers.ngram import NgramProposer
 
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), None
+    if config.method in ("medusa", "eagle"):
+        return build_head_proposer(config, target), None
     raise ValueError(f"speculative method {config.method!r} is not available")
+
+
+def build_head_proposer(config: SpeculativeConfig, target: LoadedModel) -> Proposer:
+    """A Medusa or EAGLE proposer from the heads directory ``config.model``, on the target's device and dtype.
+
+    Raises:
+        HeadsMismatchError: not a heads directory, heads of the other method, or heads trained on another
+            base model (fingerprint check).
+        ValueError: the target is not a PyTorch model.
+    """
+    from draftwise.backends.torch_backend import TorchCausalLM
+    from draftwise.heads import HeadsMismatchError, base_model_identity, load_heads
+
+    backend = target.backend
+    if not isinstance(backend, TorchCausalLM):
+        raise ValueError(f"method {config.method!r} runs heads on the target's hidden states and needs the PyTorch "
+                         "backend (--backend torch)")
+    model = backend.model
+    dtype = model.get_input_embeddings().weight.dtype
+    heads, heads_config = load_heads(config.model, fingerprint=base_model_identity(model), base_name=target.name,
+                                     device=backend.device, dtype=dtype)
+    if heads_config.method != config.method:
+        raise HeadsMismatchError(f"{config.model} holds {heads_config.method} heads, not {config.method}")
+    lm_head = model.get_output_embeddings()
+    if config.method == "medusa":
+        from draftwise.proposers.medusa import MedusaProposer
+        from draftwise.tree import TreeTemplate
+
+        depth = min(config.num_speculative_tokens, heads_config.num_heads)
+        if config.tree is not None:
+            template = TreeTemplate(config.tree)
+        elif config.tree_width > 1:
+            template = TreeTemplate.full(depth, config.tree_width, config.tree_budget)
+        else:
+            template = None
+        return MedusaProposer(heads, lm_head, template)
+    from draftwise.proposers.eagle import EagleProposer
+
+    return EagleProposer(heads, model.get_input_embeddings(), lm_head, config.tree_width, config.tree_budget)
 
 
 def build_engine(

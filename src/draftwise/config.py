@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingParams", "SpeculativeConfig", "SPECULATIVE_METHODS", "K_POLICIES"]
+__all__ = ["SamplingParams", "SpeculativeConfig", "SPECULATIVE_METHODS", "HEAD_METHODS", "K_POLICIES"]
 
-SPECULATIVE_METHODS = ("draft_model", "ngram")
+SPECULATIVE_METHODS = ("draft_model", "ngram", "medusa", "eagle")
+#: Methods whose ``model`` is a heads directory (``draftwise train-heads``) on the target itself.
+HEAD_METHODS = ("medusa", "eagle")
 K_POLICIES = ("fixed", "auto")
 
 
@@ -63,14 +65,22 @@ class SpeculativeConfig:
     Field names follow vLLM's ``--speculative-config``.
 
     Attributes:
-        method: ``"draft_model"`` (a second, smaller causal LM with the same tokenizer) or ``"ngram"``.
-        model: path, hub id or registry name of the draft model (``draft_model`` only).
+        method: ``"draft_model"`` (a second, smaller causal LM with the same tokenizer), ``"ngram"``, or
+            ``"medusa"`` / ``"eagle"`` (heads trained on the target by ``draftwise train-heads``).
+        model: path, hub id or registry name of the draft model (``draft_model``), or the heads directory
+            (``medusa``, ``eagle``).
         num_speculative_tokens: K, the maximum number of draft tokens verified per target pass (>= 1).
         prompt_lookup_min: shortest suffix n-gram to look up (``ngram`` only).
         prompt_lookup_max: longest suffix n-gram to look up (``ngram`` only).
         k_policy: ``"fixed"`` (default: always K = ``num_speculative_tokens``) or ``"auto"`` (a cost-model
             controller picks K in 0..``num_speculative_tokens`` before every step; see
-            :class:`draftwise.controller.AutoK`). Not a vLLM field.
+            :class:`draftwise.controller.AutoK`). Not a vLLM field. Medusa and EAGLE use fixed K (the tree depth).
+        tree_width: ``medusa`` / ``eagle``: candidates per expanded tree node (top-k); 1 drafts a single chain
+            of K tokens. Not a vLLM field.
+        tree_budget: ``medusa`` / ``eagle``: at most this many draft nodes per step (default ``K * tree_width``).
+        tree: ``medusa``: an explicit static tree as Medusa "choices", a list of top-k rank paths such as
+            ``[[0], [1], [0, 0]]`` (overrides ``tree_width`` / ``tree_budget``; see
+            :class:`draftwise.tree.TreeTemplate`).
 
     Raises:
         ValueError: on an unknown method, a missing draft model or out-of-range sizes.
@@ -82,6 +92,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     k_policy: str = "fixed"
+    tree_width: int = 1
+    tree_budget: int | None = None
+    tree: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -97,3 +110,25 @@ class SpeculativeConfig:
             )
         if self.k_policy not in K_POLICIES:
             raise ValueError(f"unknown k_policy {self.k_policy!r}; choose one of {K_POLICIES}")
+        if self.method in HEAD_METHODS:
+            self._check_heads_fields()
+
+    def _check_heads_fields(self) -> None:
+        if not self.model:
+            raise ValueError(f"method {self.method!r} needs its heads directory as 'model' (draftwise train-heads)")
+        if self.k_policy != "fixed":
+            raise ValueError(f"method {self.method!r} supports k_policy 'fixed' only")
+        if not 1 <= self.tree_width <= 16:
+            raise ValueError(f"tree_width must be in 1..16, got {self.tree_width}")
+        if self.tree_budget is not None and not 1 <= self.tree_budget <= 256:
+            raise ValueError(f"tree_budget must be in 1..256, got {self.tree_budget}")
+        if self.tree is not None:
+            if self.method != "medusa":
+                raise ValueError("an explicit 'tree' (Medusa choices) is for method 'medusa' only")
+            from draftwise.tree import TreeTemplate
+
+            try:
+                paths = TreeTemplate(tuple(tuple(p) for p in self.tree)).paths
+            except TypeError as exc:
+                raise ValueError(f"tree must be a list of lists of non-negative ints: {exc}") from exc
+            object.__setattr__(self, "tree", paths)

@@ -6,7 +6,9 @@ One step, with the target's KV cache holding every committed token but the last 
 2. the target runs one forward pass over ``[last, d_1..d_k]`` (k + 1 positions) and returns ``[k + 1, vocab]``
    logits;
 3. verification keeps the accepted prefix ``d_1..d_n`` and adds one target token (greedy: argmax; sampling:
-   Leviathan et al. 2023 rejection sampling);
+   Leviathan et al. 2023 rejection sampling). A draft *tree* (Medusa, EAGLE) runs as one pass with a tree
+   attention mask (:mod:`draftwise.tree`), keeps the longest agreeing root-to-node path
+   (:mod:`draftwise.verification.tree`) and compacts the KV cache to that path;
 4. the committed tokens are checked against stop conditions (EOS, stop token ids, max_tokens, context
    length); tokens past a stop are discarded and never counted;
 5. the target cache is rolled back to the context plus the accepted drafts (the new last token is fed at
@@ -32,6 +34,7 @@ from draftwise.proposers.base import DraftProposal, Proposer
 from draftwise.sampling import logits_to_probs, make_generator, sample_from_probs
 from draftwise.stats import SpeculativeStats
 from draftwise.verification import VerificationResult, verify_greedy, verify_sampling
+from draftwise.verification.tree import TreeVerificationResult, verify_tree_greedy, verify_tree_sampling
 
 __all__ = ["SpeculativeEngine", "GenerationResult", "Generation"]
 
@@ -107,6 +110,10 @@ class SpeculativeEngine:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self._needs_hidden = proposer is not None and proposer.needs_target_hidden
+        if self._needs_hidden and not getattr(target, "supports_tree", False):
+            raise ValueError(f"proposer {proposer.name!r} reads the target's hidden states; {target.name} is not a "
+                             "PyTorch backend (use --backend torch)")
         self._controller_factory = controller_factory or (lambda: FixedK(self.num_speculative_tokens))
 
     # ------------------------------------------------------------------ public API
@@ -146,10 +153,13 @@ class SpeculativeEngine:
             self.proposer.start(state.prompt)
 
         t0 = time.perf_counter()
-        prefill = self.target.forward(state.prompt, num_logits=1)
+        hidden_args = {"return_hidden": True, "hidden_rows": len(state.prompt)} if self._needs_hidden else {}
+        prefill = self.target.forward(state.prompt, num_logits=1, **hidden_args)
         stats.prefill_time_s = time.perf_counter() - t0
         first = self._sample_one(prefill.logits[-1], params, generator)
         chunk, _ = self._commit(state, (first,))
+        if self._needs_hidden and not state.finish_reason:
+            stats.draft_time_s += self._observe(prefill.hidden, state.prompt[1:] + [first])
         if chunk:
             yield chunk
 
@@ -157,18 +167,21 @@ class SpeculativeEngine:
             context = state.prompt + state.generated
             k = self._clamp_k(controller.choose_k(), state, context)
             proposal, draft_time = self._propose(context, k, params, generator)
-            stats.draft_time_s += draft_time
+            if proposal.is_tree:  # a tree pass writes one cache entry per node on top of the context
+                proposal = proposal.truncated(self.target.max_context - len(context))
             t0 = time.perf_counter()
-            out = self.target.forward([context[-1], *proposal.token_ids])  # logits [k + 1, vocab]
+            result, hidden = self._verify_step(context, proposal, params, generator)
             target_time = time.perf_counter() - t0
             stats.target_time_s += target_time
-            result = self._verify(proposal, out.logits, params, generator)
-            self.target.rollback(len(context) + result.num_accepted)
             chunk, consumed = self._commit(state, result.token_ids)
             num_accepted = min(result.num_accepted, consumed)
-            stats.record_step(len(proposal), num_accepted, len(chunk))
+            if hidden is not None and not state.finish_reason:
+                draft_time += self._observe(hidden, result.token_ids)
+            stats.draft_time_s += draft_time
+            stats.record_step(proposal.depth, num_accepted, len(chunk))
+            stats.num_tree_nodes += len(proposal) if proposal.is_tree else 0
             stats.step_end_s.append(time.perf_counter() - state.start)
-            controller.observe(len(proposal), num_accepted, draft_time, target_time)
+            controller.observe(proposal.depth, num_accepted, draft_time, target_time)
             if chunk:
                 yield chunk
         for note in controller.notes():
@@ -184,9 +197,43 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         proposal = self.proposer.propose(context, k, params, generator)
         draft_time = time.perf_counter() - t0
-        if len(proposal) > k:
-            raise RuntimeError(f"proposer {self.proposer.name!r} returned {len(proposal)} tokens for k={k}")
+        if proposal.depth > k:
+            raise RuntimeError(f"proposer {self.proposer.name!r} returned {proposal.depth} tokens deep for k={k}")
         return proposal, draft_time
+
+    def _verify_step(
+        self, context: list[int], proposal: DraftProposal, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[VerificationResult | TreeVerificationResult, torch.Tensor | None]:
+        """One target pass over ``[last, drafts...]``, verification, and the KV cache cut to the context plus
+        the accepted drafts. Returns the result and, for proposers that read target features, the hidden
+        states ``[1 + accepted, H]`` of the kept positions."""
+        root = context[-1]
+        if proposal.is_tree:
+            out = self.target.forward_tree([root, *proposal.token_ids], proposal.parents, return_hidden=self._needs_hidden)
+            result = self._verify_tree(proposal, out.logits, params, generator)  # logits [n + 1, vocab]
+            keep = [0] + [1 + node for node in result.accepted_nodes]
+            self.target.compact(len(context) - 1, keep)
+        else:
+            out = self.target.forward([root, *proposal.token_ids], return_hidden=self._needs_hidden)  # [k + 1, vocab]
+            result = self._verify(proposal, out.logits, params, generator)
+            self.target.rollback(len(context) + result.num_accepted)
+            keep = list(range(result.num_accepted + 1))
+        return result, None if out.hidden is None else out.hidden[keep]
+
+    def _observe(self, hidden: torch.Tensor, next_token_ids: Sequence[int]) -> float:
+        """Hand the target's features to the proposer; returns the time it took (seconds, draft time)."""
+        t0 = time.perf_counter()
+        self.proposer.observe(hidden, list(next_token_ids))
+        return time.perf_counter() - t0
+
+    @staticmethod
+    def _verify_tree(
+        proposal: DraftProposal, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> TreeVerificationResult:
+        if params.greedy:
+            return verify_tree_greedy(proposal.token_ids, proposal.parents, target_logits)
+        target_probs = logits_to_probs(target_logits, params)  # [n + 1, vocab]
+        return verify_tree_sampling(proposal.token_ids, proposal.parents, target_probs, generator)
 
     @staticmethod
     def _verify(

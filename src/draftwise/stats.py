@@ -27,6 +27,7 @@ class SpeculativeStats:
     num_accepted_tokens: int = 0
     num_target_passes: int = 0  # decode-phase target forward passes (prefill excluded)
     num_step_tokens: int = 0  # tokens committed by decode-phase passes (bonus included)
+    num_tree_nodes: int = 0  # draft-tree nodes verified (tree methods; a chain counts 0)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     k_history: list[int] = field(default_factory=list)  # K used at each decode step

@@ -27,7 +27,8 @@ class ForwardOutput:
     Attributes:
         logits: ``[n_logits, vocab]`` float32 on CPU, for the last ``n_logits`` new positions; row i is the
             distribution of the token *after* the corresponding input token.
-        hidden: ``[n_logits, hidden_size]`` last hidden states (after the final norm) when requested, else None.
+        hidden: ``[n_hidden, hidden_size]`` last hidden states (after the final norm) of the last n_hidden new
+            positions (by default n_hidden = n_logits) when requested, else None.
     """
 
     logits: torch.Tensor
@@ -54,14 +55,16 @@ class CausalLM(ABC):
 
     @abstractmethod
     def forward(
-        self, token_ids: Sequence[int], *, num_logits: int | None = None, return_hidden: bool = False
+        self, token_ids: Sequence[int], *, num_logits: int | None = None, return_hidden: bool = False,
+        hidden_rows: int | None = None,
     ) -> ForwardOutput:
         """Run the model over ``token_ids`` (``[n]``, n >= 1) on top of the cache and append them to it.
 
         Args:
             token_ids: new tokens, in order.
             num_logits: return logits for only the last ``num_logits`` positions (None: all n).
-            return_hidden: also return the last hidden states of those positions.
+            return_hidden: also return the last hidden states (after the final norm).
+            hidden_rows: hidden states for the last ``hidden_rows`` positions (default: the logits' rows).
 
         Raises:
             ContextOverflowError: if ``num_cached + n`` exceeds ``max_context``.
@@ -79,6 +82,35 @@ class CausalLM(ABC):
     def reset(self) -> None:
         """Empty the KV cache."""
         self.rollback(0)
+
+    #: True when :meth:`forward_tree` and :meth:`compact` are implemented (tree verification).
+    supports_tree: bool = False
+
+    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], *, return_hidden: bool = False) -> ForwardOutput:
+        """Run a draft tree in one pass: ``token_ids = [root, node_0, ..., node_{n-1}]`` (``[n + 1]``), with
+        ``parents`` (``[n]``, -1 = the root; see :mod:`draftwise.tree`) giving each node's parent.
+
+        Row r attends to the cache and to its own root-to-node path, at position ``num_cached + depth``. All
+        n + 1 entries are appended to the cache in row order; call :meth:`compact` to keep the accepted path.
+
+        Returns:
+            logits ``[n + 1, vocab]`` (and hidden ``[n + 1, H]`` when ``return_hidden``).
+
+        Raises:
+            NotImplementedError: the backend cannot run trees (``supports_tree`` is False).
+            ContextOverflowError, ValueError: as :meth:`forward`, or inconsistent ``parents``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support tree verification")
+
+    def compact(self, base: int, keep: Sequence[int]) -> None:
+        """Keep the first ``base`` cache entries and the entries ``base + j`` for ``j`` in ``keep`` (strictly
+        increasing offsets into the last tree pass), dropping the others: the accepted path's KV entries.
+
+        Raises:
+            NotImplementedError: the backend cannot run trees.
+            ValueError: offsets out of range or not increasing.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support tree verification")
 
     def _check_forward_args(self, token_ids: Sequence[int]) -> None:
         if len(token_ids) == 0:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from draftwise.backends.base import CausalLM, ForwardOutput
+from draftwise.tree import check_parents, tree_attention_mask, tree_position_ids
 
 __all__ = ["TorchCausalLM", "default_attention", "default_device", "default_dtype"]
 
@@ -68,26 +69,70 @@ class TorchCausalLM(CausalLM):
 
     @torch.inference_mode()
     def forward(
-        self, token_ids: Sequence[int], *, num_logits: int | None = None, return_hidden: bool = False
+        self, token_ids: Sequence[int], *, num_logits: int | None = None, return_hidden: bool = False,
+        hidden_rows: int | None = None,
     ) -> ForwardOutput:
         token_ids = list(token_ids)
         self._check_forward_args(token_ids)
         n = len(token_ids)
         keep = n if num_logits is None else max(1, min(num_logits, n))
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
         positions = torch.arange(self._num_cached, self._num_cached + n, device=self.device)
-        out = self.model(
+        out = self._run(token_ids, positions, keep, return_hidden)
+        self._num_cached += n
+        rows = keep if hidden_rows is None else max(1, min(hidden_rows, n))
+        return self._output(out, keep, rows if return_hidden else 0)
+
+    @torch.inference_mode()
+    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], *, return_hidden: bool = False) -> ForwardOutput:
+        token_ids = list(token_ids)
+        self._check_forward_args(token_ids)
+        if len(parents) != len(token_ids) - 1:
+            raise ValueError(f"{len(token_ids)} tree tokens (root included) need {len(token_ids) - 1} parents, got {len(parents)}")
+        check_parents(parents)
+        n = len(token_ids)
+        visible = tree_attention_mask(parents, self._num_cached).to(self.device)  # [n, cached + n]
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(~visible, torch.finfo(dtype).min)
+        positions = tree_position_ids(parents, self._num_cached).to(self.device)  # [n]
+        cache_positions = torch.arange(self._num_cached, self._num_cached + n, device=self.device)
+        out = self._run(token_ids, positions, n, return_hidden, mask=mask[None, None], cache_positions=cache_positions)
+        self._num_cached += n
+        return self._output(out, n, n if return_hidden else 0)
+
+    def compact(self, base: int, keep: Sequence[int]) -> None:
+        keep = [int(j) for j in keep]
+        if not 0 <= base <= self._num_cached or any(b <= a for a, b in zip(keep, keep[1:])) or \
+                (keep and (keep[0] < 0 or base + keep[-1] >= self._num_cached)):
+            raise ValueError(f"compact({base}, {keep}) outside a cache of {self._num_cached} entries")
+        if keep == list(range(len(keep))):  # a prefix: a plain rollback
+            self.rollback(base + len(keep))
+            return
+        index = torch.tensor(list(range(base)) + [base + j for j in keep], dtype=torch.long, device=self.device)
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+        self._num_cached = len(index)
+
+    supports_tree = True
+
+    def _run(self, token_ids: list[int], positions: torch.Tensor, keep: int, return_hidden: bool, *,
+             mask: torch.Tensor | None = None, cache_positions: torch.Tensor | None = None):
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
+        extra = {} if mask is None else {"attention_mask": mask}  # [1, 1, n, cached + n] additive
+        return self.model(
             input_ids=input_ids,
             position_ids=positions.unsqueeze(0),  # [1, n]
-            cache_position=positions,  # [n]
+            cache_position=positions if cache_positions is None else cache_positions,  # [n]
             **{self._cache_arg: self._cache},
             use_cache=True,
             logits_to_keep=keep,
             output_hidden_states=return_hidden,
+            **extra,
         )
-        self._num_cached += n
+
+    def _output(self, out, keep: int, hidden_rows: int) -> ForwardOutput:
         logits = out.logits[0, -keep:].float()  # [keep, vocab]
-        hidden = out.hidden_states[-1][0, -keep:].float() if return_hidden else None  # [keep, hidden]
+        hidden = out.hidden_states[-1][0, -hidden_rows:].float() if hidden_rows else None  # [rows, hidden]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return ForwardOutput(logits=logits.cpu(), hidden=None if hidden is None else hidden.cpu())

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.config import SamplingParams
+from draftwise.tree import check_parents, node_depths
 
 __all__ = ["DraftProposal", "Proposer", "common_prefix_length"]
 
@@ -28,31 +29,70 @@ class DraftProposal:
     """Draft tokens offered for one verification pass.
 
     Attributes:
-        token_ids: ``[k]`` draft token ids, k >= 0.
+        token_ids: ``[k]`` draft token ids, k >= 0 (a tree's nodes, in topological order).
         draft_probs: ``[k, vocab]`` float32 distributions the tokens were sampled from (vocab = the target's
-            logits width), or None for a deterministic draft.
+            logits width), or None for a deterministic draft. Trees must be deterministic.
+        parents: None for a chain; for a draft tree, ``[k]`` parent node indices (-1 = the last committed
+            token), see :mod:`draftwise.tree`.
     """
 
     token_ids: tuple[int, ...]
     draft_probs: torch.Tensor | None = None
+    parents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.token_ids):
             raise ValueError(
                 f"draft_probs has {self.draft_probs.shape[0]} rows for {len(self.token_ids)} draft tokens"
             )
+        if self.parents is not None:
+            if len(self.parents) != len(self.token_ids):
+                raise ValueError(f"{len(self.parents)} parents for {len(self.token_ids)} tree nodes")
+            check_parents(self.parents)
+            if self.draft_probs is not None:
+                raise ValueError("draft trees must be deterministic (draft_probs None)")
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    @property
+    def depth(self) -> int:
+        """Longest root-to-node path: the most draft tokens one verification can accept."""
+        return max(node_depths(self.parents), default=0) if self.parents is not None else len(self.token_ids)
+
+    def truncated(self, num_nodes: int) -> "DraftProposal":
+        """The first ``num_nodes`` tokens / tree nodes (a prefix of a topological order is a tree)."""
+        if num_nodes >= len(self.token_ids):
+            return self
+        probs = None if self.draft_probs is None else self.draft_probs[:num_nodes]
+        parents = None if self.parents is None else self.parents[:num_nodes]
+        return DraftProposal(self.token_ids[:num_nodes], probs, parents)
 
 
 class Proposer(ABC):
     """Interface every proposer implements."""
 
     name: str = "proposer"
+    #: True for proposers that read the target's own features (Medusa, EAGLE): the engine then asks the
+    #: target for hidden states and calls :meth:`observe` after the prefill and after every verification.
+    needs_target_hidden: bool = False
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         """Begin a new request whose prompt is ``prompt_ids`` (reset per-request state). Default: nothing."""
+
+    def observe(self, hidden: torch.Tensor, next_token_ids: Sequence[int]) -> None:
+        """Target features of the positions just added to the target's KV cache (``needs_target_hidden``).
+
+        Args:
+            hidden: ``[m, H]`` the target's last hidden states (after the final norm) at those positions,
+                in order: all prompt positions after the prefill; the last committed token and the accepted
+                draft tokens after a verification.
+            next_token_ids: ``[m]`` the committed token that follows each position.
+        """
 
     @abstractmethod
     def propose(

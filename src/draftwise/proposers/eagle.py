@@ -1,0 +1,149 @@
+"""EAGLE proposer: feature-level drafting with a one-layer head, as a dynamic draft tree (EAGLE-2).
+
+Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"
+(https://arxiv.org/abs/2401.15077) and "EAGLE-2: Faster Inference of Language Models with Dynamic Draft
+Trees" (https://arxiv.org/abs/2406.16858).
+
+State: the head's own KV cache holds one entry per committed target position j, computed from the target's
+true feature f_j and the committed token x_{j+1} (:meth:`EagleProposer.observe`); the head's output at the
+last entry is the predicted feature of the last committed token's position, whose LM-head logits give the
+depth-1 candidates. Drafting deeper feeds (predicted feature, candidate token) pairs, one head pass per depth
+over the ``tree_width`` best frontier nodes (by cumulative draft log-probability, EAGLE-2's expansion), each
+attending to the committed entries and its own ancestors. The best ``tree_budget`` nodes form the tree (a
+child never scores above its parent, so the selection keeps every node's ancestors). The draft entries are
+dropped from the head's cache afterwards; the next ``observe`` re-feeds the accepted positions with the
+target's true features. Drafts are deterministic (top-k), so verification is lossless at any temperature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from draftwise.config import SamplingParams
+from draftwise.heads.eagle import EagleHead, HeadCache
+from draftwise.proposers.base import DraftProposal, Proposer
+
+__all__ = ["EagleProposer"]
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index into the node list, -1 = root
+    depth: int  # 1 for the root's children
+    score: float  # cumulative draft log-probability
+    slot: int = -1  # head-cache index of this node's (feature, token) entry once expanded
+    feature: torch.Tensor | None = None  # predicted feature at this node's position once expanded, [H]
+
+
+class EagleProposer(Proposer):
+    """Drafts from an :class:`EagleHead`.
+
+    Args:
+        head: the trained head (on the target's device and dtype).
+        embed: the target's input embedding (``[n] -> [n, H]``), shared.
+        lm_head: the target's LM head (``[..., H] -> [..., vocab]``), shared.
+        tree_width: candidates per expanded node and nodes expanded per depth; 1 drafts a chain.
+        tree_budget: at most this many nodes per draft (None: ``K * tree_width``).
+
+    Raises:
+        ValueError: ``tree_width`` or ``tree_budget`` < 1.
+    """
+
+    name = "eagle"
+    needs_target_hidden = True
+
+    def __init__(self, head: EagleHead, embed: torch.nn.Module, lm_head: torch.nn.Module, tree_width: int = 1,
+                 tree_budget: int | None = None) -> None:
+        if tree_width < 1 or (tree_budget is not None and tree_budget < 1):
+            raise ValueError("tree_width and tree_budget must be >= 1")
+        self.head = head.eval()
+        self.embed = embed
+        self.lm_head = lm_head
+        self.tree_width = tree_width
+        self.tree_budget = tree_budget
+        self._cache = HeadCache()
+        self._root_feature: torch.Tensor | None = None  # [H]
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        self._cache = HeadCache()
+        self._root_feature = None
+
+    @torch.inference_mode()
+    def observe(self, hidden: torch.Tensor, next_token_ids: Sequence[int]) -> None:
+        param = next(self.head.parameters())
+        hidden = hidden.to(param.device, param.dtype)  # [m, H]
+        start = len(self._cache)
+        positions = torch.arange(start, start + hidden.shape[0], device=param.device)
+        embeds = self._embed(next_token_ids)
+        self._root_feature = self.head(hidden, embeds, positions, self._cache)[-1]
+
+    @torch.inference_mode()
+    def propose(self, context_ids: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator) -> DraftProposal:
+        """A draft tree of depth at most ``k``; an empty draft before the first observe."""
+        if self._root_feature is None or k < 1:
+            return DraftProposal(token_ids=())
+        committed = len(self._cache)
+        try:
+            nodes = self._children(self._root_feature, parent=-1, depth=1, score=0.0)
+            frontier = list(range(len(nodes)))
+            for _ in range(2, k + 1):
+                expand = sorted(frontier, key=lambda i: -nodes[i].score)[: self.tree_width]
+                self._expand(nodes, expand, committed)
+                frontier = []
+                for i in expand:
+                    children = self._children(nodes[i].feature, parent=i, depth=nodes[i].depth + 1, score=nodes[i].score)
+                    frontier.extend(range(len(nodes), len(nodes) + len(children)))
+                    nodes.extend(children)
+        finally:
+            self._cache.crop(committed)
+        return self._select(nodes, self.tree_budget or k * self.tree_width)
+
+    def _embed(self, token_ids: Sequence[int]) -> torch.Tensor:
+        param = next(self.head.parameters())
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=param.device)
+        return self.embed(ids).to(param.dtype)  # [m, H]
+
+    def _children(self, feature: torch.Tensor, *, parent: int, depth: int, score: float) -> list[_Node]:
+        """Top-``tree_width`` candidates after a node whose predicted feature is ``feature`` ([H])."""
+        logprobs = torch.log_softmax(self.lm_head(feature[None]).float()[0], dim=-1)  # [vocab]
+        top = torch.topk(logprobs, self.tree_width)
+        return [_Node(int(t), parent, depth, score + float(lp)) for lp, t in zip(top.values, top.indices)]
+
+    def _expand(self, nodes: list[_Node], expand: list[int], committed: int) -> None:
+        """One head pass over the (parent feature, token) pairs of ``expand``; fills their slot and feature."""
+        root = self._root_feature
+        features = torch.stack([root if nodes[i].parent < 0 else nodes[nodes[i].parent].feature for i in expand])
+        embeds = self._embed([nodes[i].token for i in expand])
+        positions = torch.tensor([committed - 1 + nodes[i].depth for i in expand], device=features.device)
+        past, n = len(self._cache), len(expand)
+        mask = torch.zeros(n, past + n, dtype=torch.bool, device=features.device)
+        mask[:, :committed] = True
+        for row, i in enumerate(expand):
+            mask[row, past + row] = True
+            ancestor = nodes[i].parent
+            while ancestor >= 0:
+                mask[row, nodes[ancestor].slot] = True
+                ancestor = nodes[ancestor].parent
+        out = self.head(features, embeds, positions, self._cache, mask)  # [n, H]
+        for row, i in enumerate(expand):
+            nodes[i].slot, nodes[i].feature = past + row, out[row]
+
+    @staticmethod
+    def _select(nodes: list[_Node], budget: int) -> DraftProposal:
+        """The ``budget`` best nodes (ancestor-closed), renumbered in topological order."""
+        ranked = set(sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:budget])
+        for i in list(ranked):  # closure guard: a child never outranks its parent, so this adds nothing
+            while nodes[i].parent >= 0 and nodes[i].parent not in ranked:
+                i = nodes[i].parent
+                ranked.add(i)
+        keep = sorted(ranked)  # creation order is topological
+        index = {old: new for new, old in enumerate(keep)}
+        tokens = tuple(nodes[i].token for i in keep)
+        parents = tuple(-1 if nodes[i].parent < 0 else index[nodes[i].parent] for i in keep)
+        if parents == tuple(range(-1, len(parents) - 1)):
+            return DraftProposal(token_ids=tokens)
+        return DraftProposal(token_ids=tokens, parents=parents)
