@@ -134,3 +134,45 @@ def test_medusa_with_an_explicit_tree_is_exact(stories, heads_dirs):
     assert result.token_ids == oracle.token_ids
     drafts = result.stats.num_drafts  # the last steps may be clamped by max_tokens (a shallower tree)
     assert 7 * (drafts - 2) <= result.stats.num_tree_nodes <= 7 * drafts
+
+
+def test_bench_runs_medusa_and_eagle_chains_and_trees(tmp_path, stories_path, stories, heads_dirs):
+    import json
+
+    from draftwise.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"question_id": 1, "category": "a", "turns": ["Once upon a time"]}\n')
+    output = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(stories_path), "--methods", "plain,medusa,eagle", "--ks", "3",
+                 "--medusa-heads", str(heads_dirs["medusa"]), "--eagle-heads", str(heads_dirs["eagle"]),
+                 "--tree-widths", "1,2", "--prompts", str(prompts), "--max-tokens", "16", "--ignore-eos",
+                 "--chat", "off", "--no-calibrate", "--no-plots", "--output", str(output)])
+    assert code == 0
+    runs = json.loads(output.read_text())["runs"]
+    assert sorted(r["method"] for r in runs) == ["eagle K=3", "eagle K=3 w=2", "medusa K=3", "medusa K=3 w=2", "plain"]
+    assert all(r["identical_to_plain"] for r in runs)
+
+
+def test_bench_needs_heads_for_head_methods(capsys, stories_path):
+    from draftwise.cli import main
+
+    assert main(["bench", "--model", str(stories_path), "--methods", "plain,eagle", "--no-calibrate"]) != 0
+    assert "--eagle-heads" in capsys.readouterr().err
+
+
+def test_generate_with_eagle_speculative_config_prints_the_plain_text(capsys, stories_path, stories, heads_dirs):
+    import json
+
+    from draftwise.cli import main
+
+    args = ["generate", "--model", str(stories_path), "--max-tokens", "20", "--chat", "off", "Once upon a time"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    config = json.dumps({"method": "eagle", "model": str(heads_dirs["eagle"]), "num_speculative_tokens": 3,
+                         "tree_width": 2})
+    assert main(args + ["--speculative-config", config]) == 0
+    assert capsys.readouterr().out.strip() == plain.strip()
+    bad = json.dumps({"method": "eagle", "model": str(heads_dirs["medusa"])})
+    assert main(args + ["--speculative-config", bad]) != 0
+    assert "medusa heads, not eagle" in capsys.readouterr().err

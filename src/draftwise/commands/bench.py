@@ -42,7 +42,7 @@ from draftwise.models.loading import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("plain", "draft", "ngram", "hf")
+METHODS = ("plain", "draft", "ngram", "medusa", "eagle", "hf")
 
 
 def register(subparsers) -> None:
@@ -53,6 +53,10 @@ def register(subparsers) -> None:
     parser.add_argument("--methods", default="plain,draft",
                         help=f"comma-separated, from {','.join(METHODS)} (default plain,draft; plain is always run)")
     parser.add_argument("--ks", default="4", help="comma-separated fixed K values (default 4)")
+    parser.add_argument("--medusa-heads", default=None, help="heads directory for --methods medusa (draftwise train-heads)")
+    parser.add_argument("--eagle-heads", default=None, help="heads directory for --methods eagle (draftwise train-heads)")
+    parser.add_argument("--tree-widths", default="1",
+                        help="medusa/eagle: comma-separated draft-tree widths (1 = a chain; default 1)")
     parser.add_argument("--k-policies", default="fixed", help="fixed, auto or fixed,auto (auto: K_max = max(ks))")
     parser.add_argument("--prompts", default=None, help="JSONL prompt file(s), comma-separated (default: Spec-Bench questions)")
     parser.add_argument("--category", default=None, help="comma-separated categories (default: all)")
@@ -92,8 +96,10 @@ def parse_ks(text: str) -> list[int]:
 
 
 def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[str], ks: list[int],
-                  policies: list[str], calibrated: dict) -> list[MethodSpec]:
-    """Plain first, then each requested method x policy x K, sharing the target backend."""
+                  policies: list[str], calibrated: dict, heads: dict[str, str] | None = None,
+                  tree_widths: list[int] = (1,)) -> list[MethodSpec]:
+    """Plain first, then each requested method x policy x K (x tree width for Medusa / EAGLE, fixed K only),
+    sharing the target backend. ``heads`` maps ``"medusa"`` / ``"eagle"`` to heads directories."""
     from draftwise.anchors import hf_runner
     from draftwise.proposers.draft_model import DraftModelProposer
     from draftwise.proposers.ngram import NgramProposer
@@ -112,6 +118,9 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
                 factory = _controller_factory(policy, k, kind, target, draft, proposer, calibrated)
                 engine = SpeculativeEngine(target.backend, proposer, k, eos_token_ids=eos, controller_factory=factory)
                 specs.append(MethodSpec(label, kind, k, policy, engine=engine))
+    for kind in ("medusa", "eagle"):
+        if kind in methods:
+            specs.extend(_head_methods(target, kind, (heads or {})[kind], ks, tree_widths))
     if "hf" in methods:
         for k in ks:
             if draft is not None:
@@ -119,6 +128,21 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
                     target.backend, eos, assistant=draft.backend, num_assistant_tokens=k)))
             specs.append(MethodSpec(f"hf-lookup K={k}", "hf-lookup", k, runner=hf_runner(
                 target.backend, eos, prompt_lookup_tokens=k)))
+    return specs
+
+
+def _head_methods(target: LoadedModel, kind: str, heads_dir: str, ks: list[int], widths) -> list[MethodSpec]:
+    from draftwise.builder import build_head_proposer
+    from draftwise.config import SpeculativeConfig
+
+    specs = []
+    for k in ks:
+        for width in widths:
+            config = SpeculativeConfig(method=kind, model=heads_dir, num_speculative_tokens=k, tree_width=width)
+            engine = SpeculativeEngine(target.backend, build_head_proposer(config, target), k,
+                                       eos_token_ids=target.eos_token_ids)
+            label = f"{kind} K={k}" + (f" w={width}" if width > 1 else "")
+            specs.append(MethodSpec(label, kind, k, "fixed", engine=engine))
     return specs
 
 
@@ -168,7 +192,11 @@ def run(args: argparse.Namespace) -> int:
         check_same_tokenizer(target, draft)
         relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
     calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
-    specs = build_methods(target, draft, methods, ks, policies, {})
+    heads = {"medusa": args.medusa_heads, "eagle": args.eagle_heads}
+    for kind in ("medusa", "eagle"):
+        if kind in methods and not heads[kind]:
+            raise CliError(f"--methods {kind} needs --{kind}-heads DIR (train them with: draftwise train-heads)")
+    specs = build_methods(target, draft, methods, ks, policies, {}, heads, _tree_widths(args.tree_widths))
     config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
               "ks": ks, "k_policies": policies, "prompts": str(prompts_path), "categories": categories,
               "limit": args.limit, "turns": args.turns, "quantization": args.quantization, "backend": args.backend,
@@ -188,6 +216,16 @@ def run(args: argparse.Namespace) -> int:
     if mismatches:
         console.print(f"[red]{len(mismatches)} run(s) differ from plain decoding[/red]")
     return 1 if mismatches else 0
+
+
+def _tree_widths(text: str) -> list[int]:
+    try:
+        widths = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError as exc:
+        raise CliError(f"--tree-widths must be comma-separated integers, got {text!r}") from exc
+    if not widths or min(widths) < 1:
+        raise CliError("--tree-widths needs integers >= 1")
+    return widths
 
 
 def _calibrate(console, args, target, draft, ks) -> tuple[dict, ForwardCosts | None, float | None]:
