@@ -176,3 +176,33 @@ def test_generate_with_eagle_speculative_config_prints_the_plain_text(capsys, st
     bad = json.dumps({"method": "eagle", "model": str(heads_dirs["medusa"])})
     assert main(args + ["--speculative-config", bad]) != 0
     assert "medusa heads, not eagle" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_heads_trained_a_few_steps_are_exact_and_accept_more_than_untrained_ones(tmp_path, stories, heads_dirs, method):
+    """Self-distillation on the prompt itself: the trained heads must accept tokens (the untrained random
+    ones almost never do), and the output stays plain decoding's."""
+    from draftwise.benchmark import BenchPrompt
+    from draftwise.heads.data import build_samples
+    from draftwise.heads.training import TrainSettings, train_heads
+
+    model = stories.backend.model
+    fingerprint = base_model_identity(model)
+    prompts = [BenchPrompt("1", "story", ("Once upon a time, there was a",))]
+    samples = build_samples(stories, prompts, fingerprint=fingerprint, cache_dir=tmp_path / "cache",
+                            max_new_tokens=40, chat=False)
+    settings = TrainSettings(method=method, num_heads=3, steps=60, batch_tokens=64, lr=3e-3)
+    heads = train_heads(model, samples, settings, fingerprint=fingerprint).heads
+    layer = eagle_layer_config(model.config) if method == "eagle" else {}
+    config = HeadsConfig(method, model.config.hidden_size, stories.backend.vocab_size, "stories260K", fingerprint,
+                         num_heads=3 if method == "medusa" else 1, eagle=layer)
+    trained_dir = save_heads(tmp_path / "trained", heads, config)
+
+    oracle = _generate(stories)
+    rates = {}
+    for name, directory in (("trained", trained_dir), ("untrained", heads_dirs[method])):
+        spec = SpeculativeConfig(method=method, model=str(directory), num_speculative_tokens=3)
+        result = _generate(stories, build_head_proposer(spec, stories), 3)
+        assert result.token_ids == oracle.token_ids, name
+        rates[name] = result.stats.acceptance_rate
+    assert rates["trained"] > max(0.3, rates["untrained"]), rates
