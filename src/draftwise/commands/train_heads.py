@@ -62,7 +62,7 @@ def _register_train(subparsers) -> None:
     parser.add_argument("--chat", choices=["auto", "off"], default="auto", help="apply the chat template (as bench)")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training data (default 3)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps in total (overrides --epochs)")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: medusa 1e-3, eagle 3e-4)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: medusa 3e-3, eagle 3e-4)")
     parser.add_argument("--batch-tokens", type=int, default=512, help="training positions per step (default 512)")
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -70,6 +70,8 @@ def _register_train(subparsers) -> None:
     parser.add_argument("--eval-depth", type=int, default=4, help="EAGLE draft depth evaluated on held-out data (default 4)")
     parser.add_argument("--eval-anchors", type=int, default=16, help="EAGLE roll-out anchors per held-out sequence (default 16)")
     parser.add_argument("--eagle-fc-bias", action="store_true", help="train EAGLE's fc bias (vLLM's EAGLE-1 drops it)")
+    parser.add_argument("--eagle-noise", type=float, default=0.0,
+                        help="EAGLE: uniform noise U(-a, a) on the input features while training (default 0: off)")
     parser.add_argument("--cache-dir", default=None, help="sample cache (default OUTPUT/cache)")
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint.pt")
     parser.add_argument("--overwrite", action="store_true", help="start afresh even if OUTPUT has a checkpoint")
@@ -101,11 +103,12 @@ def _settings(args: argparse.Namespace) -> TrainSettings:
     method = args.method.strip().lower()
     if method not in METHODS:
         raise CliError(f"--method must be one of {', '.join(METHODS)}, got {args.method!r}")
-    lr = args.lr if args.lr is not None else (1e-3 if method == "medusa" else 3e-4)
+    lr = args.lr if args.lr is not None else (3e-3 if method == "medusa" else 3e-4)
     return TrainSettings(method=method, num_heads=args.num_heads, num_layers=args.num_layers, epochs=args.epochs,
                          steps=args.steps, lr=lr, weight_decay=args.weight_decay, batch_tokens=args.batch_tokens,
-                         eagle_fc_bias=args.eagle_fc_bias, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                         eval_depth=args.eval_depth, eval_anchors=args.eval_anchors)
+                         eagle_fc_bias=args.eagle_fc_bias, eagle_noise=args.eagle_noise, seed=args.seed,
+                         checkpoint_every=args.checkpoint_every, eval_depth=args.eval_depth,
+                         eval_anchors=args.eval_anchors)
 
 
 def _split(args: argparse.Namespace) -> tuple[list[str], PromptSplit]:

@@ -72,6 +72,9 @@ class TrainSettings:
         eagle_ce_weight: weight of EAGLE's token cross-entropy next to the feature regression.
         eagle_fc_bias: train the bias of EAGLE's ``fc``. Off by default: vLLM's EAGLE-1 model (``llama_eagle``)
             builds ``fc`` without a bias and would silently drop a trained one on export.
+        eagle_noise: EAGLE: amplitude a of uniform noise U(-a, a) added to the input features during training (the
+            reference code's "data noise", which makes the head tolerate its own imprecise features when drafting
+            deeper); 0 disables it. Seeded per step, so resumed runs replay it.
         seed: initialisation and batch-order seed.
         checkpoint_every: write a checkpoint every this many steps (and at the end).
         eval_depth: EAGLE: draft depth of the held-out roll-out evaluation.
@@ -90,6 +93,7 @@ class TrainSettings:
     medusa_decay: float = 0.8
     eagle_ce_weight: float = 0.1
     eagle_fc_bias: bool = False
+    eagle_noise: float = 0.0
     seed: int = 0
     checkpoint_every: int = 50
     eval_depth: int = 4
@@ -108,6 +112,8 @@ class TrainSettings:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if not (self.eagle_noise >= 0 and math.isfinite(self.eagle_noise)):
+            raise ValueError(f"--eagle-noise must be >= 0, got {self.eagle_noise}")
         if self.method == "eagle" and self.num_layers != 1:
             raise ValueError("an EAGLE head has exactly one decoder layer (--num-layers 1)")
 
@@ -222,11 +228,13 @@ def eagle_loss_positions(sample: HeadsSample) -> torch.Tensor:
     return torch.arange(max(0, sample.prompt_len - 2), max(0, length - 2))
 
 
-def eagle_sequence_loss(head: EagleHead, target: FrozenTarget, sample: HeadsSample) -> tuple[torch.Tensor, torch.Tensor, int]:
+def eagle_sequence_loss(head: EagleHead, target: FrozenTarget, sample: HeadsSample, *, noise: float = 0.0,
+                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """EAGLE losses of one sequence, summed over its labelled positions.
 
     The head runs over every pair (f_j, embed(x_{j+1})), j = 0..T-2, at positions j, with causal attention and
-    no cache; losses are taken at :func:`eagle_loss_positions`.
+    no cache; losses are taken at :func:`eagle_loss_positions`. With ``noise`` > 0 the input features (not the
+    regression targets) get U(-noise, noise) added, drawn from ``generator`` (CPU).
 
     Returns:
         (smooth-L1 of the predicted vs the target's next feature, averaged over H and summed over positions;
@@ -240,7 +248,11 @@ def eagle_sequence_loss(head: EagleHead, target: FrozenTarget, sample: HeadsSamp
     tokens = sample.tokens.to(device)
     features = sample.features.to(device)
     pairs = int(tokens.shape[0]) - 1
-    predicted = head(features[:-1], target.embed(tokens[1:]), torch.arange(pairs, device=device))  # [T-1, H]
+    inputs = features[:-1]  # [T-1, H]
+    if noise > 0:
+        jitter = (torch.rand(inputs.shape, generator=generator) * 2 - 1) * noise
+        inputs = inputs + jitter.to(device)
+    predicted = head(inputs, target.embed(tokens[1:]), torch.arange(pairs, device=device))  # [T-1, H]
     positions = positions.to(device)
     chosen = predicted[positions]  # [n, H]
     regression = F.smooth_l1_loss(chosen, features[positions + 1], reduction="none").mean(dim=-1).sum()
@@ -382,18 +394,8 @@ def train_heads(model: nn.Module, samples: Sequence[HeadsSample], settings: Trai
     heads = new_heads(settings, model).to(device).train()
     trainable = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay)
-    if settings.method == "medusa":
-        features, labels = medusa_examples(samples, settings.num_heads)
-        num_positions = int((labels != IGNORE).any(dim=1).sum())
-        total, iterate = _schedule(lambda epoch: _medusa_epoch(features.shape[0], settings, epoch), settings)
-        step_fn = lambda rows: _medusa_step(heads, target, features[rows].to(device), labels[rows].to(device), settings)
-    else:
-        counts = [int(eagle_loss_positions(s).numel()) for s in samples]
-        num_positions = sum(counts)
-        if num_positions == 0:
-            raise ValueError("no training positions: every continuation is shorter than 2 tokens")
-        total, iterate = _schedule(lambda epoch: _eagle_epoch(counts, settings, epoch), settings)
-        step_fn = lambda batch: _eagle_step(heads, target, [samples[i] for i in batch], settings.eagle_ce_weight)
+    plan = _medusa_plan if settings.method == "medusa" else _eagle_plan
+    total, iterate, step_fn, num_positions = plan(heads, target, samples, settings)
     identity = _identity(settings, fingerprint)
     start, losses, train_time = 0, [], 0.0
     if resume and checkpoint_path is not None and Path(checkpoint_path).is_file():
@@ -404,13 +406,12 @@ def train_heads(model: nn.Module, samples: Sequence[HeadsSample], settings: Trai
         logger.info("resuming from step %d of %d (%s)", start, total, checkpoint_path)
     elif resume:
         logger.warning("--resume: no checkpoint at %s; starting a fresh run", checkpoint_path)
-    step = start
     for step, batch in iterate(start):
         began = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, total, settings.lr)
         optimizer.zero_grad(set_to_none=True)
-        loss = step_fn(batch)
+        loss = step_fn(batch, step)
         torch.nn.utils.clip_grad_norm_(trainable, settings.max_grad_norm)
         optimizer.step()
         train_time += time.perf_counter() - began
@@ -424,6 +425,31 @@ def train_heads(model: nn.Module, samples: Sequence[HeadsSample], settings: Trai
     steps_done = max(start, len(losses))
     return TrainResult(heads=heads.eval(), steps=steps_done, losses=losses, train_time_s=train_time,
                        resumed_from=start, num_positions=num_positions, settings=asdict(settings))
+
+
+def _medusa_plan(heads: MedusaHeads, target: FrozenTarget, samples: Sequence[HeadsSample], settings: TrainSettings):
+    """(total steps, batch iterator factory, step function(batch, step) -> loss, training positions) for Medusa."""
+    features, labels = medusa_examples(samples, settings.num_heads)
+    total, iterate = _schedule(lambda epoch: _medusa_epoch(features.shape[0], settings, epoch), settings)
+    device = target.device
+
+    def step_fn(rows: torch.Tensor, step: int) -> float:
+        return _medusa_step(heads, target, features[rows].to(device), labels[rows].to(device), settings)
+
+    return total, iterate, step_fn, int((labels != IGNORE).any(dim=1).sum())
+
+
+def _eagle_plan(head: EagleHead, target: FrozenTarget, samples: Sequence[HeadsSample], settings: TrainSettings):
+    """As :func:`_medusa_plan`, for EAGLE (batches of whole sequences)."""
+    counts = [int(eagle_loss_positions(s).numel()) for s in samples]
+    if sum(counts) == 0:
+        raise ValueError("no training positions: every continuation is shorter than 2 tokens")
+    total, iterate = _schedule(lambda epoch: _eagle_epoch(counts, settings, epoch), settings)
+
+    def step_fn(batch: list[int], step: int) -> float:
+        return _eagle_step(head, target, [samples[i] for i in batch], settings, step)
+
+    return total, iterate, step_fn, sum(counts)
 
 
 def _medusa_step(heads: MedusaHeads, target: FrozenTarget, features: torch.Tensor, labels: torch.Tensor,
@@ -440,15 +466,18 @@ def _medusa_step(heads: MedusaHeads, target: FrozenTarget, features: torch.Tenso
     return total
 
 
-def _eagle_step(head: EagleHead, target: FrozenTarget, batch: Sequence[HeadsSample], ce_weight: float) -> float:
+def _eagle_step(head: EagleHead, target: FrozenTarget, batch: Sequence[HeadsSample], settings: TrainSettings,
+                step: int) -> float:
     """Backpropagate the batch's mean (regression + ce_weight * CE) per position, one sequence at a time."""
     count = sum(int(eagle_loss_positions(s).numel()) for s in batch)
+    generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
     total = 0.0
     for sample in batch:
-        regression, cross_entropy, n = eagle_sequence_loss(head, target, sample)
+        regression, cross_entropy, n = eagle_sequence_loss(head, target, sample, noise=settings.eagle_noise,
+                                                           generator=generator)
         if n == 0:
             continue
-        loss = (regression + ce_weight * cross_entropy) / count
+        loss = (regression + settings.eagle_ce_weight * cross_entropy) / count
         loss.backward()
         total += float(loss.detach())
     return total
