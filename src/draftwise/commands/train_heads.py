@@ -62,7 +62,7 @@ def _register_train(subparsers) -> None:
     parser.add_argument("--chat", choices=["auto", "off"], default="auto", help="apply the chat template (as bench)")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training data (default 3)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps in total (overrides --epochs)")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: medusa 3e-3, eagle 3e-4)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: medusa 3e-3, eagle 1e-3)")
     parser.add_argument("--batch-tokens", type=int, default=512, help="training positions per step (default 512)")
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -103,7 +103,7 @@ def _settings(args: argparse.Namespace) -> TrainSettings:
     method = args.method.strip().lower()
     if method not in METHODS:
         raise CliError(f"--method must be one of {', '.join(METHODS)}, got {args.method!r}")
-    lr = args.lr if args.lr is not None else (3e-3 if method == "medusa" else 3e-4)
+    lr = args.lr if args.lr is not None else (3e-3 if method == "medusa" else 1e-3)
     return TrainSettings(method=method, num_heads=args.num_heads, num_layers=args.num_layers, epochs=args.epochs,
                          steps=args.steps, lr=lr, weight_decay=args.weight_decay, batch_tokens=args.batch_tokens,
                          eagle_fc_bias=args.eagle_fc_bias, eagle_noise=args.eagle_noise, seed=args.seed,
