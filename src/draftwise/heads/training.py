@@ -129,6 +129,7 @@ class TrainResult:
         train_time_s: seconds spent in optimizer steps (across resumes).
         resumed_from: step the run resumed from (0 for a fresh run).
         num_positions: training positions (Medusa: feature rows with a label; EAGLE: labelled pairs).
+        settings: the :class:`TrainSettings` as a dict (for the heads config's ``training`` record).
     """
 
     heads: nn.Module
