@@ -88,16 +88,14 @@ class EagleProposer(Proposer):
             return DraftProposal(token_ids=())
         committed = len(self._cache)
         try:
-            nodes = self._children(self._root_feature, parent=-1, depth=1, score=0.0)
+            nodes = self._children(self._root_feature[None], [None])
             frontier = list(range(len(nodes)))
             for _ in range(2, k + 1):
                 expand = sorted(frontier, key=lambda i: -nodes[i].score)[: self.tree_width]
                 self._expand(nodes, expand, committed)
-                frontier = []
-                for i in expand:
-                    children = self._children(nodes[i].feature, parent=i, depth=nodes[i].depth + 1, score=nodes[i].score)
-                    frontier.extend(range(len(nodes), len(nodes) + len(children)))
-                    nodes.extend(children)
+                children = self._children(torch.stack([nodes[i].feature for i in expand]), [(i, nodes[i]) for i in expand])
+                frontier = list(range(len(nodes), len(nodes) + len(children)))
+                nodes.extend(children)
         finally:
             self._cache.crop(committed)
         return self._select(nodes, self.tree_budget or k * self.tree_width)
@@ -107,11 +105,16 @@ class EagleProposer(Proposer):
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=param.device)
         return self.embed(ids).to(param.dtype)  # [m, H]
 
-    def _children(self, feature: torch.Tensor, *, parent: int, depth: int, score: float) -> list[_Node]:
-        """Top-``tree_width`` candidates after a node whose predicted feature is ``feature`` ([H])."""
-        logprobs = torch.log_softmax(self.lm_head(feature[None]).float()[0], dim=-1)  # [vocab]
-        top = torch.topk(logprobs, self.tree_width)
-        return [_Node(int(t), parent, depth, score + float(lp)) for lp, t in zip(top.values, top.indices)]
+    def _children(self, features: torch.Tensor, parents: list[tuple[int, _Node] | None]) -> list[_Node]:
+        """Top-``tree_width`` candidates after each of m nodes, from their predicted ``features`` ([m, H]) in one
+        LM-head pass; ``parents[j]`` is ``(index, node)`` of row j's node, or None for the root."""
+        logprobs = torch.log_softmax(self.lm_head(features).float(), dim=-1)  # [m, vocab]
+        top = torch.topk(logprobs, self.tree_width, dim=-1)
+        children = []
+        for parent, values, tokens in zip(parents, top.values.tolist(), top.indices.tolist()):
+            index, depth, score = (-1, 1, 0.0) if parent is None else (parent[0], parent[1].depth + 1, parent[1].score)
+            children.extend(_Node(t, index, depth, score + lp) for lp, t in zip(values, tokens))
+        return children
 
     def _expand(self, nodes: list[_Node], expand: list[int], committed: int) -> None:
         """One head pass over the (parent feature, token) pairs of ``expand``; fills their slot and feature."""
