@@ -179,6 +179,11 @@ def run(args: argparse.Namespace) -> int:
     if len({p.id for p in prompts}) != len(prompts):
         raise CliError(f"prompt ids repeat across {prompts_path}; give each prompt a distinct question_id")
 
+    heads = {"medusa": args.medusa_heads, "eagle": args.eagle_heads}
+    for kind in ("medusa", "eagle"):
+        if kind in methods and not heads[kind]:
+            raise CliError(f"--methods {kind} needs --{kind}-heads DIR (train them with: draftwise train-heads)")
+    tree_widths = _tree_widths(args.tree_widths)
     if "hf" in methods and args.backend != "torch":
         raise CliError("--methods hf runs transformers' own generate and needs --backend torch")
     needs_draft = bool({"draft", "hf"} & set(methods))
@@ -192,11 +197,7 @@ def run(args: argparse.Namespace) -> int:
         check_same_tokenizer(target, draft)
         relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
     calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
-    heads = {"medusa": args.medusa_heads, "eagle": args.eagle_heads}
-    for kind in ("medusa", "eagle"):
-        if kind in methods and not heads[kind]:
-            raise CliError(f"--methods {kind} needs --{kind}-heads DIR (train them with: draftwise train-heads)")
-    specs = build_methods(target, draft, methods, ks, policies, {}, heads, _tree_widths(args.tree_widths))
+    specs = build_methods(target, draft, methods, ks, policies, {}, heads, tree_widths)
     config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
               "ks": ks, "k_policies": policies, "prompts": str(prompts_path), "categories": categories,
               "limit": args.limit, "turns": args.turns, "quantization": args.quantization, "backend": args.backend,
