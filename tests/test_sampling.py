@@ -51,3 +51,21 @@ def test_speculative_config_validation():
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig(model="x", num_speculative_tokens=0)
     assert SpeculativeConfig(model="x", num_speculative_tokens=3).num_speculative_tokens == 3
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-300, 5e-324, 9.9e-6])
+def test_underflowing_temperature_is_greedy(temperature):
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    with pytest.raises(ValueError):
+        logits_to_probs(torch.zeros(1, 4), params)
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-9])
+def test_degenerate_top_p_keeps_the_most_likely_token(top_p):
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0], [2.0, 2.0, 0.0, 0.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert torch.isfinite(probs).all()
+    assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert probs[1].sum().item() == pytest.approx(1.0) and probs[1].max().item() == 1.0

@@ -10,6 +10,8 @@ SPECULATIVE_METHODS = ("draft_model", "ngram", "medusa", "eagle")
 #: Methods whose ``model`` is a heads directory (``draftwise train-heads``) on the target itself.
 HEAD_METHODS = ("medusa", "eagle")
 K_POLICIES = ("fixed", "auto")
+#: Temperatures below this are greedy decoding (as vLLM's ``_SAMPLING_EPS``).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -17,8 +19,10 @@ class SamplingParams:
     """How the target's next-token distribution is turned into tokens.
 
     Attributes:
-        temperature: 0 means greedy (argmax); > 0 divides the logits before the softmax.
-        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        temperature: 0 (or anything below 1e-5) means greedy (argmax); otherwise it divides the logits before
+            the softmax.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it. The most likely token is always kept, so a
+            tiny ``top_p`` (even one that underflows float32) is greedy sampling, never an empty distribution.
         top_k: keep only the k most likely tokens; 0 disables it.
         max_tokens: maximum number of new tokens to generate (>= 1).
         seed: seed of the request's random generator; ``None`` draws a fresh seed. With a seed, the same
@@ -54,8 +58,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when decoding is argmax (temperature 0)."""
-        return self.temperature == 0.0
+        """True when decoding is argmax: temperature 0, or below :data:`GREEDY_TEMPERATURE` (1e-5, vLLM's
+        threshold), where dividing the logits would overflow to inf / nan."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -30,15 +31,20 @@ import torch
 from draftwise.backends.base import CausalLM, ContextOverflowError
 from draftwise.config import SamplingParams
 from draftwise.controller import FixedK, KController
-from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.prefix_cache import PrefixCache, PrefixEntry
+from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import logits_to_probs, make_generator, sample_from_probs
 from draftwise.stats import SpeculativeStats
 from draftwise.verification import VerificationResult, verify_greedy, verify_sampling
 from draftwise.verification.tree import TreeVerificationResult, verify_tree_greedy, verify_tree_sampling
 
-__all__ = ["SpeculativeEngine", "GenerationResult", "Generation"]
+__all__ = ["SpeculativeEngine", "GenerationResult", "Generation", "EngineBusyError"]
 
 logger = logging.getLogger(__name__)
+
+
+class EngineBusyError(RuntimeError):
+    """A second request was started on an engine whose previous :class:`Generation` is still in flight."""
 
 
 @dataclass
@@ -92,8 +98,13 @@ class SpeculativeEngine:
         num_speculative_tokens: K, the maximum draft length per step (ignored without a proposer).
         eos_token_ids: token ids that end generation (unless a request sets ``ignore_eos``).
         controller_factory: builds a per-request :class:`KController`; default: fixed K.
+        prefix_cache: keeps finished sequences' KV states (target and proposer) so a request re-uses the
+            longest token prefix it shares with one of the same scope and prefills only the rest (see
+            :mod:`draftwise.prefix_cache`). None: every request starts from an empty cache. Ignored for proposers
+            that read the target's hidden states (Medusa, EAGLE), which need the whole prompt's features.
 
-    The engine serves one request at a time (one KV cache); callers serialise access.
+    The engine serves one request at a time (one KV cache): :meth:`stream` refuses a second request while a
+    :class:`Generation` is still in flight.
     """
 
     def __init__(
@@ -103,6 +114,7 @@ class SpeculativeEngine:
         num_speculative_tokens: int = 5,
         eos_token_ids: Iterable[int] = (),
         controller_factory: Callable[[], KController] | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if proposer is not None and num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 with a proposer, got {num_speculative_tokens}")
@@ -111,10 +123,14 @@ class SpeculativeEngine:
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self._needs_hidden = proposer is not None and proposer.needs_target_hidden
-        if self._needs_hidden and not getattr(target, "supports_tree", False):
+        if self._needs_hidden and not getattr(target, "supports_hidden_states", False):
             raise ValueError(f"proposer {proposer.name!r} reads the target's hidden states; {target.name} is not a "
                              "PyTorch backend (use --backend torch)")
         self._controller_factory = controller_factory or (lambda: FixedK(self.num_speculative_tokens))
+        # Prefix reuse needs every prompt position's features for proposers that read them (Medusa / EAGLE).
+        self.prefix_cache = None if self._needs_hidden else prefix_cache
+        self._live: _LiveSequence | None = None  # what the target's cache holds between requests
+        self._active: weakref.ref[Generation] | None = None
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
@@ -125,22 +141,33 @@ class SpeculativeEngine:
         assert generation.result is not None
         return generation.result
 
-    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams, *, scope: str = "") -> Generation:
         """Start a request and return a :class:`Generation` yielding committed token chunks.
 
         Args:
             prompt_ids: ``[n]`` prompt token ids, 1 <= n < target.max_context.
             params: sampling parameters.
+            scope: who may share cached state with this request (an API key, a ``user``): the prefix cache
+                reuses only sequences of the same scope.
 
         Raises:
             ValueError: empty prompt or token ids outside the vocabulary.
             ContextOverflowError: the prompt leaves no room for a new token in the context.
+            EngineBusyError: another :class:`Generation` of this engine is still in flight.
         """
+        active = self._active() if self._active is not None else None
+        if active is not None and active.result is None:
+            raise EngineBusyError(
+                "this engine is already generating another request; iterate that Generation to its end or close() "
+                "it first (one engine serves one sequence at a time)")
         prompt = [int(t) for t in prompt_ids]
         self._validate_prompt(prompt)
-        state = _RequestState(prompt=prompt, params=params, stats=SpeculativeStats(num_prompt_tokens=len(prompt)))
+        state = _RequestState(prompt=prompt, params=params, stats=SpeculativeStats(num_prompt_tokens=len(prompt)),
+                              scope=scope)
         state.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        return Generation(self._steps(state), lambda reason: self._finish(state, reason))
+        generation = Generation(self._steps(state), lambda reason: self._finish(state, reason))
+        self._active = weakref.ref(generation)
+        return generation
 
     # ------------------------------------------------------------------ the loop
     def _steps(self, state: _RequestState) -> Iterator[list[int]]:
@@ -148,13 +175,19 @@ class SpeculativeEngine:
         state.start = time.perf_counter()
         generator = make_generator(params.seed)
         controller = self._controller_factory()
-        self.target.reset()
+        t0 = time.perf_counter()
+        state.started = True
+        reused = self._reuse_prefix(state.prompt, state.scope)
+        stats.num_cached_prompt_tokens = reused
         if self.proposer is not None:
             self.proposer.start(state.prompt)
 
-        t0 = time.perf_counter()
         hidden_args = {"return_hidden": True, "hidden_rows": len(state.prompt)} if self._needs_hidden else {}
-        prefill = self.target.forward(state.prompt, num_logits=1, **hidden_args)
+        try:
+            prefill = self.target.forward(state.prompt[reused:], num_logits=1, **hidden_args)
+        except BaseException:
+            state.cache_valid = False
+            raise
         stats.prefill_time_s = time.perf_counter() - t0
         first = self._sample_one(prefill.logits[-1], params, generator)
         chunk, _ = self._commit(state, (first,))
@@ -170,7 +203,9 @@ class SpeculativeEngine:
             if proposal.is_tree:  # a tree pass writes one cache entry per node on top of the context
                 proposal = proposal.truncated(self.target.max_context - len(context))
             t0 = time.perf_counter()
+            state.cache_valid = False  # until the pass is verified and the cache cut to the committed tokens
             result, hidden = self._verify_step(context, proposal, params, generator)
+            state.cache_valid = True
             target_time = time.perf_counter() - t0
             stats.target_time_s += target_time
             chunk, consumed = self._commit(state, result.token_ids)
@@ -188,6 +223,58 @@ class SpeculativeEngine:
             if note not in stats.warnings:
                 stats.warnings.append(note)
 
+    # ------------------------------------------------------------------ prefix reuse across requests
+    def _reuse_prefix(self, prompt: list[int], scope: str) -> int:
+        """Put the KV state of the longest kept prefix of ``prompt`` (same scope) into the target's cache and
+        the proposer; returns how many prompt tokens it covers (at most ``len(prompt) - 1``: the last prompt
+        token is always fed, to get the logits of the first new token)."""
+        live, self._live = self._live, None  # the cache is about to change
+        if live is not None and (self.target.cache_owner is not live.owner or self.target.num_cached != len(live.tokens)):
+            live = None  # another user of the backend changed the cache since
+        self.target.cache_owner = None
+        cache = self.prefix_cache
+        if cache is None or not cache.enabled:
+            self._start_empty()
+            return 0
+        limit = len(prompt) - 1
+        if self.target.supports_cache_export:
+            match = cache.lookup(scope, prompt)
+            reused = min(match.length, limit)
+            if match.entry is not None and reused > 0:
+                self.target.import_cache(match.entry.target_state, reused)
+                if self.proposer is not None:
+                    self.proposer.import_state(match.entry.proposer_state)
+        else:  # only the sequence the cache still holds can be reused
+            same_scope = live is not None and live.scope == scope
+            reused = min(common_prefix_length(live.tokens, prompt), limit) if same_scope else 0
+            if reused > 0:
+                self.target.rollback(reused)  # the proposer keeps its state and reconciles by common prefix
+        if reused == 0:
+            self._start_empty()
+        cache.record(len(prompt), reused)
+        return reused
+
+    def _start_empty(self) -> None:
+        self.target.reset()
+        if self.proposer is not None:
+            self.proposer.import_state(None)
+
+    def _keep_sequence(self, state: _RequestState) -> None:
+        """After a request: cut the target's cache to committed tokens and keep it for later requests."""
+        sequence = state.prompt + state.generated
+        length = min(self.target.num_cached, len(sequence))
+        self.target.rollback(length)
+        tokens = tuple(sequence[:length])
+        self._live = _LiveSequence(scope=state.scope, tokens=tokens, owner=object())
+        self.target.cache_owner = self._live.owner
+        if not self.target.supports_cache_export or not tokens:
+            return
+        target_state = self.target.export_cache()
+        proposer_state = self.proposer.export_state() if self.proposer is not None else None
+        nbytes = target_state.nbytes + int(getattr(proposer_state, "nbytes", 0))
+        self.prefix_cache.insert(PrefixEntry(state.scope, tokens, target_state, proposer_state, nbytes))
+
+    # ------------------------------------------------------------------ steps
     def _propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
     ) -> tuple[DraftProposal, float]:
@@ -276,6 +363,8 @@ class SpeculativeEngine:
         return chunk, consumed
 
     def _finish(self, state: _RequestState, reason: str) -> GenerationResult:
+        if state.started and state.cache_valid and self.prefix_cache is not None and self.prefix_cache.enabled:
+            self._keep_sequence(state)
         stats = state.stats
         stats.num_generated_tokens = len(state.generated)
         stats.total_time_s = time.perf_counter() - state.start if state.start else 0.0
@@ -305,3 +394,15 @@ class _RequestState:
     finish_reason: str = ""
     stop_ids: frozenset[int] = frozenset()
     start: float = 0.0
+    scope: str = ""
+    started: bool = False  # the loop has touched the caches
+    cache_valid: bool = True  # the target's cache holds committed tokens only (false mid-pass or after a failure)
+
+
+@dataclass(frozen=True)
+class _LiveSequence:
+    """The tokens the target's KV cache holds between requests, and whose they are."""
+
+    scope: str
+    tokens: tuple[int, ...]
+    owner: object  # the marker left in ``target.cache_owner``

@@ -41,6 +41,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         # Mass strictly before each token; keep tokens whose preceding mass is < top_p (the top one always).
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         remove_sorted = mass_before >= params.top_p
+        remove_sorted[..., 0] = False  # the top token stays, even when top_p underflows float32 to 0
         remove = torch.zeros_like(remove_sorted).scatter(-1, sorted_idx, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
     return torch.softmax(scores, dim=-1)

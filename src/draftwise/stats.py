@@ -21,6 +21,7 @@ class SpeculativeStats:
     """Counters and timings of one request. Times are in seconds; counts in tokens unless named otherwise."""
 
     num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens whose KV state came from the prefix cache (not prefilled)
     num_generated_tokens: int = 0
     num_drafts: int = 0  # verification passes that carried at least one draft token
     num_draft_tokens: int = 0

@@ -10,10 +10,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["CausalLM", "ForwardOutput", "ContextOverflowError"]
+__all__ = ["CausalLM", "ForwardOutput", "ContextOverflowError", "KVState"]
 
 
 class ContextOverflowError(ValueError):
@@ -33,6 +34,22 @@ class ForwardOutput:
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class KVState:
+    """An exported KV cache (see :meth:`CausalLM.export_cache`).
+
+    Attributes:
+        payload: backend-specific contents (for the PyTorch backend: per layer ``(keys, values)``, each
+            ``[1, kv_heads, length, head_dim]``).
+        length: positions held (tokens).
+        nbytes: memory the payload keeps alive (bytes).
+    """
+
+    payload: Any
+    length: int
+    nbytes: int
 
 
 class CausalLM(ABC):
@@ -85,6 +102,8 @@ class CausalLM(ABC):
 
     #: True when :meth:`forward_tree` and :meth:`compact` are implemented (tree verification).
     supports_tree: bool = False
+    #: True when ``forward(..., return_hidden=True)`` returns hidden states (Medusa / EAGLE proposers).
+    supports_hidden_states: bool = False
 
     def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], *, return_hidden: bool = False) -> ForwardOutput:
         """Run a draft tree in one pass: ``token_ids = [root, node_0, ..., node_{n-1}]`` (``[n + 1]``), with
@@ -111,6 +130,35 @@ class CausalLM(ABC):
             ValueError: offsets out of range or not increasing.
         """
         raise NotImplementedError(f"{type(self).__name__} does not support tree verification")
+
+    #: Set by the engine that last left a sequence in this cache for reuse (any other user of the cache clears
+    #: it or replaces it), so an engine sharing the backend never mistakes another one's cache for its own.
+    cache_owner: object | None = None
+
+    #: True when :meth:`export_cache` and :meth:`import_cache` are implemented (prefix reuse across requests
+    #: beyond the one sequence the cache holds).
+    supports_cache_export: bool = False
+
+    def export_cache(self) -> KVState:
+        """A handle on the KV cache's current contents (``num_cached`` positions) that :meth:`import_cache` can
+        restore later, whatever runs in between. The backend keeps using its cache; exported contents are never
+        modified in place, so exporting copies nothing.
+
+        Raises:
+            NotImplementedError: the backend cannot export (``supports_cache_export`` is False).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot export its KV cache")
+
+    def import_cache(self, state: KVState, length: int) -> None:
+        """Replace the KV cache by the first ``length`` positions of ``state`` (0 <= length <= state.length).
+        Feeding the next tokens then gives the logits a fresh prefill of the same tokens would (bit for bit on
+        batch-invariant paths).
+
+        Raises:
+            NotImplementedError: the backend cannot import (``supports_cache_export`` is False).
+            ValueError: ``length`` out of range or a state from another kind of backend.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot import a KV cache")
 
     def _check_forward_args(self, token_ids: Sequence[int]) -> None:
         if len(token_ids) == 0:

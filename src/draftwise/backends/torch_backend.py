@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from draftwise.backends.base import CausalLM, ForwardOutput
+from draftwise.backends.base import CausalLM, ForwardOutput, KVState
 from draftwise.tree import check_parents, tree_attention_mask, tree_position_ids
 
 __all__ = ["TorchCausalLM", "default_attention", "default_device", "default_dtype"]
@@ -62,6 +62,12 @@ class TorchCausalLM(CausalLM):
         # transformers >= 5.2x names the cache argument `cache`; older releases `past_key_values`.
         params = inspect.signature(type(model).forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.sliding_window = _active_sliding_window(config)
+        # A tree pass builds its own mask over every cached key; a window shorter than the context would be
+        # ignored there, so trees are refused on such models (chains go through the model's own masks).
+        self.supports_tree = self.sliding_window is None or self.sliding_window >= self.max_context
+        # Exported caches are shared tensors: possible only with plain (non-sliding) dynamic layers.
+        self.supports_cache_export = all(type(layer).__name__ == "DynamicLayer" for layer in self._cache.layers)
 
     @property
     def num_cached(self) -> int:
@@ -85,6 +91,10 @@ class TorchCausalLM(CausalLM):
     @torch.inference_mode()
     def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], *, return_hidden: bool = False) -> ForwardOutput:
         token_ids = list(token_ids)
+        if not self.supports_tree:
+            raise NotImplementedError(
+                f"{self.name}: draft trees are not supported on a model with a {self.sliding_window}-token sliding "
+                f"window shorter than its {self.max_context}-token context (use a chain: tree_width 1)")
         self._check_forward_args(token_ids)
         if len(parents) != len(token_ids) - 1:
             raise ValueError(f"{len(token_ids)} tree tokens (root included) need {len(token_ids) - 1} parents, got {len(parents)}")
@@ -113,7 +123,37 @@ class TorchCausalLM(CausalLM):
             layer.values = layer.values.index_select(-2, index)
         self._num_cached = len(index)
 
-    supports_tree = True
+    supports_hidden_states = True
+
+    def export_cache(self) -> KVState:
+        """The cache's per-layer ``(keys, values)`` tensors (``[1, kv_heads, num_cached, head_dim]``), shared,
+        not copied: this backend never writes cache tensors in place (``DynamicLayer.update`` concatenates,
+        crop slices, :meth:`compact` gathers into new tensors)."""
+        if not self.supports_cache_export:
+            raise NotImplementedError(f"{self.name}: the KV cache has sliding-window layers; it cannot be exported")
+        if self._num_cached == 0:
+            return KVState(payload=(), length=0, nbytes=0)
+        payload = tuple((layer.keys, layer.values) for layer in self._cache.layers)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for pair in payload for t in pair}
+        return KVState(payload=payload, length=self._num_cached, nbytes=sum(storages.values()))
+
+    def import_cache(self, state: KVState, length: int) -> None:
+        if not self.supports_cache_export:
+            raise NotImplementedError(f"{self.name}: the KV cache has sliding-window layers; it cannot be imported")
+        if not 0 <= length <= state.length:
+            raise ValueError(f"import length {length} outside [0, {state.length}]")
+        if length == 0:
+            self.reset()
+            return
+        if len(state.payload) != len(self._cache.layers):
+            raise ValueError(f"{self.name}: a KV state of {len(state.payload)} layers for a {len(self._cache.layers)}-layer model")
+        cache = self._cache_cls(config=self.model.config)
+        for layer, (keys, values) in zip(cache.layers, state.payload):
+            layer.lazy_initialization(keys, values)
+            layer.keys = keys[..., :length, :]
+            layer.values = values[..., :length, :]
+        self._cache = cache
+        self._num_cached = length
 
     def _run(self, token_ids: list[int], positions: torch.Tensor, keep: int, return_hidden: bool, *,
              mask: torch.Tensor | None = None, cache_positions: torch.Tensor | None = None):
@@ -148,3 +188,12 @@ class TorchCausalLM(CausalLM):
             # one as the new length; 5.x rejects it).
             self._cache.crop(length - self._num_cached)
         self._num_cached = length
+
+
+def _active_sliding_window(config) -> int | None:
+    """The attention window (tokens) the model's config enables, or None (full attention). Qwen2-style configs
+    carry ``sliding_window`` with ``use_sliding_window: false``; Mistral-style ones set only ``sliding_window``."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)

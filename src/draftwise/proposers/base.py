@@ -15,6 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -83,6 +84,16 @@ class Proposer(ABC):
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         """Begin a new request whose prompt is ``prompt_ids`` (reset per-request state). Default: nothing."""
+
+    def export_state(self) -> Any:
+        """State worth keeping for a later request that shares a prefix with this one (a draft model's KV
+        cache), for the engine's prefix cache (:mod:`draftwise.prefix_cache`); an ``nbytes`` attribute, when
+        present, counts against its memory budget. Default: None (stateless)."""
+        return None
+
+    def import_state(self, state: Any) -> None:
+        """Adopt a state from :meth:`export_state` (same scope, same engine), or start empty when ``state`` is
+        None. Called by the engine before a request's first :meth:`propose`. Default: nothing."""
 
     def observe(self, hidden: torch.Tensor, next_token_ids: Sequence[int]) -> None:
         """Target features of the positions just added to the target's KV cache (``needs_target_hidden``).

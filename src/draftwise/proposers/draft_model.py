@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from draftwise.backends.base import CausalLM
+from draftwise.backends.base import CausalLM, KVState
 from draftwise.config import SamplingParams
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import logits_to_probs, sample_from_probs
@@ -21,6 +22,19 @@ from draftwise.sampling import logits_to_probs, sample_from_probs
 __all__ = ["DraftModelProposer"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _DraftState:
+    """A draft model's kept state: the tokens its KV cache holds and the exported cache (None when the draft's
+    backend cannot export)."""
+
+    tokens: tuple[int, ...]
+    kv: KVState | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes if self.kv is not None else 0
 
 
 class DraftModelProposer(Proposer):
@@ -41,8 +55,27 @@ class DraftModelProposer(Proposer):
         self._cached: list[int] = []  # tokens in the draft's KV cache, in order
 
     def start(self, prompt_ids: Sequence[int]) -> None:
-        self.draft.reset()
-        self._cached = []
+        """Nothing to reset: the draft's cache is reconciled with the context at every :meth:`propose`, and the
+        engine sets it through :meth:`import_state` before a request."""
+
+    def export_state(self) -> _DraftState:
+        """The draft's cached tokens and, when its backend can export, its KV cache (shared, not copied)."""
+        kv = self.draft.export_cache() if self.draft.supports_cache_export else None
+        return _DraftState(tokens=tuple(self._cached), kv=kv)
+
+    def import_state(self, state: _DraftState | None) -> None:
+        """Load a kept draft state; None empties the draft's cache. A state without KV (a backend that cannot
+        export) keeps only the part of the live cache that equals the state's tokens."""
+        if state is None:
+            self.draft.reset()
+            self._cached = []
+        elif state.kv is not None:
+            self.draft.import_cache(state.kv, len(state.tokens))
+            self._cached = list(state.tokens)
+        else:
+            common = common_prefix_length(self._cached, state.tokens)
+            self.draft.rollback(common)
+            del self._cached[common:]
 
     def propose(
         self, context_ids: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
