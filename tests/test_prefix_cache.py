@@ -237,3 +237,19 @@ def test_dropped_generation_frees_the_engine(tiny_pair):
     engine = SpeculativeEngine(target)
     engine.stream([3, 4, 5], GREEDY)  # never iterated, never kept
     assert engine.generate([6, 7], GREEDY).token_ids
+
+
+# ----------------------------------------------------------------------------------------- per-request K
+def test_request_may_turn_speculation_off_or_lower_k(tiny_pair):
+    target, draft = tiny_pair
+    engine = SpeculativeEngine(target, DraftModelProposer(draft, target.vocab_size), 4)
+    oracle = cold(target, [3, 17, 42, 5])
+    off = engine.stream([3, 17, 42, 5], GREEDY, num_speculative_tokens=0)
+    assert list(t for chunk in off for t in chunk) == oracle.token_ids
+    assert off.result.stats.num_draft_tokens == 0 and set(off.result.stats.k_history) == {0}
+    two = engine.stream([3, 17, 42, 5], GREEDY, num_speculative_tokens=2)
+    assert list(t for chunk in two for t in chunk) == oracle.token_ids
+    assert max(two.result.stats.k_history) == 2
+    for bad in (-1, 5):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            engine.stream([3, 4], GREEDY, num_speculative_tokens=bad)

@@ -18,6 +18,7 @@ from draftwise.check.tokenizer import (
 from draftwise.config import SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel, load_model
+from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import Proposer
 
 __all__ = ["EngineBundle", "TokenizerMismatchError", "backend_kind", "build_engine", "build_proposer",
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 DEMO_TARGET = "qwen2.5-coder-1.5b"
 DEMO_DRAFT = "qwen2.5-coder-0.5b"
+#: Default prefix-cache budget (bytes): about 75k tokens of Qwen2.5-Coder-1.5B fp32 KV state.
+DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
 
 
 @dataclass
@@ -175,6 +178,7 @@ def build_engine(
     quantization: str | None = None,
     backend: str = "torch",
     threads: int | None = None,
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
 ) -> EngineBundle:
     """Load the target (and draft) and build the engine. Without a speculative config: plain decoding.
 
@@ -189,11 +193,14 @@ def build_engine(
         backend: ``"torch"``, ``"llama.cpp"`` or ``"auto"`` for the target and a draft model (see
             :func:`draftwise.models.loading.select_backend`).
         threads: llama.cpp CPU threads (default: all available).
+        kv_cache_memory: memory budget (bytes) of the prefix cache that keeps finished sequences' KV states for
+            reuse by later requests sharing a prefix (:mod:`draftwise.prefix_cache`); 0 turns reuse off.
     """
     target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
                               quantization=quantization, backend=backend, threads=threads)
     if speculative_config is None:
-        engine = SpeculativeEngine(target_model.backend, eos_token_ids=target_model.eos_token_ids)
+        engine = SpeculativeEngine(target_model.backend, eos_token_ids=target_model.eos_token_ids,
+                                   prefix_cache=PrefixCache(kv_cache_memory))
         return EngineBundle(target=target_model, engine=engine)
     proposer, draft = build_proposer(speculative_config, target_model, device=device, dtype=dtype,
                                      quantization=quantization, backend=backend, threads=threads)
@@ -212,5 +219,6 @@ def build_engine(
         max_k,
         eos_token_ids=target_model.eos_token_ids,
         controller_factory=k_controller_factory(speculative_config.k_policy, max_k, cost_model),
+        prefix_cache=PrefixCache(kv_cache_memory),
     )
     return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)

@@ -141,7 +141,8 @@ class SpeculativeEngine:
         assert generation.result is not None
         return generation.result
 
-    def stream(self, prompt_ids: Sequence[int], params: SamplingParams, *, scope: str = "") -> Generation:
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams, *, scope: str = "",
+               num_speculative_tokens: int | None = None) -> Generation:
         """Start a request and return a :class:`Generation` yielding committed token chunks.
 
         Args:
@@ -149,6 +150,8 @@ class SpeculativeEngine:
             params: sampling parameters.
             scope: who may share cached state with this request (an API key, a ``user``): the prefix cache
                 reuses only sequences of the same scope.
+            num_speculative_tokens: this request's K, fixed (0: plain decoding; at most the engine's K); None
+                uses the engine's K policy.
 
         Raises:
             ValueError: empty prompt or token ids outside the vocabulary.
@@ -160,10 +163,13 @@ class SpeculativeEngine:
             raise EngineBusyError(
                 "this engine is already generating another request; iterate that Generation to its end or close() "
                 "it first (one engine serves one sequence at a time)")
+        if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= self.num_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens must be in 0..{self.num_speculative_tokens} (the engine's K), "
+                             f"got {num_speculative_tokens}")
         prompt = [int(t) for t in prompt_ids]
         self._validate_prompt(prompt)
         state = _RequestState(prompt=prompt, params=params, stats=SpeculativeStats(num_prompt_tokens=len(prompt)),
-                              scope=scope)
+                              scope=scope, k_override=num_speculative_tokens)
         state.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         generation = Generation(self._steps(state), lambda reason: self._finish(state, reason))
         self._active = weakref.ref(generation)
@@ -174,7 +180,7 @@ class SpeculativeEngine:
         params, stats = state.params, state.stats
         state.start = time.perf_counter()
         generator = make_generator(params.seed)
-        controller = self._controller_factory()
+        controller = self._controller_factory() if state.k_override is None else FixedK(state.k_override)
         t0 = time.perf_counter()
         state.started = True
         reused = self._reuse_prefix(state.prompt, state.scope)
@@ -395,6 +401,7 @@ class _RequestState:
     stop_ids: frozenset[int] = frozenset()
     start: float = 0.0
     scope: str = ""
+    k_override: int | None = None  # the request's own fixed K (0: plain), or None for the engine's policy
     started: bool = False  # the loop has touched the caches
     cache_valid: bool = True  # the target's cache holds committed tokens only (false mid-pass or after a failure)
 
