@@ -7,11 +7,27 @@ from pathlib import Path
 
 from draftwise.benchmark import PromptRun
 
-__all__ = ["write_markdown", "write_plots"]
+__all__ = ["markdown_table", "write_markdown", "write_plots"]
 
 
 def _fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A GitHub Markdown table as lines: header, separator, one line per row (cells as given; ``|`` escaped).
+
+    Raises:
+        ValueError: a row with another number of cells than ``columns``.
+    """
+    for row in rows:
+        if len(row) != len(columns):
+            raise ValueError(f"a table row has {len(row)} cells for {len(columns)} columns: {row!r}")
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(cell).replace("|", "\\|") for cell in cells) + " |"
+
+    return [line(columns), "|" + "---|" * len(columns)] + [line(row) for row in rows]
 
 
 def write_markdown(path: Path, config: dict, summary: list[dict], by_category: list[dict], calibration: dict,
@@ -20,17 +36,17 @@ def write_markdown(path: Path, config: dict, summary: list[dict], by_category: l
     lines = [f"# draftwise bench: {config.get('target')} (draft: {config.get('draft')})", "",
              f"Prompts: {config.get('prompts')} categories={config.get('categories')} limit={config.get('limit')}, "
              f"max_tokens={config.get('max_tokens')}, greedy={config.get('greedy')}", ""]
-    header = ("| category | method | tokens/s | speedup (total) | decode speedup | speedup median [min, max] | alpha | tau | mean K "
-              "| identical | overhead | peak RSS (GB) | predicted |")
-    lines += ["## Results", "", header, "|" + "---|" * (header.count("|") - 1)]
+    columns = ("category", "method", "tokens/s", "speedup (total)", "decode speedup", "speedup median [min, max]",
+               "alpha", "tau", "mean K", "identical", "overhead", "peak RSS (GB)", "predicted")
+    rows = []
     for row in summary + by_category:
         spread = f"{_fmt(row['speedup_median'])} [{_fmt(row['speedup_min'])}, {_fmt(row['speedup_max'])}]"
-        lines.append(
-            f"| {row['category']} | {row['method']} | {_fmt(row['tokens_per_s'])} | {_fmt(row['speedup_total'])} | "
-            f"{_fmt(row.get('decode_speedup_total'))} | "
-            f"{spread} | {_fmt(row['acceptance_rate'], '.3f')} | {_fmt(row['mean_accepted_length'])} | "
-            f"{_fmt(row['mean_k'], '.1f')} | {row['identical']}/{row['runs']} | {_fmt(row['overhead_share'], '.1%')} | "
-            f"{row['peak_rss_bytes'] / 1e9:.1f} | {_fmt(row.get('predicted_speedup'))} |")
+        rows.append((row["category"], row["method"], _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]),
+                     _fmt(row.get("decode_speedup_total")), spread, _fmt(row["acceptance_rate"], ".3f"),
+                     _fmt(row["mean_accepted_length"]), _fmt(row["mean_k"], ".1f"), f"{row['identical']}/{row['runs']}",
+                     _fmt(row["overhead_share"], ".1%"), f"{row['peak_rss_bytes'] / 1e9:.1f}",
+                     _fmt(row.get("predicted_speedup"))))
+    lines += ["## Results", ""] + markdown_table(columns, rows)
     if calibration:
         rel = calibration.get("target", {}).get("relative", {})
         lines += ["", "## Calibration", "",
@@ -122,3 +138,4 @@ def _save(plt, fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from draftwise.backends.llama_cpp_backend import relax_for_drafting
 from draftwise.benchmark import (
@@ -35,6 +34,7 @@ from draftwise.commands.common import (
     add_backend_arg,
     add_quantization_arg,
     add_sampling_args,
+    print_table,
     sampling_params_from_args,
 )
 from draftwise.engine import SpeculativeEngine
@@ -262,17 +262,16 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 def _print_tables(console: Console, summary: list[dict], by_category: list[dict], calibration: dict) -> None:
-    table = Table(title="speculative decoding vs plain (same prompts, same process)")
-    for column in ("category", "method", "tok/s", "speedup", "decode speedup", "median [min, max]", "alpha", "tau",
-                   "K", "identical", "predicted"):
-        table.add_column(column)
+    columns = ("category", "method", "tok/s", "speedup", "decode speedup", "median [min, max]", "alpha", "tau", "K",
+               "identical", "predicted")
+    rows = []
     for row in summary + (by_category if len({r["category"] for r in by_category}) > 1 else []):
         spread = f"{_fmt(row['speedup_median'])} [{_fmt(row['speedup_min'])}, {_fmt(row['speedup_max'])}]"
-        table.add_row(row["category"], row["method"], _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]),
-                      _fmt(row.get("decode_speedup_total")), spread,
-                      _fmt(row["acceptance_rate"], ".3f"), _fmt(row["mean_accepted_length"]), _fmt(row["mean_k"], ".1f"),
-                      f"{row['identical']}/{row['runs']}", _fmt(row.get("predicted_speedup")))
-    console.print(table)
+        rows.append((row["category"], row["method"], _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]),
+                     _fmt(row.get("decode_speedup_total")), spread,
+                     _fmt(row["acceptance_rate"], ".3f"), _fmt(row["mean_accepted_length"]), _fmt(row["mean_k"], ".1f"),
+                     f"{row['identical']}/{row['runs']}", _fmt(row.get("predicted_speedup"))))
+    print_table(console, "speculative decoding vs plain (same prompts, same process)", columns, rows)
     if calibration:
         rel = calibration["target"]["relative"]
         curve = ", ".join(f"v{k}={float(v):.2f}" for k, v in rel.items())
