@@ -1,11 +1,12 @@
 """The agent-loop benchmark (``bench --workload agent``): sessions, the replay with scripted runners, the
-in-process run on stories260K, and the ``--url`` run against the real draftwise server.
+in-process run on stories260K, the ``--url`` run against the real draftwise server, and the demo's command line.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +28,7 @@ from draftwise.agent_bench import (
     summarize_agent,
 )
 from draftwise.benchmark import BenchPrompt, load_prompts
-from draftwise.cli import main
+from draftwise.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -283,6 +284,22 @@ def test_in_process_without_a_chat_template_is_a_clear_error(stories_path, sessi
                  "--sessions", str(sessions_file), "--device", "cpu", "--output", str(tmp_path / "r.json")])
     assert code == 2
     assert "no chat template" in capsys.readouterr().err
+
+
+def test_demo_script_agent_command_parses_and_runs(stories_path, template_file, tmp_path):
+    script = (REPO / "scripts" / "demo.sh").read_text().replace("\\\n", " ")
+    (line,) = [line for line in script.splitlines() if "--workload agent" in line]
+    words = shlex.split(line)
+    argv = [w for w in words[words.index("bench"):] if w != "$@"]
+    args = build_parser().parse_args(argv)
+    assert (args.workload, args.limit, args.agent_turns, args.methods) == ("agent", 1, 3, "plain,draft,ngram")
+    assert 96 <= args.max_tokens <= 128
+    out = tmp_path / "demo.json"
+    code = main(argv + ["--model", str(stories_path), "--draft", str(stories_path), "--chat-template",
+                        str(template_file), "--max-tokens", "6", "--device", "cpu", "--no-plots", "--output", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["num_sessions"] == 1 and len(data["turns"]) == 3 * 3
 
 
 # ---------------------------------------------------------------------- --url, against the draftwise server
