@@ -529,9 +529,8 @@ def run_agent_benchmark(
     (plain decoding, or the server without speculation) that every output is compared with.
 
     Each method is opened (models loaded, a client connected), serves one short untimed warm-up request,
-    replays all sessions (``concurrency`` at a time
-    when the method allows it, else one at a time), and is closed before the next method opens, so only one
-    method's models are in memory at once.
+    replays all sessions (``concurrency`` at a time when the method allows it, else one at a time), and is
+    closed before the next method opens, so only one method's models are in memory at once.
 
     Args:
         concurrency: sessions in flight at once (>= 1).
@@ -557,7 +556,7 @@ def run_agent_benchmark(
     for method in methods:
         mine, elapsed[method.label] = _replay_method(method, sessions, concurrency if method.concurrent else 1,
                                                      baseline, on_turn)
-        gc.collect()  # drop this method's models before the next one loads
+        gc.collect()  # the method's runner (and its models) went out of scope: free them before the next loads
         if not baseline:
             baseline = {(t.session_id, t.turn): t for t in mine}
         turns.extend(mine)
@@ -595,9 +594,8 @@ def _replay_session(runner: TurnRunner, method: AgentMethod, session: AgentSessi
         answers.append(outcome.text)
         turn = _to_turn(session, index, method, outcome, baseline.get((session.id, index)))
         if not turn.identical_to_plain:
-            logger.warning("%s differs from %s in session %s turn %d at %s %s", method.label,
-                           "the baseline", session.id, index, "token" if turn.token_ids is not None else "character",
-                           turn.first_difference)
+            logger.warning("%s differs from the baseline in session %s turn %d at %s %s", method.label, session.id,
+                           index, "token" if turn.token_ids is not None else "character", turn.first_difference)
         turns.append(turn)
         if on_turn:
             on_turn(turn)
