@@ -106,3 +106,29 @@ def test_bench_command_json_schema_markdown_and_plots(stories, stories_path, pro
     assert "## Exactness" in out.with_suffix(".md").read_text()
     plots = sorted(p.name for p in (tmp_path / "out" / "bench-plots").iterdir())
     assert plots == ["acceptance_by_position.png", "speedup_by_category.png", "tokens_per_s_over_time.png"]
+
+
+def test_result_table_is_readable_when_output_is_not_a_terminal(stories_path, prompts_file, tmp_path, capsys,
+                                                                 monkeypatch):
+    """Issue 15: piped output got rich's 80-column default and every column cut to three letters."""
+    for variable in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(variable, raising=False)
+    code = main(["bench", "--model", str(stories_path), "--prompts", str(prompts_file), "--limit", "1",
+                 "--methods", "plain,ngram", "--ks", "2", "--max-tokens", "4", "--chat", "off", "--no-calibrate",
+                 "--no-plots", "--output", str(tmp_path / "b.json")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert ("| category | method | tok/s | speedup | decode speedup | median [min, max] | alpha | tau | K | identical "
+            "| predicted |") in out
+    rows = [line for line in out.splitlines() if line.startswith("| all | ")]
+    assert [row.split(" | ")[1] for row in rows] == ["plain", "ngram K=2"]
+    assert all(row.count("|") == 12 for row in rows)  # 11 full cells, nothing cut or wrapped
+    assert "…" not in out
+
+
+def test_markdown_table_escapes_pipes_and_checks_row_lengths():
+    from draftwise.report import markdown_table
+
+    assert markdown_table(("a", "b"), [("x|y", "1")]) == ["| a | b |", "|---|---|", "| x\\|y | 1 |"]
+    with pytest.raises(ValueError, match="2 columns"):
+        markdown_table(("a", "b"), [("only one",)])

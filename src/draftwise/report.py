@@ -7,11 +7,28 @@ from pathlib import Path
 
 from draftwise.benchmark import PromptRun
 
-__all__ = ["write_markdown", "write_plots"]
+__all__ = ["markdown_table", "write_markdown", "write_plots", "agent_method_rows", "agent_session_rows",
+           "write_agent_markdown", "write_agent_plots"]
 
 
 def _fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A GitHub Markdown table as lines: header, separator, one line per row (cells as given; ``|`` escaped).
+
+    Raises:
+        ValueError: a row with another number of cells than ``columns``.
+    """
+    for row in rows:
+        if len(row) != len(columns):
+            raise ValueError(f"a table row has {len(row)} cells for {len(columns)} columns: {row!r}")
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(cell).replace("|", "\\|") for cell in cells) + " |"
+
+    return [line(columns), "|" + "---|" * len(columns)] + [line(row) for row in rows]
 
 
 def write_markdown(path: Path, config: dict, summary: list[dict], by_category: list[dict], calibration: dict,
@@ -20,17 +37,17 @@ def write_markdown(path: Path, config: dict, summary: list[dict], by_category: l
     lines = [f"# draftwise bench: {config.get('target')} (draft: {config.get('draft')})", "",
              f"Prompts: {config.get('prompts')} categories={config.get('categories')} limit={config.get('limit')}, "
              f"max_tokens={config.get('max_tokens')}, greedy={config.get('greedy')}", ""]
-    header = ("| category | method | tokens/s | speedup (total) | decode speedup | speedup median [min, max] | alpha | tau | mean K "
-              "| identical | overhead | peak RSS (GB) | predicted |")
-    lines += ["## Results", "", header, "|" + "---|" * (header.count("|") - 1)]
+    columns = ("category", "method", "tokens/s", "speedup (total)", "decode speedup", "speedup median [min, max]",
+               "alpha", "tau", "mean K", "identical", "overhead", "peak RSS (GB)", "predicted")
+    rows = []
     for row in summary + by_category:
         spread = f"{_fmt(row['speedup_median'])} [{_fmt(row['speedup_min'])}, {_fmt(row['speedup_max'])}]"
-        lines.append(
-            f"| {row['category']} | {row['method']} | {_fmt(row['tokens_per_s'])} | {_fmt(row['speedup_total'])} | "
-            f"{_fmt(row.get('decode_speedup_total'))} | "
-            f"{spread} | {_fmt(row['acceptance_rate'], '.3f')} | {_fmt(row['mean_accepted_length'])} | "
-            f"{_fmt(row['mean_k'], '.1f')} | {row['identical']}/{row['runs']} | {_fmt(row['overhead_share'], '.1%')} | "
-            f"{row['peak_rss_bytes'] / 1e9:.1f} | {_fmt(row.get('predicted_speedup'))} |")
+        rows.append((row["category"], row["method"], _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]),
+                     _fmt(row.get("decode_speedup_total")), spread, _fmt(row["acceptance_rate"], ".3f"),
+                     _fmt(row["mean_accepted_length"]), _fmt(row["mean_k"], ".1f"), f"{row['identical']}/{row['runs']}",
+                     _fmt(row["overhead_share"], ".1%"), f"{row['peak_rss_bytes'] / 1e9:.1f}",
+                     _fmt(row.get("predicted_speedup"))))
+    lines += ["## Results", ""] + markdown_table(columns, rows)
     if calibration:
         rel = calibration.get("target", {}).get("relative", {})
         lines += ["", "## Calibration", "",
@@ -122,3 +139,111 @@ def _save(plt, fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------------- agent-loop workload
+AGENT_METHOD_COLUMNS = ("method", "sessions", "turns", "wall s", "speedup", "TTFT first turn s",
+                        "TTFT later turns s (mean)", "decode tok/s", "prompt tokens", "cached", "alpha", "identical")
+AGENT_SESSION_COLUMNS = ("method", "session", "turns", "context tokens (last turn)", "wall s", "speedup", "TTFT s",
+                         "decode tok/s", "identical")
+AGENT_TURN_COLUMNS = ("method", "session", "turn", "prompt tokens", "cached", "TTFT s", "decode tok/s", "wall s",
+                      "output tokens", "identical")
+
+
+def _cached_cell(row: dict) -> str:
+    if row.get("cached_tokens") is None:
+        return "-"
+    return f"{row['cached_tokens']} ({_fmt(row.get('cached_share'), '.0%')})"
+
+
+def agent_method_rows(summary: Sequence[dict]) -> list[tuple[str, ...]]:
+    """Table cells (in :data:`AGENT_METHOD_COLUMNS` order) of :func:`draftwise.agent_bench.summarize_agent` rows."""
+    return [(r["method"], str(r["sessions"]), str(r["turns"]), _fmt(r["wall_s"]), _fmt(r["speedup"]),
+             _fmt(r["ttft_first_turn_mean_s"]), _fmt(r["ttft_later_turns_mean_s"]), _fmt(r["decode_tokens_per_s"]),
+             _fmt(r["prompt_tokens"], "d"), _cached_cell(r), _fmt(r["acceptance_rate"], ".3f"),
+             f"{r['identical']}/{r['turns']}") for r in summary]
+
+
+def agent_session_rows(sessions: Sequence[dict]) -> list[tuple[str, ...]]:
+    """Table cells (in :data:`AGENT_SESSION_COLUMNS` order) of :func:`draftwise.agent_bench.session_totals` rows."""
+    return [(r["method"], r["session_id"], str(r["turns"]), _fmt(r["max_prompt_tokens"], "d"), _fmt(r["wall_s"]),
+             _fmt(r["speedup"]), _fmt(r["ttft_s"]), _fmt(r["decode_tokens_per_s"]), f"{r['identical']}/{r['turns']}")
+            for r in sessions]
+
+
+def write_agent_markdown(path: Path, config: dict, summary: Sequence[dict], sessions: Sequence[dict], turns) -> Path:
+    """Write the agent-loop report: per method, per session and per turn tables, and any output that differs
+    from the baseline (``turns``: :class:`draftwise.agent_bench.AgentTurn` objects)."""
+    source = config.get("urls") or f"{config.get('target')} (draft: {config.get('draft')})"
+    lines = [f"# draftwise bench --workload agent: {source}", "",
+             f"Sessions: {config.get('sessions')} ({config.get('num_sessions')} sessions, up to "
+             f"{config.get('max_turns')} turns), max_tokens={config.get('max_tokens')}, greedy={config.get('greedy')}, "
+             f"concurrency={config.get('concurrency')}" + (f" ({config['concurrency_note']})"
+                                                           if config.get("concurrency_note") else ""),
+             "", "Each turn carries the whole conversation so far, with the method's own earlier answers. "
+             "Speed-up: the baseline's (first method's) wall time / the method's, summed over the turns.", ""]
+    lines += ["## Methods", ""] + markdown_table(AGENT_METHOD_COLUMNS, agent_method_rows(summary))
+    lines += ["", "## Sessions", ""] + markdown_table(AGENT_SESSION_COLUMNS, agent_session_rows(sessions))
+    turn_rows = [(t.method, t.session_id, str(t.turn), _fmt(t.prompt_tokens, "d"), _fmt(t.cached_tokens, "d"),
+                  _fmt(t.ttft_s), _fmt(t.decode_tokens_per_s), _fmt(t.wall_s), str(t.output_tokens),
+                  "yes" if t.identical_to_plain else f"no (from {t.first_difference})") for t in turns]
+    lines += ["", "## Turns", ""] + markdown_table(AGENT_TURN_COLUMNS, turn_rows)
+    failures = [t for t in turns if not t.identical_to_plain]
+    lines += ["", "## Exactness", ""]
+    lines += [f"- {t.method}, session {t.session_id} turn {t.turn}: first difference at "
+              f"{'token' if t.token_ids is not None else 'character'} {t.first_difference}" for t in failures] or [
+        "All outputs identical to the baseline's, turn by turn."]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_agent_plots(directory: Path, turns, sessions: Sequence[dict]) -> list[Path]:
+    """``agent_turns.png``: mean TTFT and wall time per turn index, per method; ``agent_speedup_by_session.png``:
+    each method's speed-up over the baseline per session."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return [_plot_agent_turns(plt, directory / "agent_turns.png", turns),
+            _plot_agent_speedup(plt, directory / "agent_speedup_by_session.png", sessions)]
+
+
+def _plot_agent_turns(plt, path: Path, turns) -> Path:
+    fig, (ax_ttft, ax_wall) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for method in dict.fromkeys(t.method for t in turns):
+        by_turn: dict[int, list] = {}
+        for t in turns:
+            if t.method == method:
+                by_turn.setdefault(t.turn, []).append(t)
+        indices = sorted(by_turn)
+        ttft = [_mean([t.ttft_s for t in by_turn[i] if t.ttft_s is not None]) for i in indices]
+        wall = [_mean([t.wall_s for t in by_turn[i]]) for i in indices]
+        ax_ttft.plot(indices, ttft, marker="o", label=method)
+        ax_wall.plot(indices, wall, marker="o", label=method)
+    ax_ttft.set_ylabel("time to first token (s)")
+    ax_wall.set_ylabel("turn wall time (s)")
+    ax_wall.set_xlabel("turn (mean over sessions)")
+    ax_ttft.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def _plot_agent_speedup(plt, path: Path, sessions: Sequence[dict]) -> Path:
+    session_ids = list(dict.fromkeys(r["session_id"] for r in sessions))
+    methods = list(dict.fromkeys(r["method"] for r in sessions))
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(session_ids) * max(1, len(methods)) / 2), 4))
+    width = 0.8 / max(1, len(methods))
+    for j, method in enumerate(methods):
+        values = [next((r["speedup"] or 0 for r in sessions if r["session_id"] == s and r["method"] == method), 0)
+                  for s in session_ids]
+        ax.bar([i + j * width for i in range(len(session_ids))], values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(session_ids))], session_ids, fontsize=7)
+    ax.set_ylabel("session speed-up over the baseline")
+    ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")

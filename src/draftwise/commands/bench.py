@@ -4,6 +4,10 @@ Methods: ``plain`` (always first, the baseline and exactness oracle), ``draft`` 
 (prompt lookup), each at fixed K for every ``--ks`` value and/or with the cost-model controller (``--k-policies
 auto``, K_max = max(ks)), plus the transformers anchors ``hf`` (assisted generation and prompt lookup) when
 asked. Writes JSON (after every prompt; ``--resume`` continues it), a Markdown report and PNG plots.
+
+``--workload agent`` replays multi-turn coding sessions instead (:mod:`draftwise.agent_bench`): in process,
+one engine per method built like ``draftwise serve`` builds it, or with ``--url`` against OpenAI-compatible
+servers (the first URL is the baseline).
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from draftwise.backends.llama_cpp_backend import relax_for_drafting
 from draftwise.benchmark import (
@@ -35,6 +38,7 @@ from draftwise.commands.common import (
     add_backend_arg,
     add_quantization_arg,
     add_sampling_args,
+    print_table,
     sampling_params_from_args,
 )
 from draftwise.engine import SpeculativeEngine
@@ -74,7 +78,35 @@ def register(subparsers) -> None:
     add_quantization_arg(parser)
     add_backend_arg(parser)
     add_sampling_args(parser, max_tokens=128)
+    _add_agent_args(parser)
     parser.set_defaults(func=run)
+
+
+def _add_agent_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=("prompts", "agent"), default="prompts",
+                        help="prompts: single prompts (default); agent: multi-turn coding sessions where every turn "
+                        "carries the whole conversation so far (see docs/agent_bench.md)")
+    group = parser.add_argument_group("agent workload (--workload agent)")
+    group.add_argument("--sessions", default=None,
+                       help="sessions file (.json or .jsonl; default data/agent_sessions.jsonl), or 'spec-bench' to "
+                       "build sessions from --prompts (category coding unless --category) plus coding follow-ups; "
+                       "--limit caps the number of sessions")
+    group.add_argument("--agent-turns", type=int, default=None,
+                       help="turns per session (default: all of a file's; 4 for spec-bench)")
+    group.add_argument("--system-prompt", default=None, help="system prompt for every session (replaces the file's)")
+    group.add_argument("--url", action="append", default=None, metavar="[LABEL=]URL",
+                       help="an OpenAI-compatible server (draftwise, vLLM, llama-server) to replay the sessions "
+                       "against instead of loading models; repeat for several servers, the first is the baseline "
+                       "for the identical-output check")
+    group.add_argument("--api-key", default=None, help="bearer key for --url servers")
+    group.add_argument("--model-name", default=None, help="model name to send to --url servers (default: the "
+                       "first of GET /v1/models)")
+    group.add_argument("--concurrency", type=int, default=1,
+                       help="sessions in flight at once (--url only; in process the engine serves one request at a "
+                       "time, so sessions run one after another)")
+    group.add_argument("--chat-template", default=None,
+                       help="in process: a Jinja chat template (file or inline) for models without one")
+    group.add_argument("--request-timeout", type=float, default=600.0, help="seconds per --url request (default 600)")
 
 
 def _csv(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -93,6 +125,12 @@ def parse_ks(text: str) -> list[int]:
     if not ks or min(ks) < 1:
         raise CliError("--ks needs at least one K >= 1")
     return ks
+
+
+def method_label(kind: str, k: int, policy: str = "fixed", tree_width: int = 1) -> str:
+    """A method's name in tables and JSON: ``"draft K=4"``, ``"ngram auto(K<=4)"``, ``"eagle K=4 w=2"``."""
+    label = f"{kind} K={k}" if policy == "fixed" else f"{kind} auto(K<={k})"
+    return label + (f" w={tree_width}" if tree_width > 1 else "")
 
 
 def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[str], ks: list[int],
@@ -114,7 +152,7 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
     for kind, proposer in proposers.items():
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                label = f"{kind} K={k}" if policy == "fixed" else f"{kind} auto(K<={k})"
+                label = method_label(kind, k, policy)
                 factory = _controller_factory(policy, k, kind, target, draft, proposer, calibrated)
                 engine = SpeculativeEngine(target.backend, proposer, k, eos_token_ids=eos, controller_factory=factory)
                 specs.append(MethodSpec(label, kind, k, policy, engine=engine))
@@ -141,7 +179,7 @@ def _head_methods(target: LoadedModel, kind: str, heads_dir: str, ks: list[int],
             config = SpeculativeConfig(method=kind, model=heads_dir, num_speculative_tokens=k, tree_width=width)
             engine = SpeculativeEngine(target.backend, build_head_proposer(config, target), k,
                                        eos_token_ids=target.eos_token_ids)
-            label = f"{kind} K={k}" + (f" w={width}" if width > 1 else "")
+            label = method_label(kind, k, "fixed", width)
             specs.append(MethodSpec(label, kind, k, "fixed", engine=engine))
     return specs
 
@@ -160,6 +198,8 @@ def _controller_factory(policy, k, kind, target, draft, proposer, calibrated):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.workload == "agent":
+        return run_agent(args)
     console = Console()
     params = sampling_params_from_args(args)
     ks = parse_ks(args.ks)
@@ -179,10 +219,7 @@ def run(args: argparse.Namespace) -> int:
     if len({p.id for p in prompts}) != len(prompts):
         raise CliError(f"prompt ids repeat across {prompts_path}; give each prompt a distinct question_id")
 
-    heads = {"medusa": args.medusa_heads, "eagle": args.eagle_heads}
-    for kind in ("medusa", "eagle"):
-        if kind in methods and not heads[kind]:
-            raise CliError(f"--methods {kind} needs --{kind}-heads DIR (train them with: draftwise train-heads)")
+    heads = _heads_dirs(args, methods)
     tree_widths = _tree_widths(args.tree_widths)
     if "hf" in methods and args.backend != "torch":
         raise CliError("--methods hf runs transformers' own generate and needs --backend torch")
@@ -217,6 +254,15 @@ def run(args: argparse.Namespace) -> int:
     if mismatches:
         console.print(f"[red]{len(mismatches)} run(s) differ from plain decoding[/red]")
     return 1 if mismatches else 0
+
+
+def _heads_dirs(args: argparse.Namespace, methods: list[str]) -> dict[str, str | None]:
+    """``{"medusa": dir, "eagle": dir}`` from the flags. Raises CliError: a heads method without its directory."""
+    heads = {"medusa": args.medusa_heads, "eagle": args.eagle_heads}
+    for kind in ("medusa", "eagle"):
+        if kind in methods and not heads[kind]:
+            raise CliError(f"--methods {kind} needs --{kind}-heads DIR (train them with: draftwise train-heads)")
+    return heads
 
 
 def _tree_widths(text: str) -> list[int]:
@@ -262,17 +308,16 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 def _print_tables(console: Console, summary: list[dict], by_category: list[dict], calibration: dict) -> None:
-    table = Table(title="speculative decoding vs plain (same prompts, same process)")
-    for column in ("category", "method", "tok/s", "speedup", "decode speedup", "median [min, max]", "alpha", "tau",
-                   "K", "identical", "predicted"):
-        table.add_column(column)
+    columns = ("category", "method", "tok/s", "speedup", "decode speedup", "median [min, max]", "alpha", "tau", "K",
+               "identical", "predicted")
+    rows = []
     for row in summary + (by_category if len({r["category"] for r in by_category}) > 1 else []):
         spread = f"{_fmt(row['speedup_median'])} [{_fmt(row['speedup_min'])}, {_fmt(row['speedup_max'])}]"
-        table.add_row(row["category"], row["method"], _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]),
-                      _fmt(row.get("decode_speedup_total")), spread,
-                      _fmt(row["acceptance_rate"], ".3f"), _fmt(row["mean_accepted_length"]), _fmt(row["mean_k"], ".1f"),
-                      f"{row['identical']}/{row['runs']}", _fmt(row.get("predicted_speedup")))
-    console.print(table)
+        rows.append((row["category"], row["method"], _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]),
+                     _fmt(row.get("decode_speedup_total")), spread,
+                     _fmt(row["acceptance_rate"], ".3f"), _fmt(row["mean_accepted_length"]), _fmt(row["mean_k"], ".1f"),
+                     f"{row['identical']}/{row['runs']}", _fmt(row.get("predicted_speedup"))))
+    print_table(console, "speculative decoding vs plain (same prompts, same process)", columns, rows)
     if calibration:
         rel = calibration["target"]["relative"]
         curve = ", ".join(f"v{k}={float(v):.2f}" for k, v in rel.items())
@@ -290,3 +335,222 @@ def _write_reports(console, output: Path, config, runs, summary, by_category, ca
     if plots:
         for path in write_plots(output.parent / (output.stem + "-plots"), runs, by_category, summary):
             console.print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------- --workload agent
+def run_agent(args: argparse.Namespace) -> int:
+    """``bench --workload agent``: replay multi-turn sessions in process (one engine per method) or against
+    ``--url`` servers; print the tables and write JSON, Markdown and plots. Returns 1 when a greedy output
+    differs from the baseline's."""
+    from draftwise.agent_bench import AgentBenchError, session_totals, summarize_agent
+
+    console = Console()
+    params = sampling_params_from_args(args)
+    if args.resume:
+        raise CliError("--resume is not supported with --workload agent")
+    if args.concurrency < 1:
+        raise CliError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.request_timeout <= 0:
+        raise CliError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    sessions, source = _agent_sessions(args)
+    methods, config = _agent_methods(args, params)
+    note = None
+    if not args.url and args.concurrency > 1:
+        note = "in process the engine serves one request at a time: sessions ran one after another"
+        console.print(f"--concurrency {args.concurrency}: {note}")
+    config.update(sessions=source, num_sessions=len(sessions), max_turns=max(len(s.turns) for s in sessions),
+                  concurrency=args.concurrency, concurrency_note=note, max_tokens=params.max_tokens,
+                  greedy=params.greedy, temperature=params.temperature, seed=params.seed)
+    output = Path(args.output or f"bench_results/agent-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    try:
+        turns, elapsed = _run_agent_with_progress(console, methods, sessions, args.concurrency)
+    except AgentBenchError as exc:
+        raise CliError(str(exc)) from exc
+    summary, per_session = summarize_agent(turns, elapsed), session_totals(turns)
+    _print_agent_tables(console, summary, per_session)
+    _write_agent_reports(console, output, config, turns, summary, per_session, plots=not args.no_plots)
+    mismatches = [t for t in turns if params.greedy and not t.identical_to_plain]
+    if mismatches:
+        console.print(f"[red]{len(mismatches)} turn(s) differ from {methods[0].label}[/red]")
+    return 1 if mismatches else 0
+
+
+def _agent_sessions(args: argparse.Namespace):
+    """The sessions to replay and a description of their source. Raises CliError on bad flags."""
+    import dataclasses
+
+    from draftwise.agent_bench import DEFAULT_SYSTEM_PROMPT, default_sessions_path, load_sessions, sessions_from_prompts
+
+    if args.agent_turns is not None and args.agent_turns < 1:
+        raise CliError(f"--agent-turns must be >= 1, got {args.agent_turns}")
+    if args.limit is not None and args.limit < 1:
+        raise CliError(f"--limit must be >= 1, got {args.limit}")
+    if args.sessions == "spec-bench":
+        paths = [Path(p.strip()) for p in args.prompts.split(",") if p.strip()] if args.prompts else [default_prompts_path()]
+        categories = [c.strip() for c in args.category.split(",")] if args.category else ["coding"]
+        prompts = [prompt for path in paths for prompt in load_prompts(path, categories, args.limit)]
+        if not prompts:
+            raise CliError(f"no prompts in {','.join(map(str, paths))} for categories {categories}")
+        sessions = sessions_from_prompts(prompts, num_turns=args.agent_turns or 4,
+                                         system=args.system_prompt or DEFAULT_SYSTEM_PROMPT)
+        return sessions, f"spec-bench:{','.join(map(str, paths))} categories={categories}"
+    path = Path(args.sessions) if args.sessions else default_sessions_path()
+    sessions = load_sessions(path, limit=args.limit, max_turns=args.agent_turns)
+    if args.system_prompt:
+        sessions = [dataclasses.replace(s, system=args.system_prompt) for s in sessions]
+    return sessions, str(path)
+
+
+def _agent_methods(args: argparse.Namespace, params):
+    """The methods (baseline first) and the run's configuration dict. Raises CliError on bad flags."""
+    if args.url:
+        labelled = _parse_urls(args.url)
+        config = {"mode": "http", "urls": dict(labelled), "methods": [label for label, _ in labelled],
+                  "model_name": args.model_name}
+        return [_http_method(label, url, params, args) for label, url in labelled], config
+    methods = _csv(args.methods, METHODS, "--methods")
+    if "hf" in methods:
+        raise CliError("--methods hf (transformers' generate) is not available with --workload agent")
+    plan = agent_method_plan(methods, parse_ks(args.ks), _csv(args.k_policies, ("fixed", "auto"), "--k-policies"),
+                             _tree_widths(args.tree_widths), _heads_dirs(args, methods), args.draft)
+    chat_template = _chat_template(args.chat_template)
+    specs = [_engine_method(label, kind, k, spec_config, args, params, chat_template)
+             for label, kind, k, spec_config in plan]
+    config = {"mode": "in-process", "target": args.model, "draft": args.draft if "draft" in methods else None,
+              "methods": [label for label, *_ in plan], "quantization": args.quantization, "backend": args.backend,
+              "threads": args.threads, "dtype": args.dtype, "chat_template": "given" if chat_template else "model's"}
+    return specs, config
+
+
+def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tree_widths: list[int],
+                      heads: dict[str, str | None], draft: str | None) -> list[tuple]:
+    """``(label, kind, k, SpeculativeConfig | None)`` per in-process method, plain first, in the order and with
+    the labels of the prompts workload (draft and ngram per policy and K; Medusa / EAGLE per K and tree width)."""
+    from draftwise.config import SpeculativeConfig
+
+    plan: list[tuple] = [("plain", "plain", None, None)]
+    for kind, method in (("draft", "draft_model"), ("ngram", "ngram")):
+        if kind not in methods:
+            continue
+        for policy in policies:
+            for k in (ks if policy == "fixed" else [max(ks)]):
+                config = SpeculativeConfig(method=method, model=draft if kind == "draft" else None,
+                                           num_speculative_tokens=k, k_policy=policy)
+                plan.append((method_label(kind, k, policy), kind, k, config))
+    for kind in ("medusa", "eagle"):
+        if kind in methods:
+            for k in ks:
+                for width in tree_widths:
+                    config = SpeculativeConfig(method=kind, model=heads[kind], num_speculative_tokens=k, tree_width=width)
+                    plan.append((method_label(kind, k, "fixed", width), kind, k, config))
+    return plan
+
+
+def _engine_method(label, kind, k, spec_config, args, params, chat_template):
+    """An in-process method: its engine is built (models loaded) when the replay opens it and dropped after."""
+    from contextlib import contextmanager
+
+    from draftwise.agent_bench import AgentMethod, EngineTurnRunner
+    from draftwise.builder import build_engine
+
+    @contextmanager
+    def open_runner():
+        bundle = build_engine(args.model, spec_config, device=args.device, dtype=args.dtype,
+                              quantization=args.quantization, backend=args.backend, threads=args.threads)
+        yield EngineTurnRunner(bundle, params, chat_template)
+
+    return AgentMethod(label, open_runner, kind, k, concurrent=False)
+
+
+def _http_method(label: str, url: str, params, args):
+    """A method served by an OpenAI-compatible server (thread-safe: sessions may run concurrently)."""
+    from contextlib import contextmanager
+
+    from draftwise.agent_bench import AgentMethod, HttpTurnRunner
+
+    @contextmanager
+    def open_runner():
+        with HttpTurnRunner(url, params, model=args.model_name, api_key=args.api_key, timeout_s=args.request_timeout,
+                            max_connections=max(16, args.concurrency)) as runner:
+            yield runner
+
+    return AgentMethod(label, open_runner, "server", None, concurrent=True)
+
+
+def _parse_urls(values: list[str]) -> list[tuple[str, str]]:
+    """``[LABEL=]URL`` flags -> ``(label, url)``; the label defaults to the URL's host:port.
+
+    Raises:
+        CliError: a value that is not an http(s) URL, or repeated labels.
+    """
+    from urllib.parse import urlsplit
+
+    labelled = []
+    for value in values:
+        label, sep, url = value.partition("=")
+        if not sep or "://" in label:
+            label, url = "", value
+        if not url.startswith(("http://", "https://")):
+            raise CliError(f"--url: expected [LABEL=]http(s)://host:port, got {value!r}")
+        labelled.append((label.strip() or urlsplit(url).netloc, url))
+    labels = [label for label, _ in labelled]
+    if len(set(labels)) != len(labels):
+        raise CliError(f"--url labels repeat ({labels}); name them: --url plain=URL --url ngram=URL")
+    return labelled
+
+
+def _chat_template(value: str | None) -> str | None:
+    from draftwise.commands.serve import _chat_template as read_chat_template
+
+    return read_chat_template(value)
+
+
+def _run_agent_with_progress(console, methods, sessions, concurrency):
+    from draftwise.agent_bench import run_agent_benchmark
+
+    total = len(methods) * sum(len(s.turns) for s in sessions)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("agent sessions", total=total)
+
+        def on_turn(turn) -> None:
+            progress.update(task, advance=1, description=f"{turn.method}: session {turn.session_id} turn {turn.turn}")
+            logger.info("%s session %s turn %d: %s prompt tokens (%s cached), TTFT %s s, %.2f s", turn.method,
+                        turn.session_id, turn.turn, turn.prompt_tokens, turn.cached_tokens, _fmt(turn.ttft_s),
+                        turn.wall_s)
+
+        return run_agent_benchmark(methods, sessions, concurrency=concurrency, on_turn=on_turn)
+
+
+def _print_agent_tables(console: Console, summary: list[dict], per_session: list[dict]) -> None:
+    from draftwise.report import (
+        AGENT_METHOD_COLUMNS,
+        AGENT_SESSION_COLUMNS,
+        agent_method_rows,
+        agent_session_rows,
+    )
+
+    print_table(console, "agent loop: multi-turn sessions, each turn carries the conversation so far",
+                AGENT_METHOD_COLUMNS, agent_method_rows(summary))
+    if len({r["session_id"] for r in per_session}) > 1:
+        print_table(console, "per session", AGENT_SESSION_COLUMNS, agent_session_rows(per_session))
+    baseline, others = summary[0], summary[1:]
+    if others:
+        parts = ", ".join(f"{r['method']} {_fmt(r['speedup'])}x" for r in others)
+        identical = all(r["identical"] == r["turns"] for r in others)
+        console.print(f"agent-loop speed-up over {baseline['method']} ({baseline['sessions']} session(s), "
+                      f"{baseline['turns']} turns, wall time): {parts}; outputs "
+                      + ("identical to " + baseline["method"] + " on every turn" if identical else "[red]DIFFER[/red]"),
+                      soft_wrap=True)
+
+
+def _write_agent_reports(console, output: Path, config, turns, summary, per_session, *, plots: bool) -> None:
+    from draftwise.agent_bench import write_agent_json
+    from draftwise.report import write_agent_markdown, write_agent_plots
+
+    write_agent_json(output, config, turns, summary, per_session)
+    markdown = write_agent_markdown(output.with_suffix(".md"), config, summary, per_session, turns)
+    console.print(f"wrote {output} and {markdown}", soft_wrap=True)
+    if plots:
+        for path in write_agent_plots(output.parent / (output.stem + "-plots"), turns, per_session):
+            console.print(f"wrote {path}", soft_wrap=True)

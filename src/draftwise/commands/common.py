@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 
 from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
 from draftwise.config import SamplingParams, SpeculativeConfig
 
 __all__ = ["add_model_args", "add_sampling_args", "speculative_config_from_args", "sampling_params_from_args",
-           "CliError", "add_quantization_arg", "add_backend_arg"]
+           "CliError", "add_quantization_arg", "add_backend_arg", "print_table"]
 
 
 class CliError(Exception):
@@ -108,3 +109,34 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
 def default_target(value: str | None) -> str:
     """The demo target when no model is named."""
     return value or DEMO_TARGET
+
+
+def print_table(console, title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Print a result table readable at any width.
+
+    On a terminal wide enough for every cell: a rich table. Anywhere else (a pipe, a file, CI logs, where
+    rich assumes 80 columns and would cut every column to a few letters, or a narrow terminal): the title and a
+    plain Markdown table, one line per row, never cut (a terminal may wrap its lines).
+
+    Args:
+        console: a ``rich.console.Console``.
+        columns: column names; rows: one sequence of cell strings per row (same length as ``columns``).
+    """
+    from rich.markup import escape
+    from rich.measure import Measurement
+    from rich.table import Table
+
+    from draftwise.report import markdown_table
+
+    lines = markdown_table(columns, rows)  # validates the row lengths
+    if console.is_terminal:
+        table = Table(title=title)
+        for column in columns:
+            table.add_column(escape(column), no_wrap=True)
+        for row in rows:
+            table.add_row(*[escape(str(cell)) for cell in row])
+        unbounded = console.options.update(max_width=1_000_000)
+        if Measurement.get(console, unbounded, table).maximum <= console.width:
+            console.print(table)
+            return
+    console.print("\n".join([title, ""] + lines + [""]), markup=False, highlight=False, soft_wrap=True)
