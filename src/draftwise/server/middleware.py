@@ -90,10 +90,12 @@ class BodySizeLimitMiddleware:
         except _BodyTooLarge:
             await self._refuse(scope, receive, send, f"more than {self.max_bytes} bytes")
             return
+        if body is None:  # the client left during the upload: nobody to answer
+            return
         await self.app(scope, _replay(body, receive), send)
 
     async def _receive_body(self, receive) -> bytes | None:
-        """The whole body (None when the client left first: the app then sees the disconnect itself)."""
+        """The whole body, or None when the client left first."""
         parts: list[bytes] = []
         size = 0
         while True:
@@ -125,10 +127,10 @@ def _content_length(scope) -> int | None:
     return None
 
 
-def _replay(body: bytes | None, receive):
+def _replay(body: bytes, receive):
     """A ``receive`` that first returns the buffered body in one message, then defers to the real one (so
     the app still learns about a client disconnect)."""
-    pending = body is not None
+    pending = True
 
     async def replayed():
         nonlocal pending
