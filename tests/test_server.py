@@ -334,6 +334,12 @@ BAD_REQUESTS = [
     ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("completions", {"prompt": []}, 400, "prompt"),
     ("completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("completions", {"prompt": ""}, 400, "prompt"),  # the tokenizer would give [BOS]: still empty
+    ("completions", {"prompt": [[]]}, 400, "prompt"),
+    ("completions", r'{"prompt": "once \ud800"}', 400, "prompt"),  # a lone surrogate
+    ("completions", r'{"prompt": "hi", "model": "\ud800"}', 400, "model"),
+    ("completions", '{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("completions", '{"prompt": "hi", "top_p": -Infinity}', 400, "top_p"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": "hello"}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
@@ -344,6 +350,8 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      400, "tools"),
     ("chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages"),
+    ("chat/completions", r'{"messages": [{"role": "user", "content": [{"type": "\ud800"}]}]}', 400,
+     "messages.0.content.0.type"),
 ]
 
 

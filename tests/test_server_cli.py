@@ -11,12 +11,12 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
 from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
 from draftwise.cli import build_parser, main
 from draftwise.commands.common import CliError
 from draftwise.commands.serve import plan_from_args
+from draftwise.server.serving import DrainingServer
 
 
 def plan(*argv: str):
@@ -70,15 +70,16 @@ def _free_port() -> int:
 
 def test_serve_command_end_to_end(draftwise_home, stories_path, monkeypatch):
     """``draftwise serve`` through the CLI entry point, in-process (a subprocess would pay torch's and
-    transformers' imports again). Only ``uvicorn.run`` is replaced, by its own two steps with a handle to stop
-    the server."""
-    servers: list[uvicorn.Server] = []
+    transformers' imports again). ``DrainingServer.run`` is wrapped only to keep a handle that stops the
+    server."""
+    servers: list[DrainingServer] = []
+    original_run = DrainingServer.run
 
-    def run_and_keep(app, **kwargs):
-        servers.append(uvicorn.Server(uvicorn.Config(app, **kwargs)))
-        servers[0].run()
+    def run_and_keep(self, *args, **kwargs):
+        servers.append(self)
+        return original_run(self, *args, **kwargs)
 
-    monkeypatch.setattr(uvicorn, "run", run_and_keep)
+    monkeypatch.setattr(DrainingServer, "run", run_and_keep)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny model on a shared machine: avoid OpenMP barrier stalls
     port = _free_port()

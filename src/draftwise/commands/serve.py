@@ -15,7 +15,12 @@ from pathlib import Path
 from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
 from draftwise.commands.common import CliError, add_backend_arg, add_model_args, add_quantization_arg, speculative_config_from_args
 from draftwise.config import SpeculativeConfig
-from draftwise.server.settings import DEFAULT_MAX_TOKENS, ServerSettings
+from draftwise.server.settings import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SHUTDOWN_GRACE_S,
+    ServerSettings,
+)
 
 __all__ = ["register", "run", "ServePlan", "plan_from_args"]
 
@@ -38,9 +43,11 @@ def register(subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="name(s) clients use in 'model' (default: TARGET as given)")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
+                        help="name(s) clients use in 'model' (default: TARGET's base name without .gguf for a "
+                        "local file or directory, else TARGET as given)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}); an empty "
+                        "key is an error")
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template (a file or the template itself) for models without one")
     parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
@@ -48,6 +55,12 @@ def register(subparsers) -> None:
                         "context)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="queued requests beyond which new ones get 503 (default 256)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help=f"largest request body accepted, in bytes; larger ones get 413 (default "
+                        f"{DEFAULT_MAX_REQUEST_BYTES}, 8 MiB)")
+    parser.add_argument("--shutdown-grace-seconds", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                        help="on SIGTERM/SIGINT, seconds the running request gets to finish; waiting requests "
+                        f"get 503 at once (default {DEFAULT_SHUTDOWN_GRACE_S:g})")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.set_defaults(func=run)
@@ -77,10 +90,12 @@ def plan_from_args(args: argparse.Namespace) -> ServePlan:
     try:
         settings = ServerSettings(
             served_model_names=tuple(args.served_model_name or ()),
-            api_key=args.api_key or None,
+            api_key=_api_key(args.api_key),
             chat_template=_chat_template(args.chat_template),
             default_max_tokens=args.default_max_tokens,
             max_waiting_requests=args.max_waiting_requests,
+            max_request_bytes=args.max_request_bytes,
+            shutdown_grace_s=args.shutdown_grace_seconds,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
@@ -93,6 +108,19 @@ def _target(args: argparse.Namespace) -> str | None:
     if args.model_tag and args.model_flag and args.model_tag != args.model_flag:
         raise CliError(f"two different targets given: {args.model_tag!r} and --model {args.model_flag!r}")
     return args.model_tag or args.model_flag
+
+
+def _api_key(flag: str | None) -> str | None:
+    """The key from ``--api-key`` or else ``$DRAFTWISE_API_KEY``; None when neither is set.
+
+    Raises:
+        CliError: the key given is empty or blank (it would silently serve without authentication).
+    """
+    source, key = ("--api-key", flag) if flag is not None else (f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV))
+    if key is not None and not key.strip():
+        raise CliError(f"{source} is empty: give a non-blank key, or leave it unset to serve without "
+                       "authentication")
+    return key
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -109,10 +137,8 @@ def _chat_template(value: str | None) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the models, then serve until interrupted."""
-    import uvicorn
-
     from draftwise.builder import build_engine
-    from draftwise.server import create_app
+    from draftwise.server import create_app, serve
 
     plan = plan_from_args(args)
     _enable_request_logging()
@@ -124,8 +150,7 @@ def run(args: argparse.Namespace) -> int:
                           backend=args.backend, threads=args.threads)
     app = create_app(bundle, plan.settings)
     logger.info("OpenAI-compatible API at http://%s:%d/v1", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=5)
+    serve(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0
 
 

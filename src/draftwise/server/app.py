@@ -2,13 +2,13 @@
 ``/health`` and ``/metrics``.
 
 Build it with :func:`create_app` from an :class:`EngineBundle` (see :func:`draftwise.builder.build_engine`)
-and run it with any ASGI server (``draftwise serve`` uses uvicorn). All state lives in the app instance.
+and run it with :func:`draftwise.server.serving.serve` (uvicorn, with the graceful shutdown described in
+``docs/server.md``), or with any ASGI server. All state lives in the app instance.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,8 +21,9 @@ from starlette.concurrency import run_in_threadpool
 
 from draftwise import __version__
 from draftwise.builder import EngineBundle
-from draftwise.server.errors import APIError, error_body, install_error_handlers
+from draftwise.server.errors import APIError, ErrorBoundaryMiddleware, error_body, install_error_handlers
 from draftwise.server.metrics import ServerMetrics
+from draftwise.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
 from draftwise.server.requests import GenerationRequest, RequestBuilder, TextCodec
 from draftwise.server.responses import (
@@ -67,6 +68,12 @@ class ServerState:
         """The primary served model name."""
         return self.builder.served_names[0]
 
+    def begin_shutdown(self) -> None:
+        """Start a graceful shutdown (call when the server stops accepting connections, e.g. on SIGTERM):
+        new and waiting requests get 503 ``server_closing``; the running one gets ``settings.shutdown_grace_s``
+        seconds to finish, then fails with ``server_closing`` too. Idempotent."""
+        self.scheduler.close(self.settings.shutdown_grace_s)
+
     def usage(self, prompt_tokens: int, finished: Finished) -> Usage:
         """The response's usage object (OpenAI's counts plus the speculative statistics)."""
         engine = self.bundle.engine
@@ -96,8 +103,11 @@ def create_app(bundle: EngineBundle, settings: ServerSettings | None = None) -> 
     app = FastAPI(title="draftwise", version=__version__, lifespan=lifespan)
     app.state.draftwise = state
     install_error_handlers(app)
+    # the last added runs first: errors boundary, then the key check, then the body limit
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(ErrorBoundaryMiddleware)
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
     return app
@@ -105,36 +115,12 @@ def create_app(bundle: EngineBundle, settings: ServerSettings | None = None) -> 
 
 def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
     target = bundle.target
-    codec = TextCodec(target, settings.chat_template)
+    codec = TextCodec(target, settings.chat_template, settings.tokenizer_copies)
     builder = RequestBuilder(codec, target.name, target.backend.max_context, target.backend.vocab_size, settings)
     metrics = ServerMetrics(builder.served_names[0])
     scheduler = Scheduler(bundle.engine, codec.decode, metrics.record, settings.max_waiting_requests)
     metrics.track_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
     return ServerState(bundle, settings, builder, scheduler, metrics, int(time.time()))
-
-
-class ApiKeyMiddleware:
-    """ASGI middleware: ``/v1/*`` requests need ``Authorization: Bearer <api_key>``, else 401 (checked before
-    the body is read, so an unauthenticated client learns nothing else). ``/health`` and ``/metrics`` stay open.
-    """
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
-            error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
-            await error.to_response()(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _authorized(self, scope) -> bool:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                return hmac.compare_digest(value, self._expected)
-        return False
 
 
 # ---------------------------------------------------------------------- routes
@@ -164,8 +150,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
 def _model_card(state: ServerState, name: str) -> ModelCard:
     target = state.bundle.target
-    return ModelCard(id=name, created=state.created, root=target.name, max_model_len=target.backend.max_context,
-                     speculative_method=state.bundle.method)
+    return ModelCard(id=name, created=state.created, root=state.builder.target_name,
+                     max_model_len=target.backend.max_context, speculative_method=state.bundle.method)
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:

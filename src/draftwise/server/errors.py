@@ -1,7 +1,10 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
 
 Every failure the server can meet (bad JSON, wrong types, out-of-range values, unknown routes, an internal
-error) is turned into this body, so clients written for OpenAI report it as they would OpenAI's.
+error) is turned into this body, so clients written for OpenAI report it as they would OpenAI's. The body always
+encodes: characters UTF-8 cannot carry (lone surrogates echoed from the request) are written as ``\\udXXX``
+escapes. An unexpected exception is answered by :class:`ErrorBoundaryMiddleware` with a JSON 500 that keeps the
+connection usable (Starlette's own 500 handler re-raises, and uvicorn then closes the connection).
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-__all__ = ["APIError", "error_body", "install_error_handlers"]
+__all__ = ["APIError", "error_body", "encodable", "install_error_handlers", "ErrorBoundaryMiddleware"]
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error",
-          503: "server_error", 500: "server_error"}
+_TYPES = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 
 
 class APIError(Exception):
@@ -45,32 +48,46 @@ class APIError(Exception):
         """The JSON body."""
         return error_body(self.message, self.type, self.param, self.code)
 
-    def to_response(self) -> JSONResponse:
-        """A JSON response with this error's status and body."""
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.to_body(), status_code=self.status, headers=headers)
+    def to_response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        """A JSON response with this error's status and body (plus ``headers``)."""
+        headers = dict(headers or {})
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.to_body(), status_code=self.status, headers=headers or None)
+
+
+def encodable(text: str) -> str:
+    """``text`` with every character UTF-8 cannot encode (a lone surrogate such as ``\\ud800``) replaced by its
+    backslash escape, so a message that quotes user input can always be sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
                code: str | None = None) -> dict:
-    """``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """``{"error": {"message", "type", "param", "code"}}``; the strings are made encodable (:func:`encodable`)."""
+    return {"error": {"message": encodable(message), "type": type,
+                      "param": None if param is None else encodable(param),
+                      "code": None if code is None else encodable(code)}}
 
 
 def _validation_message(exc: RequestValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field (``messages.0.content``...)."""
+    """The first pydantic error as a 400 naming the field (``messages.0.content``...). Among a union's
+    branches, a value error (the input has a branch's shape but a bad value, such as a lone surrogate) is more
+    telling than the other branches' type mismatches, so it wins."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body")
-    first = errors[0]
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if "[key]" in loc:  # a bad dict key: name the dict (pydantic's copy of the key is not the client's text)
+        loc = loc[:max(loc.index("[key]") - 1, 0)]
     if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return APIError(400, "the request body must be a JSON object (send Content-Type: application/json)")
     # drop pydantic's union-branch names ("str", "list[int]"...) that follow a field name
     param = ".".join(p for p in loc if not (p[:1].islower() and ("[" in p or p in _TYPE_NAMES))) or None
-    message = first.get("msg", "invalid value")
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
     if param:
         message = f"invalid value for '{param}': {message}"
     else:
@@ -99,7 +116,34 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no such endpoint: {request.method} {request.url.path}"
         return APIError(exc.status_code, message).to_response()
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error while serving %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error").to_response()
+
+
+class ErrorBoundaryMiddleware:
+    """ASGI middleware (the outermost of the app's own): an unexpected exception is logged and answered with
+    an OpenAI-style JSON 500, and the request ends normally, so the client's keep-alive connection stays usable.
+    Once a response has started nothing can be sent any more, and the exception propagates.
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.exception("internal error while serving %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            error = APIError(500, f"internal server error: {type(exc).__name__}", type="server_error")
+            await error.to_response()(scope, receive, send)

@@ -32,7 +32,8 @@ class RequestRecord:
     """What one finished (or abandoned) request contributes to the metrics.
 
     Attributes:
-        finished_reason: ``"stop"``, ``"length"`` or ``"abort"`` (client gone or failure).
+        finished_reason: ``"stop"``, ``"length"``, ``"abort"`` (the client left, or the server shut down before
+            the request finished) or ``"error"`` (the engine failed).
         prompt_tokens, generation_tokens: token counts.
         queue_time_s: arrival -> start of generation (seconds).
         ttft_s: arrival -> first generated token (seconds), None when no token was generated.
@@ -83,7 +84,8 @@ class ServerMetrics:
                                         "Draft tokens accepted at each draft position (0-based).", ("position",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated and returned to clients.")
-        self.request_success = counter("request_success", "Finished requests by finish reason.",
+        self.request_success = counter("request_success", "Finished requests by finish reason (stop, length, "
+                                       "abort: client gone or shutdown, error: engine failure).",
                                        ("finished_reason",))
         for metric in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prompt_tokens,
                        self.generation_tokens):

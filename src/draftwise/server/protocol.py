@@ -6,19 +6,38 @@ this server does not know are accepted and ignored, as vLLM does. Fields it know
 
 vLLM's extra sampling fields ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted too (pass them
 with the OpenAI client's ``extra_body``).
+
+Every string field is :data:`Text`: valid Unicode, so a lone UTF-16 surrogate (JSON ``"\\ud800"`` without
+its pair) is a 400 naming the field, before it can reach a tokenizer or an error message.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 __all__ = [
-    "StreamOptions", "CompletionRequest", "ChatMessage", "ContentPart", "ChatCompletionRequest",
+    "Text", "StreamOptions", "CompletionRequest", "ChatMessage", "ContentPart", "ChatCompletionRequest",
     "SpeculativeUsage", "Usage", "CompletionChoice", "CompletionResponse", "ChatMessageOut", "ChatChoice",
     "ChatCompletionResponse", "ModelCard", "ModelList",
 ]
+
+
+def _valid_unicode(value: str) -> str:
+    """Refuse strings UTF-8 cannot encode (lone surrogates, which JSON's ``\\uXXXX`` escapes can produce)."""
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text holds a lone UTF-16 surrogate ({value[exc.start]!r} at index {exc.start}) "
+                         "and is not valid Unicode: send characters, or surrogate pairs, only") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+"""A request string: any valid Unicode text (a lone surrogate is a validation error, so a 400)."""
 
 
 class _Request(BaseModel):
@@ -34,19 +53,19 @@ class StreamOptions(_Request):
 class _SamplingFields(_Request):
     """Fields shared by both endpoints."""
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = None
     temperature: float | None = None  # OpenAI's default: 1.0
     top_p: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[Text, float] | None = None
+    user: Text | None = None
     # vLLM extras
     top_k: int | None = None
     ignore_eos: bool = False
@@ -58,26 +77,26 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of one of either."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class ContentPart(_Request):
     """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
 
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Request):
     """One chat message. ``developer`` is treated as ``system``."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

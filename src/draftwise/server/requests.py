@@ -4,12 +4,17 @@ strings. Every user error becomes an :class:`APIError` (4xx) here, before the re
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
+import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from draftwise.config import SamplingParams
 from draftwise.models.loading import LoadedModel
@@ -17,7 +22,7 @@ from draftwise.server.errors import APIError
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from draftwise.server.settings import ServerSettings
 
-__all__ = ["GenerationRequest", "TextCodec", "RequestBuilder"]
+__all__ = ["GenerationRequest", "TextCodec", "RequestBuilder", "public_model_name"]
 
 
 @dataclass(frozen=True)
@@ -40,18 +45,31 @@ class GenerationRequest:
 
 
 class TextCodec:
-    """Thread-safe tokenization for one model: one lock around every tokenizer call, because the request
-    handlers encode while the generation worker decodes.
+    """Tokenization for one model, safe to use from many threads at once.
+
+    Request handlers encode in worker threads while the engine thread decodes, and a tokenizer object must not
+    be shared between threads: a ``transformers`` fast tokenizer reconfigures its Rust backend during calls,
+    and a concurrent call then fails with ``RuntimeError: Already borrowed`` (huggingface/tokenizers#537;
+    vLLM's fix, vllm-project/vllm#41181, is the same pool of copies). So the engine thread decodes with a
+    private copy and never waits for an encoding, however long (a multi-megabyte prompt takes seconds), and
+    encodings borrow one of up to ``copies`` private copies, so they run in parallel and a long one holds up
+    no other request unless ``copies`` long ones run at once. Tokenizers that are not ``transformers``
+    tokenizers (llama.cpp's, whose calls only read the vocabulary, as llama-server's HTTP threads do) are
+    shared, not copied.
 
     Args:
         model: the target model (tokenizer and chat template).
         chat_template: a Jinja template that replaces the tokenizer's, or None.
+        copies: the most tokenizer copies used for encoding at the same time (>= 1).
     """
 
-    def __init__(self, model: LoadedModel, chat_template: str | None = None) -> None:
+    def __init__(self, model: LoadedModel, chat_template: str | None = None, copies: int = 4) -> None:
+        if copies < 1:
+            raise ValueError(f"copies must be >= 1, got {copies}")
         self._model = model
         self._chat_template = chat_template
-        self._lock = threading.Lock()
+        self._decoder = _private_copy(model)
+        self._encoders = _ModelPool(model, copies)
 
     @property
     def has_chat_template(self) -> bool:
@@ -60,8 +78,8 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids (with the tokenizer's usual BOS handling)."""
-        with self._lock:
-            return self._model.encode(text)
+        with self._encoders.borrow() as model:
+            return model.encode(text)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Messages -> ids through the chat template, with the assistant generation prompt.
@@ -69,10 +87,10 @@ class TextCodec:
         Raises:
             ValueError: no chat template; also whatever the template raises for bad message orders.
         """
-        with self._lock:
+        with self._encoders.borrow() as model:
             if not self._chat_template:
-                return self._model.encode_chat(messages)
-            ids = self._model.tokenizer.apply_chat_template(
+                return model.encode_chat(messages)
+            ids = model.tokenizer.apply_chat_template(
                 messages, chat_template=self._chat_template, add_generation_prompt=True, tokenize=True
             )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
@@ -80,9 +98,76 @@ class TextCodec:
         return [int(t) for t in ids]
 
     def decode(self, token_ids: list[int]) -> str:
-        """Ids -> text, special tokens skipped."""
+        """Ids -> text, special tokens skipped. For the engine thread only (it owns the decoding copy)."""
+        return self._decoder.decode(token_ids)
+
+
+def _copyable(model: LoadedModel) -> bool:
+    """True for ``transformers`` tokenizers (copied per thread); others are shared (see :class:`TextCodec`)."""
+    from transformers import PreTrainedTokenizerBase
+
+    return isinstance(model.tokenizer, PreTrainedTokenizerBase)
+
+
+def _private_copy(model: LoadedModel) -> LoadedModel:
+    """The model with its own deep copy of the tokenizer (the backend is shared), or the model itself."""
+    if not _copyable(model):
+        return model
+    return dataclasses.replace(model, tokenizer=copy.deepcopy(model.tokenizer))
+
+
+class _ModelPool:
+    """Up to ``size`` private tokenizer copies, created on first need and lent to one thread at a time."""
+
+    def __init__(self, model: LoadedModel, size: int) -> None:
+        self._model = model
+        self._shared = not _copyable(model)
+        self._size = size
+        self._free: queue.LifoQueue[LoadedModel] = queue.LifoQueue()
+        self._created = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def borrow(self) -> Iterator[LoadedModel]:
+        """Lend a copy for the duration of the ``with`` block (waits only when all ``size`` copies are lent)."""
+        if self._shared:
+            yield self._model
+            return
+        model = self._take()
+        try:
+            yield model
+        finally:
+            self._free.put(model)
+
+    def _take(self) -> LoadedModel:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
         with self._lock:
-            return self._model.decode(token_ids)
+            create = self._created < self._size
+            if create:
+                self._created += 1
+        return _private_copy(self._model) if create else self._free.get()
+
+
+def public_model_name(spec: str) -> str:
+    """The name a server reports for a target given as ``spec`` when no served name is set: never a path.
+
+    A local file or directory (an existing path, an absolute or ``~``/``.`` path, or any name ending in
+    ``.gguf``) gives its base name without the ``.gguf`` extension (``/models/qwen/q.Q4_K_M.gguf`` ->
+    ``q.Q4_K_M``; ``./llama/`` -> ``llama``); a registry name or hub id (``qwen2.5-coder-1.5b``,
+    ``Qwen/Qwen2.5-0.5B``) is kept as given.
+    """
+    path = Path(spec).expanduser()
+    looks_local = (spec.startswith(("/", "~", ".")) or path.is_absolute() or spec.lower().endswith(".gguf")
+                   or path.exists())
+    if not looks_local:
+        return spec
+    name = path.name
+    if name.lower().endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return name or "model"
 
 
 class RequestBuilder:
@@ -90,7 +175,8 @@ class RequestBuilder:
 
     Args:
         codec: the target's tokenizer (thread-safe).
-        model_name: the target's name (for messages).
+        model_name: the target's name as loaded (a path, registry name or hub id); the server reports
+            :func:`public_model_name` of it unless ``settings`` names the served models.
         max_context: context length in tokens.
         vocab_size: width of the target's logits (valid token ids are below it).
         settings: served names and the default ``max_tokens``.
@@ -99,11 +185,11 @@ class RequestBuilder:
     def __init__(self, codec: TextCodec, model_name: str, max_context: int, vocab_size: int,
                  settings: ServerSettings) -> None:
         self._codec = codec
-        self._model_name = model_name
         self._max_context = max_context
         self._vocab_size = vocab_size
         self._settings = settings
-        self.served_names = settings.served_model_names or (model_name,)
+        self.target_name = public_model_name(model_name)
+        self.served_names = settings.served_model_names or (self.target_name,)
 
     def check_model(self, requested: str | None) -> str:
         """The name to report in responses.
@@ -143,6 +229,8 @@ class RequestBuilder:
                 raise APIError(400, f"batched prompts are not supported: send one prompt per request "
                                f"(got {len(prompt)})", param="prompt")
             prompt = prompt[0]
+        if isinstance(prompt, str) and not prompt:
+            raise APIError(400, "the prompt is empty: give at least one character or token id", param="prompt")
         if isinstance(prompt, str):
             ids = self._codec.encode(prompt)
         else:
@@ -159,7 +247,7 @@ class RequestBuilder:
         if not messages:
             raise APIError(400, "'messages' must contain at least one message", param="messages")
         if not self._codec.has_chat_template:
-            raise APIError(400, f"model '{self._model_name}' has no chat template, so chat requests cannot be "
+            raise APIError(400, f"model '{self.target_name}' has no chat template, so chat requests cannot be "
                            "formatted: use /v1/completions, or start the server with --chat-template",
                            param="messages", code="chat_template_missing")
         plain = [_plain_message(m, i) for i, m in enumerate(messages)]
@@ -212,10 +300,12 @@ def _plain_message(message: ChatMessage, index: int) -> dict[str, str]:
 
 
 def _sampling_params(request, max_tokens: int) -> SamplingParams:
-    """OpenAI defaults: temperature 1, top_p 1. vLLM's ``top_k=-1`` means disabled."""
-    for name in ("temperature", "top_p"):
-        value = getattr(request, name)
-        _reject(value is not None and not math.isfinite(value), f"{name} must be a finite number, got {value}", name)
+    """OpenAI defaults: temperature 1, top_p 1. vLLM's ``top_k=-1`` means disabled.
+
+    ``temperature`` must be a finite number >= 0 and ``top_p`` a finite number in (0, 1] (NaN and infinities,
+    which Python's JSON reader accepts, are 400s); further limits are :class:`SamplingParams`' own.
+    """
+    _check_temperature_and_top_p(request.temperature, request.top_p)
     top_k = request.top_k if request.top_k is not None else 0
     try:
         return SamplingParams(
@@ -234,6 +324,17 @@ def _sampling_params(request, max_tokens: int) -> SamplingParams:
 
 
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "seed"}
+
+
+def _check_temperature_and_top_p(temperature: float | None, top_p: float | None) -> None:
+    """The server's own range checks, so every bad value is a 400 naming its field."""
+    if temperature is not None:
+        _reject(not math.isfinite(temperature), f"temperature must be a finite number, got {temperature}",
+                "temperature")
+        _reject(temperature < 0, f"temperature must be >= 0 (0 is greedy), got {temperature}", "temperature")
+    if top_p is not None:
+        _reject(not math.isfinite(top_p), f"top_p must be a finite number, got {top_p}", "top_p")
+        _reject(not 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}", "top_p")
 
 
 MAX_STOP_STRINGS = 16

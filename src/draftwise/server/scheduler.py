@@ -3,8 +3,12 @@
 The engine holds one KV cache, so requests run one at a time, in arrival order (fair: nobody is overtaken).
 Generation is synchronous CPU/GPU work, so it runs in a dedicated thread; the asyncio side receives text
 deltas through a per-request :class:`asyncio.Queue`. A request whose client leaves is cancelled: if it is
-still waiting it is skipped, if it is running its generation is closed at the next engine step and the
-engine moves on to the next request.
+still waiting it leaves the queue at once (and no longer counts toward the queue limit), if it is running its
+generation is closed at the next engine step and the engine moves on to the next request.
+
+Every request that is not cancelled by its own client ends with exactly one :class:`Finished` or
+:class:`Failed` event, shutdown included: :meth:`Scheduler.close` fails the waiting requests at once and the
+running one after a grace period, with :class:`ServerClosingError`.
 
 Text is produced in the worker (detokenization and stop strings, :class:`OutputText`), so a stop string
 stops the generation at once, without a round trip through the event loop.
@@ -14,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,30 +80,44 @@ class QueueFullError(RuntimeError):
 
 
 class ServerClosingError(RuntimeError):
-    """The server is shutting down; queued requests are not served."""
+    """The server is shutting down; queued requests are not served (the caller should answer 503)."""
 
 
 class _Job:
+    """One request's shared state between the event loop and the engine thread."""
+
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
         self.request = request
         self.loop = loop
         self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.cancelled = threading.Event()
+        self.cancelled = threading.Event()  # stop working on it (client gone, or shutdown)
+        self._ended = False
+        self._end_lock = threading.Lock()
 
     def post(self, event: Event) -> None:
-        """Deliver an event to the event loop (from the worker thread); dropped if the loop is gone."""
+        """Deliver an event to the event loop (from any thread); dropped if the loop is gone."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # loop closed: nobody is listening any more
             self.cancelled.set()
+
+    def end(self, event: Finished | Failed) -> bool:
+        """Post the request's terminal event unless one was posted already; True if this call posted it."""
+        with self._end_lock:
+            if self._ended:
+                return False
+            self._ended = True
+        self.post(event)
+        return True
 
 
 class RequestHandle:
     """The event-loop side of a queued request. Read events with :meth:`next_event` until a
     :class:`Finished`, :class:`Failed` or :class:`Aborted`; call :meth:`cancel` when the client leaves."""
 
-    def __init__(self, job: _Job) -> None:
+    def __init__(self, job: _Job, withdraw: Callable[[_Job], None]) -> None:
         self._job = job
+        self._withdraw = withdraw
         self.done = False
 
     @property
@@ -115,11 +133,12 @@ class RequestHandle:
         return event
 
     def cancel(self) -> None:
-        """Stop the request (idempotent; call on the event loop): a waiting request is skipped, a running one
-        stops at the next engine step; a pending :meth:`next_event` returns :class:`Aborted`."""
+        """Stop the request (idempotent; call on the event loop): a waiting request leaves the queue, a running
+        one stops at the next engine step; a pending :meth:`next_event` returns :class:`Aborted`."""
         if self.done or self._job.cancelled.is_set():
             return
         self._job.cancelled.set()
+        self._withdraw(self._job)
         self._job.events.put_nowait(Aborted())
 
 
@@ -128,9 +147,11 @@ class Scheduler:
 
     Args:
         engine: the engine (one request at a time).
-        decode: ids -> text, thread-safe (see :class:`TextCodec`).
-        record: called in the worker thread with each request's :class:`RequestRecord` (metrics).
-        max_waiting: requests allowed to wait; :meth:`submit` raises :class:`QueueFullError` beyond.
+        decode: ids -> text, used only by the engine thread (see :class:`TextCodec`).
+        record: called with each request's :class:`RequestRecord` (metrics), from the engine thread or from
+            the thread that cancels or closes; must be thread-safe.
+        max_waiting: requests allowed to wait (cancelled ones leave the queue at once and do not count);
+            :meth:`submit` raises :class:`QueueFullError` beyond.
     """
 
     def __init__(self, engine: SpeculativeEngine, decode: Callable[[list[int]], str],
@@ -139,27 +160,54 @@ class Scheduler:
         self._decode = decode
         self._record = record
         self._max_waiting = max_waiting
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._waiting: deque[_Job] = deque()
+        self._wakeup = threading.Condition()  # guards _waiting, _running, _closing, _stopped
         self._running: _Job | None = None
-        self._closing = threading.Event()
+        self._closing = False
+        self._stopped = False
+        self._grace_timer: threading.Timer | None = None
         self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
         """Start the worker thread (idempotent)."""
-        with self._start_lock:
-            if self._thread is None:
+        with self._wakeup:
+            if self._thread is None and not self._stopped:
                 self._thread = threading.Thread(target=self._worker_loop, name="draftwise-engine", daemon=True)
                 self._thread.start()
 
+    def close(self, grace_s: float) -> None:
+        """Begin shutting down (idempotent): refuse new requests, fail every waiting request at once with
+        :class:`ServerClosingError`, and give the running request ``grace_s`` seconds to finish before it is
+        stopped and fails with :class:`ServerClosingError` too. The worker thread keeps running until
+        :meth:`shutdown`."""
+        with self._wakeup:
+            if self._closing:
+                return
+            self._closing = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for job in waiting:
+            job.cancelled.set()
+            if job.end(Failed(ServerClosingError("the server is shutting down; retry on another server"))):
+                self._record_unfinished(job, "abort", "refused: the server is shutting down")
+        if grace_s <= 0:
+            self._expire_running()
+        else:
+            self._grace_timer = threading.Timer(grace_s, self._expire_running)
+            self._grace_timer.daemon = True
+            self._grace_timer.start()
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Cancel the running request, fail the waiting ones, and stop the worker (waits up to timeout_s)."""
-        self._closing.set()
-        running = self._running
-        if running is not None:
-            running.cancelled.set()
-        self._queue.put(None)
+        """Close at once (see :meth:`close`; the running request fails now unless a grace period is already
+        under way, which is then cut short) and stop the worker (waits up to ``timeout_s``)."""
+        self.close(0.0)
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._expire_running()
+        with self._wakeup:
+            self._stopped = True
+            self._wakeup.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -172,46 +220,73 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued behind the running one."""
-        return self._queue.qsize()
+        """Requests queued behind the running one (cancelled ones excluded)."""
+        return len(self._waiting)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; call from the event loop that will read its events.
 
         Raises:
-            QueueFullError: more than ``max_waiting`` requests are waiting.
+            QueueFullError: ``max_waiting`` requests are already waiting.
             ServerClosingError: the server is shutting down.
         """
-        if self._closing.is_set():
-            raise ServerClosingError("the server is shutting down")
-        if self._queue.qsize() >= self._max_waiting:
-            raise QueueFullError(f"{self._max_waiting} requests are already waiting; retry later")
         self.start()
         job = _Job(request, asyncio.get_running_loop())
-        self._queue.put(job)
-        return RequestHandle(job)
+        with self._wakeup:
+            if self._closing:
+                raise ServerClosingError("the server is shutting down; retry on another server")
+            if len(self._waiting) >= self._max_waiting:
+                raise QueueFullError(f"{self._max_waiting} requests are already waiting; retry later")
+            self._waiting.append(job)
+            self._wakeup.notify()
+        return RequestHandle(job, self._withdraw)
+
+    def _withdraw(self, job: _Job) -> None:
+        """Take a cancelled job out of the queue, if it is still there (else the worker has it)."""
+        with self._wakeup:
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                return
+        self._record_unfinished(job, "abort", "abandoned by its client while waiting")
+
+    def _expire_running(self) -> None:
+        """End of the grace period: fail the running request (its handle gets the event now, even if the
+        engine is in the middle of a long step) and have the worker stop it at the next step."""
+        with self._wakeup:
+            job = self._running
+        if job is not None:
+            job.cancelled.set()
+            job.end(Failed(ServerClosingError("the server shut down before the request finished")))
 
     # ------------------------------------------------------------------ worker thread
+    def _next_job(self) -> _Job | None:
+        with self._wakeup:
+            while not self._waiting and not self._stopped:
+                self._wakeup.wait()
+            if self._stopped:
+                return None
+            self._running = self._waiting.popleft()
+            return self._running
+
     def _worker_loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            if self._closing.is_set():
-                job.post(Failed(ServerClosingError("the server is shutting down")))
-                continue
-            if job.cancelled.is_set():
-                self._record_abandoned(job)
-                continue
-            self._running = job
+        while (job := self._next_job()) is not None:
             try:
-                self._execute(job)
-            except Exception as exc:  # the engine failed: report it, keep serving
-                logger.exception("request %s failed", job.request.request_id)
-                job.post(Failed(exc))
-                self._record_abandoned(job)
+                if job.cancelled.is_set():  # cancelled between leaving the queue and now
+                    self._record_unfinished(job, "abort", "abandoned by its client while waiting")
+                else:
+                    self._run(job)
             finally:
-                self._running = None
+                with self._wakeup:
+                    self._running = None
+
+    def _run(self, job: _Job) -> None:
+        try:
+            self._execute(job)
+        except Exception as exc:  # the engine failed: report it, keep serving
+            logger.exception("request %s failed in the engine", job.request.request_id)
+            job.end(Failed(exc))
+            self._record_unfinished(job, "error", f"engine failure: {type(exc).__name__}: {exc}")
 
     def _execute(self, job: _Job) -> None:
         request = job.request
@@ -235,13 +310,13 @@ class Scheduler:
         assert result is not None
         aborted = job.cancelled.is_set() and not output.stopped
         if aborted:
-            finish_reason = "abort"
+            finish_reason = "abort"  # the client left, or shutdown already failed the request
         else:
             tail = output.finish()
             if tail:
                 job.post(TextDelta(tail))
             finish_reason = "stop" if output.stopped else result.finish_reason
-            job.post(Finished(finish_reason, output.num_tokens, result.stats))
+            job.end(Finished(finish_reason, output.num_tokens, result.stats))
         self._finish(job, finish_reason, output.num_tokens, started, first_token_at, result.stats)
 
     def _finish(self, job: _Job, finish_reason: str, num_tokens: int, started: float,
@@ -258,13 +333,20 @@ class Scheduler:
             stats=stats,
         ))
         logger.info(
-            "%s: %s, %d prompt + %d generated tokens in %.2f s (queued %.2f s), acceptance %.2f, tau %.2f",
+            "%s: %s, %d prompt + %d generated tokens in %.2f s (queued %.2f s), acceptance %s, tau %s",
             request.request_id, finish_reason, len(request.prompt_ids), num_tokens, now - started,
-            started - request.arrival_s, stats.acceptance_rate, stats.mean_accepted_length,
+            started - request.arrival_s, _two_decimals(stats.acceptance_rate),
+            _two_decimals(stats.mean_accepted_length),
         )
 
-    def _record_abandoned(self, job: _Job) -> None:
+    def _record_unfinished(self, job: _Job, finished_reason: str, why: str) -> None:
+        """Count a request that produced no result: ``"abort"`` (client gone, or shutdown) or ``"error"``."""
         request = job.request
         waited = time.perf_counter() - request.arrival_s
-        self._record(RequestRecord("abort", len(request.prompt_ids), 0, waited, None, waited, None))
-        logger.info("%s: abandoned by its client before it finished", request.request_id)
+        self._record(RequestRecord(finished_reason, len(request.prompt_ids), 0, waited, None, waited, None))
+        logger.info("%s: %s", request.request_id, why)
+
+
+def _two_decimals(value: float | None) -> str:
+    """A statistic for the log line (``-`` when it is undefined, e.g. no draft tokens)."""
+    return "-" if value is None else f"{value:.2f}"

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["ServerSettings", "DEFAULT_MAX_TOKENS"]
+__all__ = ["ServerSettings", "DEFAULT_MAX_TOKENS", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_SHUTDOWN_GRACE_S",
+           "DEFAULT_TOKENIZER_COPIES"]
 
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # 8 MiB: far above any context's worth of text or token ids
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
+DEFAULT_TOKENIZER_COPIES = 4
 
 
 @dataclass(frozen=True)
@@ -15,15 +20,24 @@ class ServerSettings:
 
     Attributes:
         served_model_names: names clients may put in ``model``; the first is reported in responses. Empty:
-            the target's name (what the user passed on the command line).
-        api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` (else 401).
+            the target's public name (:func:`draftwise.server.requests.public_model_name`: a local file's or
+            directory's base name, never a path).
+        api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` (scheme matched
+            case-insensitively, else 401). Must not be empty or blank.
         chat_template: a Jinja chat template used instead of the tokenizer's (needed for models that have
             none, such as base models).
         default_max_tokens: new tokens when a request does not set ``max_tokens``; clamped to the context
             room left by the prompt. One request occupies the engine at a time, so the default is bounded
             (OpenAI's own default is 16 for completions and "up to the context" for chat).
-        max_waiting_requests: requests allowed to wait in the queue; beyond that a request gets 503.
+        max_waiting_requests: requests allowed to wait in the queue (cancelled ones do not count); beyond
+            that a request gets 503.
         disconnect_poll_s: how often (seconds) a non-streaming request checks whether its client left.
+        max_request_bytes: largest request body accepted, in bytes; a larger one gets 413 before it is parsed
+            (checked on ``Content-Length`` and on the bytes actually received).
+        shutdown_grace_s: seconds the running request gets to finish once shutdown starts (SIGTERM); waiting
+            requests get 503 ``server_closing`` at once. 0: stop the running request at once.
+        tokenizer_copies: private tokenizer copies for request tokenization (requests tokenize in parallel
+            on up to this many copies; the engine thread has its own copy and never waits for them).
 
     Raises:
         ValueError: out-of-range values.
@@ -35,14 +49,27 @@ class ServerSettings:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_waiting_requests: int = 256
     disconnect_poll_s: float = 0.5
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    tokenizer_copies: int = DEFAULT_TOKENIZER_COPIES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
+        if any(not name or not name.strip() for name in self.served_model_names):
+            raise ValueError("served model names must be non-empty")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if not self.disconnect_poll_s > 0:
             raise ValueError(f"disconnect_poll_s must be > 0, got {self.disconnect_poll_s}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must be non-empty when set")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty: give a non-blank key, or none to serve without authentication")
+        if self.api_key is not None and self.api_key != self.api_key.strip():
+            raise ValueError("the API key starts or ends with whitespace, which an Authorization header cannot carry")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if not (math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
+            raise ValueError(f"shutdown_grace_s must be a finite number >= 0, got {self.shutdown_grace_s}")
+        if self.tokenizer_copies < 1:
+            raise ValueError(f"tokenizer_copies must be >= 1, got {self.tokenizer_copies}")
