@@ -1,7 +1,8 @@
 """The llama.cpp backend on stories260K (all tensors F32): cache rollback, logits shapes, batch invariance,
 greedy exactness of speculative decoding (draft model and n-gram proposers), mixed backends, the bench command.
 
-Skipped as a whole only when llama-cpp-python is not installed.
+Skipped as a whole only when llama-cpp-python is not installed and DRAFTWISE_REQUIRE_LLAMA_CPP is unset
+(``scripts/test.sh`` sets it, so in CI a missing package fails these tests).
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
+from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM, relax_for_drafting
+from draftwise.builder import TokenizerMismatchError, build_engine, build_proposer
+from draftwise.config import SamplingParams, SpeculativeConfig
+from draftwise.engine import SpeculativeEngine
+from draftwise.models.loading import load_model
+from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.proposers.ngram import NgramProposer
+from llama_cpp_gate import needs_llama_cpp
 
-from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM, relax_for_drafting  # noqa: E402
-from draftwise.builder import TokenizerMismatchError, build_engine, build_proposer  # noqa: E402
-from draftwise.config import SamplingParams, SpeculativeConfig  # noqa: E402
-from draftwise.engine import SpeculativeEngine  # noqa: E402
-from draftwise.models.loading import load_model  # noqa: E402
-from draftwise.proposers.draft_model import DraftModelProposer  # noqa: E402
-from draftwise.proposers.ngram import NgramProposer  # noqa: E402
+pytestmark = needs_llama_cpp
 
 KS = [1, 2, 4, 8]
 PROMPTS = ["Once upon a time", "Lily and Ben went to the park. They saw"]

@@ -6,11 +6,9 @@ import argparse
 
 import pytest
 
-from draftwise.backends.llama_cpp_backend import llama_cpp_available
 from draftwise.commands.common import add_backend_arg
 from draftwise.models.loading import ModelLoadError, select_backend
-
-needs_llama_cpp = pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed")
+from llama_cpp_gate import needs_llama_cpp
 
 
 def test_torch_is_the_default_and_never_switches():
@@ -53,7 +51,7 @@ def test_llama_cpp_missing_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(module, "llama_cpp_available", lambda: False)
     assert select_backend("auto", "/models/m.gguf") == "torch"
-    with pytest.raises(ModelLoadError, match="pip install llama-cpp-python"):
+    with pytest.raises(ModelLoadError, match="scripts/install_llama_cpp.sh"):
         select_backend("llama.cpp", "/models/m.gguf")
 
 

@@ -56,7 +56,8 @@ import torch
 from draftwise.backends.base import CausalLM, ForwardOutput
 
 __all__ = ["LlamaCppCausalLM", "LlamaCppTokenizer", "llama_cpp_available", "load_llama_cpp",
-           "relax_for_drafting", "DEFAULT_MAX_CONTEXT"]
+           "relax_for_drafting", "compiled_cpu_features", "has_amx_kernels", "parse_system_info",
+           "DEFAULT_MAX_CONTEXT", "INSTALL_HINT"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +69,54 @@ MAX_BATCH_TOKENS = 512
 #: ggml's flash attention switches to a tiled kernel (another summation order) for this many or more query
 #: tokens in one pass (``GGML_FA_TILE_Q``); batch-invariant passes with flash attention stay below it.
 FLASH_ATTENTION_TILE_TOKENS = 64
+#: How to get llama-cpp-python as draftwise needs it: compiled on this machine without llama.cpp's AMX kernels
+#: (a plain ``pip install llama-cpp-python`` compiles them in on CPUs that report AMX, where they can crash the
+#: process with SIGILL).
+INSTALL_HINT = ("install llama-cpp-python compiled without AMX kernels: scripts/install_llama_cpp.sh in a draftwise "
+                "checkout (scripts/setup.sh runs it), see docs/llama_cpp.md")
 
 
 def llama_cpp_available() -> bool:
-    """True when the ``llama_cpp`` module (``pip install llama-cpp-python``) can be imported."""
+    """True when the ``llama_cpp`` module (llama-cpp-python, see :data:`INSTALL_HINT`) can be imported."""
     return importlib.util.find_spec("llama_cpp") is not None
+
+
+def parse_system_info(text: str) -> dict[str, str]:
+    """The ``NAME = value`` pairs of llama.cpp's system-info line.
+
+    Args:
+        text: what ``llama_print_system_info`` returns, e.g. ``"CPU : SSE3 = 1 | AVX512 = 1 | OPENMP = 1 | "``
+            (a backend name and ``:`` may precede the first pair).
+
+    Returns:
+        ``{"SSE3": "1", "AVX512": "1", "OPENMP": "1"}``; the last value wins when a name repeats.
+    """
+    features = {}
+    for part in text.split("|"):
+        name, sep, value = part.rpartition("=")
+        if sep:
+            features[name.rpartition(":")[2].strip()] = value.strip()
+    return features
+
+
+def compiled_cpu_features() -> dict[str, str]:
+    """The instruction sets and options this llama.cpp build was compiled with (see :func:`parse_system_info`).
+
+    Raises:
+        ImportError: llama-cpp-python is not installed.
+    """
+    import llama_cpp
+
+    return parse_system_info(llama_cpp.llama_print_system_info().decode("utf-8", "replace"))
+
+
+def has_amx_kernels(features: dict[str, str]) -> bool:
+    """True when a build's features (:func:`compiled_cpu_features`) include llama.cpp's AMX kernels.
+
+    A build compiled with ``-march=native`` on a CPU that reports AMX has them, and they can crash the process
+    with SIGILL there (issue 15); ``scripts/install_llama_cpp.sh`` compiles without them.
+    """
+    return any(name.startswith("AMX") and value not in ("", "0") for name, value in features.items())
 
 
 @functools.cache
@@ -93,6 +137,9 @@ def _llama():
 
     llama_cpp.llama_log_set(forward_log, ctypes.c_void_p(0))
     llama_cpp.llama_backend_init()
+    if has_amx_kernels(compiled_cpu_features()):
+        logger.warning("this llama.cpp build has AMX kernels, which crash (SIGILL) on some CPUs that report AMX; "
+                       "to rebuild without them, %s", INSTALL_HINT)
     return llama_cpp, forward_log
 
 

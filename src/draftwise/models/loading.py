@@ -198,7 +198,7 @@ def select_backend(backend: str, path: str, *, device: str | None = None, dtype=
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "torch":
         return "torch"
-    from draftwise.backends.llama_cpp_backend import llama_cpp_available
+    from draftwise.backends.llama_cpp_backend import INSTALL_HINT, llama_cpp_available
 
     is_gguf = str(path).endswith(".gguf")
     torch_only = _torch_only_options(device, dtype, quantization)
@@ -210,8 +210,7 @@ def select_backend(backend: str, path: str, *, device: str | None = None, dtype=
     if not is_gguf:
         raise ModelLoadError(f"the llama.cpp backend needs a .gguf file or a registry name, got {path!r}")
     if not llama_cpp_available():
-        raise ModelLoadError("the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python "
-                             "(it compiles llama.cpp, about 10 minutes the first time)")
+        raise ModelLoadError(f"the llama.cpp backend needs llama-cpp-python; {INSTALL_HINT}")
     return "llama.cpp"
 
 
