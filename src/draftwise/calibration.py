@@ -32,6 +32,7 @@ import torch
 
 from draftwise.backends.base import CausalLM
 from draftwise.config import SamplingParams
+from draftwise.cost_model import CostModel, predicted_speedup  # re-exported: defined in draftwise.cost_model
 from draftwise.models.pull import draftwise_home
 from draftwise.proposers.base import Proposer
 
@@ -115,86 +116,6 @@ def _time_forward_passes(
                 samples[k].append(elapsed)
     backend.reset()
     return samples
-
-
-def predicted_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float) -> float:
-    """Expected speed-up over plain decoding (Leviathan et al. 2023, Theorem 3.8 with a measured verify cost).
-
-    Args:
-        alpha: per-token acceptance rate in [0, 1].
-        k: draft tokens per step (K).
-        cost_ratio: c, proposer time per draft token / target time per token.
-        verify_cost: target time of the (K + 1)-token verification pass / one-token pass.
-    """
-    expected_tokens = float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return expected_tokens / (k * cost_ratio + verify_cost)
-
-
-# ---------------------------------------------------------------------------------------------- cost model
-@dataclass(frozen=True)
-class CostModel:
-    """What one speculative step costs, in seconds.
-
-    Attributes:
-        verify_seconds: ``verify_seconds[j - 1]`` is the target's forward time over j new tokens
-            (j = 1..len); a step with K draft tokens verifies K + 1 tokens. Beyond the measured range the
-            curve is extended linearly from its last two points.
-        draft_seconds_per_token: the proposer's time per drafted token (a draft model: about one 1-token
-            forward of the draft; n-gram lookup: about 0).
-        source: where the numbers come from (for reports), e.g. ``"measured"`` or ``"scripted"``.
-
-    Raises:
-        ValueError: empty or non-positive verify times, or a negative draft cost.
-    """
-
-    verify_seconds: tuple[float, ...]
-    draft_seconds_per_token: float = 0.0
-    source: str = "scripted"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "verify_seconds", tuple(float(v) for v in self.verify_seconds))
-        if not self.verify_seconds or min(self.verify_seconds) <= 0:
-            raise ValueError(f"verify_seconds must be non-empty and positive, got {self.verify_seconds}")
-        if not (self.draft_seconds_per_token >= 0):
-            raise ValueError(f"draft_seconds_per_token must be >= 0, got {self.draft_seconds_per_token}")
-
-    @property
-    def max_k(self) -> int:
-        """The largest K whose verify pass (K + 1 tokens) was measured."""
-        return len(self.verify_seconds) - 1
-
-    def verify_cost(self, num_tokens: int) -> float:
-        """Seconds of a target forward over ``num_tokens`` (>= 1) new tokens."""
-        if num_tokens < 1:
-            raise ValueError(f"a verify pass has at least 1 token, got {num_tokens}")
-        curve = self.verify_seconds
-        if num_tokens <= len(curve):
-            return curve[num_tokens - 1]
-        slope = max(0.0, curve[-1] - curve[-2]) if len(curve) >= 2 else curve[-1]
-        return curve[-1] + slope * (num_tokens - len(curve))
-
-    def step_cost(self, k: int) -> float:
-        """Seconds of one step with K draft tokens: ``K * draft_seconds_per_token + verify_cost(K + 1)``."""
-        return k * self.draft_seconds_per_token + self.verify_cost(k + 1)
-
-    @classmethod
-    def from_forward_costs(
-        cls, costs: ForwardCosts, draft_seconds_per_token: float, source: str = "measured"
-    ) -> CostModel:
-        """Build from a measured curve; its ks must be 1..n without gaps."""
-        n = max(costs.seconds)
-        missing = [j for j in range(1, n + 1) if j not in costs.seconds]
-        if missing:
-            raise ValueError(f"forward costs miss token counts {missing}")
-        return cls(tuple(costs.seconds[j] for j in range(1, n + 1)), draft_seconds_per_token, source)
-
-    def to_dict(self) -> dict:
-        return {"verify_seconds": list(self.verify_seconds), "draft_seconds_per_token": self.draft_seconds_per_token,
-                "source": self.source}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> CostModel:
-        return cls(tuple(data["verify_seconds"]), float(data["draft_seconds_per_token"]), str(data.get("source", "")))
 
 
 # ---------------------------------------------------------------------------------------------- identities
