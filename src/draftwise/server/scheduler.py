@@ -258,7 +258,7 @@ class Scheduler:
             stats=stats,
         ))
         logger.info(
-            "%s: %s, %d prompt + %d generated tokens in %.2f s (queued %.2f s), acceptance %.2f, tau %.2f",
+            "%s: %s, %d prompt + %d generated tokens in %.2f s (queued %.2f s), acceptance %s, tau %.2f",
             request.request_id, finish_reason, len(request.prompt_ids), num_tokens, now - started,
             started - request.arrival_s, stats.acceptance_rate, stats.mean_accepted_length,
         )
