@@ -113,9 +113,9 @@ class AcceptanceEstimator:
         *,
         prior_mean: float = 0.6,
         prior_strength: float = 1.0,
-        position_strength: float = 4.0,
-        regime_strength: float = 4.0,
-        decay: float = 0.98,
+        position_strength: float = 16.0,
+        regime_strength: float = 64.0,
+        decay: float = 0.99,
     ) -> None:
         if not (0.0 < prior_mean < 1.0) or prior_strength <= 0 or position_strength < 0 or regime_strength < 0:
             raise ValueError("need 0 < prior_mean < 1, prior_strength > 0, position_strength >= 0, regime_strength >= 0")
@@ -207,7 +207,9 @@ class AutoKMemory:
 
     Attributes:
         estimator: long-memory acceptance estimate over the engine's recent drafts.
-        verify_scale: measured / calibrated target verify time.
+        verify_scales: ``verify_scales[j - 1]``: measured / calibrated time of a j-token verify pass
+            (missing: 1.0). ``verify_samples``: passes measured per token count. ``draft_samples``: drafting
+            steps the draft time per token was learned from.
         draft_seconds_per_token: learned proposer time per draft token at the calibrated context
             (None: the cost model's).
         catch_up_seconds_per_token: learned draft prefill time per caught-up token (None: the cost model's).
@@ -215,9 +217,11 @@ class AutoKMemory:
     """
 
     estimator: AcceptanceEstimator
-    verify_scale: float = 1.0
+    verify_scales: list[float] = dataclasses.field(default_factory=list)
+    verify_samples: list[int] = dataclasses.field(default_factory=list)
     draft_seconds_per_token: float | None = None
     catch_up_seconds_per_token: float | None = None
+    draft_samples: int = 0
     num_requests: int = 0
 
     @classmethod
@@ -255,10 +259,11 @@ class AutoK(KController):
     draft could not pay with the current costs, :data:`SPECULATION_UNPROFITABLE_NOTE` is noted; with
     ``learn_costs`` the same backed-off probes still run (they re-measure the costs, which may be stale).
 
-    Learning (``learn_costs``): the measured step times refine the costs in ``memory``: a common scale on
-    the verify curve (exponential average of measured / predicted verify time), the draft time per token
-    (from steps whose draft was nearly in sync) and a draft model's catch-up time per token (from drafting
-    steps after a gap).
+    Learning (``learn_costs``): the measured step times refine the costs in ``memory``: a scale per point of
+    the verify curve (running average of measured / predicted verify time of passes over that many tokens;
+    unmeasured points take the last measured scale, and the curve is kept non-decreasing), the draft time
+    per token (from steps whose draft was nearly in sync, or every drafting step of a proposer without
+    catch-up) and a draft model's catch-up time per token (from its drafting steps after a gap).
 
     Args:
         cost_model: calibrated or scripted costs (seconds).
@@ -334,8 +339,8 @@ class AutoK(KController):
     # ------------------------------------------------------------------ learned costs (kept in memory)
     @property
     def verify_scale(self) -> float:
-        """Measured / calibrated target verify time."""
-        return self.memory.verify_scale
+        """Measured / calibrated target time of a one-token pass."""
+        return self.memory.verify_scales[0] if self.memory.verify_scales else 1.0
 
     @property
     def draft_seconds_per_token(self) -> float:
@@ -351,10 +356,12 @@ class AutoK(KController):
 
     def costs(self) -> CostModel:
         """The cost model with the learned corrections applied."""
-        key = (self.verify_scale, self.draft_seconds_per_token, self.catch_up_seconds_per_token)
+        key = (tuple(self.memory.verify_scales), self.draft_seconds_per_token, self.catch_up_seconds_per_token)
         if self._costs is None or self._costs[0] != key:
+            scales = list(key[0]) + [key[0][-1] if key[0] else 1.0] * len(self.cost_model.verify_seconds)
+            curve = [v * scale for v, scale in zip(self.cost_model.verify_seconds, scales)]
             model = dataclasses.replace(
-                self.cost_model, verify_seconds=tuple(v * self.verify_scale for v in self.cost_model.verify_seconds),
+                self.cost_model, verify_seconds=tuple(max(curve[: j + 1]) for j in range(len(curve))),
                 draft_seconds_per_token=key[1], draft_prefill_seconds_per_token=key[2])
             self._costs = (key, model)
         return self._costs[1]
@@ -383,8 +390,9 @@ class AutoK(KController):
         return self.costs().break_even_acceptance(self.max_k, self._context_len)
 
     def catch_up_cost(self) -> float:
-        """Predicted seconds a draft model needs to catch up on the context before its next draft."""
-        return self.costs().catch_up_cost(self._draft_behind, self._context_len)
+        """Predicted seconds a draft model needs to catch up on the context before its next draft (beyond the
+        one token every drafting step feeds, which the draft time per token covers)."""
+        return self.costs().catch_up_cost(self._draft_behind - 1, self._context_len)
 
     def remaining_gain(self, k: int, acceptance: Sequence[float] | None = None) -> float:
         """Predicted seconds K draft tokens per step save over the remaining tokens, catch-up excluded
@@ -486,7 +494,7 @@ class AutoK(KController):
         probe, self._probing = self._probing, 0
         if num_drafted == 0:  # nothing to verify (no n-gram match, or clamped): try again next step
             self._next_probe_k = probe
-        elif num_accepted == num_drafted:
+        elif num_accepted == num_drafted and not self._unprofitable:
             self._next_probe_k = min(2 * probe, self.max_k)
             self._interval = self.probe_interval
         else:
@@ -505,21 +513,34 @@ class AutoK(KController):
     def _learn_costs(self, num_drafted: int, draft_time_s: float, target_time_s: float, behind: int,
                      context_len: int | None) -> None:
         memory, model, w = self.memory, self.cost_model, self.cost_smoothing
-        if target_time_s > 0:
-            ratio = target_time_s / model.verify_cost(num_drafted + 1, context_len)
-            memory.verify_scale += w * (ratio - memory.verify_scale)
+        if target_time_s > 0 and num_drafted + 1 <= len(model.verify_seconds):
+            self._learn_verify(num_drafted + 1, target_time_s / model.verify_cost(num_drafted + 1, context_len))
         if num_drafted <= 0 or draft_time_s <= 0:
             return
         growth = model.draft_growth(context_len)
-        if behind <= 2:  # nearly in sync: the time is the drafting itself
+        # nearly in sync, or a proposer without catch-up (n-gram lookup, heads): the time is the drafting
+        if behind <= 2 or self.catch_up_seconds_per_token <= 0:
             per_token = draft_time_s / (num_drafted * growth)
-            memory.draft_seconds_per_token = self.draft_seconds_per_token + w * (per_token - self.draft_seconds_per_token)
+            memory.draft_samples += 1
+            weight = max(w, 1.0 / memory.draft_samples)  # calibration may be stale: the first measurement wins
+            memory.draft_seconds_per_token = self.draft_seconds_per_token + weight * (per_token - self.draft_seconds_per_token)
             return
         catch_up_s = max(0.0, draft_time_s - num_drafted * self.draft_seconds_per_token * growth)
         middle = None if context_len is None else max(0, context_len - behind // 2)
-        per_token = catch_up_s / (behind * model.draft_growth(middle))
+        per_token = catch_up_s / ((behind - 1) * model.draft_growth(middle))
         current = self.catch_up_seconds_per_token
         memory.catch_up_seconds_per_token = current + self.catch_up_smoothing * (per_token - current)
+
+    def _learn_verify(self, num_tokens: int, ratio: float) -> None:
+        """Fold a measured / calibrated ratio of a ``num_tokens`` verify pass into its running scale (a plain
+        mean over the first ``1 / cost_smoothing`` passes, an exponential average after)."""
+        scales, samples = self.memory.verify_scales, self.memory.verify_samples
+        while len(scales) < num_tokens:
+            scales.append(scales[-1] if scales else 1.0)
+            samples.append(0)
+        samples[num_tokens - 1] += 1
+        weight = max(self.cost_smoothing, 1.0 / samples[num_tokens - 1])
+        scales[num_tokens - 1] += weight * (ratio - scales[num_tokens - 1])
 
     def _note(self, note: str) -> None:
         if note not in self._notes:
