@@ -132,3 +132,37 @@ def test_markdown_table_escapes_pipes_and_checks_row_lengths():
     assert markdown_table(("a", "b"), [("x|y", "1")]) == ["| a | b |", "|---|---|", "| x\\|y | 1 |"]
     with pytest.raises(ValueError, match="2 columns"):
         markdown_table(("a", "b"), [("only one",)])
+
+
+def _run(method: str, kind: str, k, stats: dict, time_s: float = 1.0):
+    from draftwise.benchmark import PromptRun
+
+    return PromptRun(prompt_id="1", category="coding", turn=0, method=method, kind=kind, k=k, policy="fixed",
+                     num_prompt_tokens=10, num_tokens=100, time_s=time_s, tokens_per_s=100 / time_s,
+                     identical_to_plain=True, first_difference=None, speedup=None, peak_rss_bytes=0,
+                     peak_gpu_bytes=None, stats=stats)
+
+
+def test_summary_predicts_from_the_per_token_acceptance():
+    """A draft right 90% of the time per token at K=8 (hand-built counts, 100 drafts): the summary reports
+    accepted / drafted (0.64) as the acceptance rate but predicts the speed-up from a = 0.9; a plain row has
+    no acceptance rate (None) and tau 1.0; records without rejection counts get them rebuilt."""
+    from draftwise.calibration import ForwardCosts
+    from draftwise.cost_model import predicted_speedup
+
+    accepted = [round(100 * 0.9 ** (i + 1)) for i in range(8)]
+    rejected = [round(100 * 0.9**i * 0.1) for i in range(8)]
+    draft = {"num_draft_tokens": 800, "num_accepted_tokens": sum(accepted), "num_target_passes": 100,
+             "drafted_per_position": [100] * 8, "accepted_per_position": accepted}
+    plain = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_target_passes": 99}
+    costs = ForwardCosts({k: 0.1 * (1 + 0.1 * (k - 1)) for k in range(1, 10)}, context_len=200)
+    for stats in ({**draft, "rejected_per_position": rejected}, draft):  # with, then without, rejection counts
+        rows = summarize([_run("plain", "plain", None, plain), _run("draft K=8", "draft", 8, stats, 0.5)], costs, 0.005)
+        plain_row, draft_row = rows
+        assert plain_row["acceptance_rate"] is None and plain_row["token_acceptance"] is None
+        assert plain_row["mean_accepted_length"] == 1.0
+        assert draft_row["acceptance_rate"] == pytest.approx(sum(accepted) / 800)
+        assert draft_row["token_acceptance"] == pytest.approx(0.9, abs=0.005)
+        assert draft_row["predicted_speedup"] == pytest.approx(
+            predicted_speedup(draft_row["token_acceptance"], 8, 0.05, 1.8))
+        assert draft_row["predicted_speedup"] > 2.5  # accepted / drafted would have said about 1.3

@@ -10,6 +10,8 @@ from draftwise.calibration import ForwardCosts, predicted_speedup
 from draftwise.check.probe import (
     DEFAULT_PROBE_CATEGORIES,
     CostMeasurement,
+    ProbePromptResult,
+    ProbeResult,
     measure_costs,
     predict_speedups,
     run_acceptance_probe,
@@ -18,6 +20,7 @@ from draftwise.check.probe import (
 from draftwise.check.verdict import break_even_alpha, speculation_verdict
 from draftwise.commands.check import probe_prompts
 from draftwise.config import SamplingParams
+from draftwise.cost_model import expected_tokens_per_step
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel
 from test_check_support import padded_copy, word_tokenizer
@@ -143,7 +146,7 @@ def test_verdict_helps():
     verdict = speculation_verdict(0.8, predict_speedups(0.8, _costs({1: 1, 2: 1.05, 3: 1.1, 4: 1.2}, 0.1), 3))
     assert verdict.status == "helps" and verdict.helps and verdict.best_k == 3
     assert verdict.text == f"helps: ~{verdict.predicted_speedup:.2f}x at K=3"
-    assert "80% of draft tokens accepted" in verdict.reason
+    assert "per-token acceptance 80%" in verdict.reason
 
 
 def test_verdict_does_not_help_because_of_costs():
@@ -156,7 +159,7 @@ def test_verdict_does_not_help_because_of_costs():
 def test_verdict_does_not_help_because_of_acceptance():
     verdict = speculation_verdict(0.05, predict_speedups(0.05, _costs({1: 1, 2: 1.1, 3: 1.2}, 0.2), 2))
     assert verdict.status == "does_not_help"
-    assert verdict.reason.startswith("only 5% of draft tokens are accepted; breaking even needs at least")
+    assert verdict.reason.startswith("the per-token acceptance is only 5%; breaking even needs at least")
 
 
 def test_verdict_marginal_and_unknown():
@@ -167,3 +170,53 @@ def test_verdict_marginal_and_unknown():
     assert speculation_verdict(alpha, predict_speedups(alpha, costs, 1)).status == "marginal"
     unknown = speculation_verdict(None, [])
     assert unknown.status == "unknown" and unknown.helps is None
+
+
+# ---------------------------------------------------------------------------------------------- acceptance model
+def _geometric_probe(a: float, k: int, drafts: int = 1000) -> ProbeResult:
+    """A probe whose counts are exactly what a proposer right with probability ``a`` per token yields at K:
+    position i is reached by ``drafts * a^i`` drafts, accepted by ``a`` of them, rejected by the rest."""
+    accepted = tuple(round(drafts * a ** (i + 1)) for i in range(k))
+    rejected = tuple(round(drafts * a**i * (1 - a)) for i in range(k))
+    total_accepted = sum(accepted)
+    passes = drafts
+    prompt = ProbePromptResult(prompt_id="1", category="coding", prompt_tokens=10, generated_tokens=0,
+                               draft_tokens=drafts * k, accepted_tokens=total_accepted, target_passes=passes,
+                               step_tokens=total_accepted + passes, decode_time_s=1.0,
+                               accepted_per_position=accepted, rejected_per_position=rejected)
+    return ProbeResult(k=k, max_tokens=64, prompts=[prompt])
+
+
+def test_a_proposer_right_90_percent_predicts_six_tokens_per_step_at_k8():
+    """Issue 15: accepted / drafted (0.64 here) in Leviathan's formula predicted 2.78 tokens per step where
+    6.1 were measured; the per-token acceptance predicts 6.1."""
+    probe = _geometric_probe(0.9, 8)
+    assert probe.acceptance_rate == pytest.approx(0.641, abs=1e-3)  # what the statistics report
+    assert probe.token_acceptance == pytest.approx(0.9, abs=1e-3)
+    costs = _costs({k: 1.0 for k in range(1, 10)}, c=0.0)  # free drafts, flat verify: speed-up = tokens/step
+    (k8,) = [p for p in predict_speedups(probe.token_acceptance, costs, 8) if p.k == 8]
+    assert k8.tokens_per_step == pytest.approx((1 - 0.9**9) / 0.1, abs=0.01) and 6.0 < k8.tokens_per_step < 6.2
+    assert expected_tokens_per_step(probe.acceptance_rate, 8) < 2.9  # the old, wrong prediction
+
+
+def test_check_recommends_the_k_the_per_token_acceptance_pays_for():
+    """Verify costs rising 25% per token, draft c = 0.05: at a = 0.9 the best K is 5, which accepted / drafted
+    (0.64 at the probe's K = 8) would have put at 2."""
+    costs = _costs({k: 1 + 0.25 * (k - 1) for k in range(1, 10)}, c=0.05)
+    probe = _geometric_probe(0.9, 8)
+    best_right = max(predict_speedups(probe.token_acceptance, costs, 8), key=lambda p: p.speedup)
+    best_wrong = max(predict_speedups(probe.acceptance_rate, costs, 8), key=lambda p: p.speedup)
+    model = costs.cost_model()
+    assert best_right.k == model.best_k(0.9, 8) == 5
+    assert best_wrong.k == 2
+    verdict = speculation_verdict(probe.token_acceptance, predict_speedups(probe.token_acceptance, costs, 8))
+    assert verdict.best_k == 5 and verdict.status == "helps"
+
+
+def test_probe_reports_per_token_acceptance_from_the_engine_counts():
+    probe = run_acceptance_probe(_tiny(0, "t"), _tiny(1, "d"), WORD_PROMPTS, k=3, max_tokens=12, chat=False)
+    accepted = sum(n for p in probe.prompts for n in p.accepted_per_position)
+    rejected = sum(n for p in probe.prompts for n in p.rejected_per_position)
+    assert accepted == probe.accepted_tokens and probe.token_acceptance == accepted / (accepted + rejected)
+    assert probe.token_acceptance >= probe.acceptance_rate  # positions after a rejection are not judged
+    assert probe.to_dict()["token_acceptance"] == probe.token_acceptance

@@ -34,7 +34,8 @@ def timer(monkeypatch):
     def fake(backend, ks, *, context_len, repeats, warmup):
         ks = sorted(set(ks) | {1})
         calls.append((backend.name, ks, context_len))
-        return {k: [0.1 * (1 + 0.2 * (k - 1)) * (0.5 if k == 3 else 1.0)] * repeats for k in ks}
+        growth = 1 + 0.001 * max(0, context_len - 200)  # passes 0.1% slower per context token beyond 200
+        return {k: [0.1 * (1 + 0.2 * (k - 1)) * (0.5 if k == 3 else 1.0) * growth] * repeats for k in ks}
 
     monkeypatch.setattr(calibration, "_time_forward_passes", fake)
     return calls
@@ -132,16 +133,23 @@ def test_calibrate_cost_model_for_draft_model_and_ngram(home, timer):
     target, draft = bigram("target"), bigram("draft")
     with_draft = calibrate_cost_model(target, 4, draft=draft, repeats=1)
     assert with_draft.max_k == 4 and with_draft.source == "measured"
-    assert [name for name, *_ in timer] == ["target", "draft"]
+    # the verify curve, the draft's one-token and 64-token (prefill) passes, then both again at a long context
+    assert timer == [("target", [1, 2, 3, 4, 5], 200), ("draft", [1, 64], 200), ("draft", [1], 510),
+                     ("target", [1], 510)]
     assert with_draft.draft_seconds_per_token == pytest.approx(0.1)
+    assert with_draft.draft_prefill_seconds_per_token == pytest.approx(0.1 * (1 + 0.2 * 63) / 64)
+    assert with_draft.context_len == 200
+    assert with_draft.target_context_growth == pytest.approx(0.001)
+    assert with_draft.draft_context_growth == pytest.approx(0.001)
     curve = with_draft.verify_seconds
     assert all(a <= b for a, b in zip(curve, curve[1:]))  # the dip at k = 3 is smoothed away
     assert curve == pytest.approx(monotone_fit([0.1, 0.12, 0.07, 0.16, 0.18]))
-    assert calibrate_cost_model(target, 4, draft=draft, repeats=1) == with_draft  # both from the cache
-    assert len(timer) == 2
+    assert calibrate_cost_model(target, 4, draft=draft, repeats=1) == with_draft  # all from the cache
+    assert len(timer) == 4
 
     with_ngram = calibrate_cost_model(target, 3, proposer=NgramProposer(1, 3), repeats=1)
-    assert len(timer) == 2  # the target's cached curve is shared
+    assert len(timer) == 4  # the target's cached curve and growth are shared
+    assert with_ngram.draft_prefill_seconds_per_token == 0.0 and with_ngram.draft_context_growth == 0.0
     assert with_ngram.max_k == 3
     assert 0 < with_ngram.draft_seconds_per_token < 0.01  # really timed: microseconds
     assert calibrate_cost_model(target, 2, repeats=1).draft_seconds_per_token == 0.0
@@ -164,3 +172,23 @@ def test_build_engine_with_auto_k_on_stories260k(stories_path, draftwise_home):
     params = SamplingParams(max_tokens=40)
     plain = build_engine(str(stories_path), None, device="cpu").engine.generate(prompt, params)
     assert bundle.engine.generate(prompt, params).token_ids == plain.token_ids
+
+
+def test_cache_key_holds_the_backends_timing_settings(home, timer):
+    """llama.cpp threads, flash attention and batch invariance change the timings: each setting gets its own
+    cache entry, a backend without them keeps the plain identity."""
+    model = bigram()
+    assert "settings" not in calibration.backend_identity(model)
+    cached_forward_costs(model, [1, 2], repeats=1)
+    model.n_threads, model.flash_attention, model.batch_invariant = 2, True, True
+    identity = calibration.backend_identity(model)
+    assert identity["settings"] == {"n_threads": 2, "flash_attention": True, "batch_invariant": True}
+    cached_forward_costs(model, [1, 2], repeats=1)
+    assert len(timer) == 2  # new settings: measured again
+    for name, value in (("n_threads", 1), ("flash_attention", False), ("batch_invariant", False)):
+        setattr(model, name, value)
+        cached_forward_costs(model, [1, 2], repeats=1)
+    assert len(timer) == 5
+    cached_forward_costs(model, [1, 2], repeats=1)
+    assert len(timer) == 5  # same settings again: from the cache
+    assert len(list((home / "calibration").glob("*.json"))) == 5

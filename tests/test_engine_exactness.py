@@ -108,11 +108,14 @@ def test_eos_inside_a_draft_stops_and_is_not_counted(k):
     assert result.token_ids == oracle.token_ids
     assert result.finish_reason == "stop"
     stats = result.stats
-    # After the prefill's 7, drafts run 9, 11, EOS, 5, 5...; tokens drafted past EOS are never counted.
-    # k=1: [9]+bonus 11, [EOS] -> 2 accepted; k=2: [9, 11]+bonus EOS -> 2; k>=4: [9, 11, EOS, 5..] -> 3.
-    expected_accepted = {1: 2, 2: 2, 4: 3, 8: 3}[k]
-    assert stats.num_accepted_tokens == expected_accepted
-    assert stats.num_draft_tokens == {1: 2, 2: 2, 4: 4, 8: 8}[k]
+    # After the prefill's 7, drafts run 9, 11, EOS, 5, 5...: a perfect draft. A step ends at the stop token,
+    # so neither the drafted nor the accepted count goes past it, and the acceptance is 1.0 at every K.
+    # k=1: [9]+bonus 11, [EOS] -> 2 of 2; k=2: [9, 11]+bonus EOS -> 2 of 2; k>=4: [9, 11, EOS | 5..] -> 3 of 3.
+    expected = {1: 2, 2: 2, 4: 3, 8: 3}[k]
+    assert stats.num_accepted_tokens == expected
+    assert stats.num_draft_tokens == expected
+    assert stats.acceptance_rate == 1.0 and stats.token_acceptance == 1.0
+    assert sum(stats.drafted_per_position) == expected and sum(stats.rejected_per_position) == 0
     assert stats.num_generated_tokens == 3
 
 

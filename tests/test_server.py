@@ -192,6 +192,14 @@ def test_usage_carries_speculative_statistics(spec, plain):
     assert slow.usage.speculative["method"] == "plain" and slow.usage.speculative["num_draft_tokens"] == 0
 
 
+def test_usage_of_plain_and_one_token_requests(spec, plain):
+    """Nothing drafted: acceptance_rate is null (not 0.0) and mean_accepted_length 1.0 (not 0.0), as documented."""
+    for client, max_tokens in ((plain, 8), (plain, 1), (spec, 1)):
+        stats = complete(client, PROMPTS[0], max_tokens=max_tokens).usage.speculative
+        assert stats["num_draft_tokens"] == 0
+        assert stats["acceptance_rate"] is None and stats["mean_accepted_length"] == 1.0
+
+
 def test_chat_streaming_matches_non_streaming(spec):
     messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A dog story."}]
     whole = spec.chat.completions.create(model="stories-alias", messages=messages, max_tokens=24, temperature=0)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
+from draftwise.stats import SpeculativeStats
 from fakes import BigramLM, ScriptedProposer, peaked_table
 
 
@@ -42,6 +45,38 @@ def test_plain_decoding_stats():
     target = BigramLM(peaked_table(16, seed=2))
     result = SpeculativeEngine(target).generate([1], SamplingParams(max_tokens=10, ignore_eos=True))
     stats = result.stats
-    assert stats.num_drafts == 0 and stats.num_draft_tokens == 0 and stats.acceptance_rate == 0.0
+    assert stats.num_drafts == 0 and stats.num_draft_tokens == 0
+    assert stats.acceptance_rate is None and stats.token_acceptance is None  # nothing drafted: undefined
     assert stats.num_target_passes == 9 and stats.mean_accepted_length == 1.0
     assert stats.total_time_s >= stats.target_time_s > 0
+    data = stats.to_dict()
+    assert data["acceptance_rate"] is None and data["mean_accepted_length"] == 1.0
+
+
+def test_plain_request_ending_on_eos_and_one_token_request_have_tau_one():
+    """tau is 1.0 for plain decoding: also when the last pass produced only the stop token, and when the only
+    token came from the prefill (no decode pass at all)."""
+    table = peaked_table(16, seed=2)
+    target = BigramLM(table)
+    oracle = SpeculativeEngine(target).generate([1], SamplingParams(max_tokens=6, ignore_eos=True)).token_ids
+    stop = SpeculativeEngine(target, eos_token_ids=[oracle[4]]).generate([1], SamplingParams(max_tokens=50)).stats
+    assert stop.finish_reason == "stop" and stop.num_step_tokens < stop.num_target_passes
+    assert stop.mean_accepted_length == 1.0 and stop.acceptance_rate is None
+    one = SpeculativeEngine(target).generate([1], SamplingParams(max_tokens=1, ignore_eos=True)).stats
+    assert one.num_target_passes == 0 and one.mean_accepted_length == 1.0 and one.acceptance_rate is None
+
+
+def test_rejections_are_counted_where_they_happen():
+    stats = SpeculativeStats()
+    stats.record_step(4, 2, 3)
+    stats.record_step(4, 4, 5)
+    stats.record_step(2, 0, 1)
+    stats.record_step(0, 0, 1)
+    assert stats.drafted_per_position == [3, 3, 2, 2]
+    assert stats.accepted_per_position == [2, 2, 1, 1]
+    assert stats.rejected_per_position == [1, 0, 1, 0]
+    assert stats.acceptance_rate == 6 / 10
+    assert stats.token_acceptance == 6 / (6 + 2)  # 6 accepted, 2 rejections, 2 positions never judged
+    assert stats.mean_accepted_length == 1 + 6 / 4
+    with pytest.raises(ValueError):
+        stats.record_step(2, 3, 1)

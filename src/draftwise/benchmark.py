@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from draftwise.calibration import ForwardCosts, predicted_speedup
+from draftwise import cost_model
+from draftwise.calibration import ForwardCosts
 from draftwise.config import SamplingParams
 from draftwise.engine import GenerationResult, SpeculativeEngine
 from draftwise.models.loading import LoadedModel
@@ -271,18 +272,10 @@ def _sum(runs: Sequence[PromptRun], key: str) -> float:
 def _method_row(label: str, mine: list[PromptRun], plain_time: float) -> dict:
     speedups = sorted(r.speedup for r in mine if r.speedup is not None)
     drafted, accepted = _sum(mine, "num_draft_tokens"), _sum(mine, "num_accepted_tokens")
-    passes, step_tokens = _sum(mine, "num_target_passes"), _sum(mine, "num_step_tokens")
+    passes = _sum(mine, "num_target_passes")
     decode_time = sum(r.stats.get("total_time_s", 0) - r.stats.get("prefill_time_s", 0) for r in mine)
     total_time = sum(r.time_s for r in mine)
-    drafted_pos: list[float] = []
-    accepted_pos: list[float] = []
-    for r in mine:
-        for i, (d, a) in enumerate(zip(r.stats.get("drafted_per_position", []), r.stats.get("accepted_per_position", []))):
-            if i == len(drafted_pos):
-                drafted_pos.append(0)
-                accepted_pos.append(0)
-            drafted_pos[i] += d
-            accepted_pos[i] += a
+    drafted_pos, accepted_pos, rejected_pos = _position_counts(mine)
     ks = [k for r in mine for k in r.stats.get("k_history", [])]
     return {
         "method": label, "kind": mine[0].kind, "k": mine[0].k, "policy": mine[0].policy, "runs": len(mine),
@@ -293,8 +286,9 @@ def _method_row(label: str, mine: list[PromptRun], plain_time: float) -> dict:
         "speedup_median": statistics.median(speedups) if speedups else None,
         "speedup_min": speedups[0] if speedups else None,
         "speedup_max": speedups[-1] if speedups else None,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "mean_accepted_length": step_tokens / passes if passes else None,
+        "acceptance_rate": cost_model.acceptance_rate(accepted, drafted),
+        "token_acceptance": cost_model.token_acceptance(accepted_pos, rejected_pos),
+        "mean_accepted_length": cost_model.mean_accepted_length(accepted, passes) if passes else None,
         "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(accepted_pos, drafted_pos)],
         "mean_k": statistics.fmean(ks) if ks else None,
         "identical": sum(r.identical_to_plain for r in mine),
@@ -307,6 +301,23 @@ def _method_row(label: str, mine: list[PromptRun], plain_time: float) -> dict:
     }
 
 
+def _position_counts(runs: Sequence[PromptRun]) -> tuple[list[int], list[int], list[int]]:
+    """Drafted, accepted and rejected counts per draft position, summed over runs (rejections rebuilt with
+    :func:`draftwise.cost_model.rejections_from_counts` for records that predate their counting)."""
+    totals: list[list[int]] = [[], [], []]
+    for run in runs:
+        drafted = run.stats.get("drafted_per_position", [])
+        accepted = run.stats.get("accepted_per_position", [])
+        rejected = run.stats.get("rejected_per_position")
+        if rejected is None:
+            rejected = cost_model.rejections_from_counts(drafted, accepted)
+        for total, counts in zip(totals, (drafted, accepted, rejected)):
+            total.extend([0] * (len(counts) - len(total)))
+            for i, n in enumerate(counts):
+                total[i] += n
+    return totals[0], totals[1], totals[2]
+
+
 def summarize(
     runs: Sequence[PromptRun],
     target_costs: ForwardCosts | None = None,
@@ -316,7 +327,8 @@ def summarize(
 ) -> list[dict]:
     """Per method (and per category when asked): tokens/s, speed-up over plain (total, median, min, max),
     alpha, tau, acceptance by position, mean K, identical outputs, engine overhead share, peak memory; for
-    fixed-K draft-model rows with calibration: c, v_(K+1) and the Leviathan-predicted speed-up."""
+    fixed-K draft-model rows with calibration: c, v_(K+1) and the Leviathan-predicted speed-up (from the
+    per-token acceptance, :func:`draftwise.cost_model.predicted_speedup`)."""
     groups: dict[tuple[str, str], list[PromptRun]] = {}
     for run in runs:
         groups.setdefault((run.category if by_category else "all", run.method), []).append(run)
@@ -328,10 +340,11 @@ def summarize(
         row["decode_speedup_total"] = plain_decode / row["decode_time_s"] if row["decode_time_s"] > 0 else None
         k = row["k"]
         if (row["kind"] == "draft" and row["policy"] == "fixed" and k and target_costs and draft_cost_s is not None
-                and row["acceptance_rate"] is not None and (k + 1) in target_costs.seconds):
+                and row["token_acceptance"] is not None and (k + 1) in target_costs.seconds):
             c = draft_cost_s / target_costs.seconds[1]
             v = target_costs.relative(k + 1)
-            row.update(cost_ratio=c, verify_cost=v, predicted_speedup=predicted_speedup(row["acceptance_rate"], k, c, v))
+            row.update(cost_ratio=c, verify_cost=v,
+                       predicted_speedup=cost_model.predicted_speedup(row["token_acceptance"], k, c, v))
         rows.append(row)
     return rows
 

@@ -3,14 +3,15 @@
 The speed-up of speculative decoding depends on two measured quantities (Leviathan et al. 2023, Sec. 3.4):
 - the verify-cost curve ``v_k``: target forward time over k new tokens divided by one token's (k = 1..);
 - the cost ratio ``c``: the proposer's time per drafted token divided by one target token's time.
-With acceptance rate alpha, the expected speed-up of K draft tokens per step is
+With per-token acceptance alpha (:func:`draftwise.cost_model.token_acceptance`), the expected speed-up of K draft tokens per step is
 ``(1 - alpha^(K+1)) / ((1 - alpha) * (K * c + v_(K+1)))``.
 
-:class:`CostModel` holds the same quantities in seconds for the adaptive K controller
-(:class:`draftwise.controller.AutoK`). :func:`calibrate_cost_model` measures it once and caches the target's
-verify-cost curve and a draft model's one-token cost as JSON under ``draftwise_home()/calibration/``, keyed by
-model identity, dtype, device and machine (platform, CPU count, torch version and threads), so start-up
-stays quick after the first run.
+:class:`draftwise.cost_model.CostModel` holds the same quantities in seconds (plus a draft model's
+catch-up prefill time and how pass times grow with the context) for the adaptive K controller
+(:class:`draftwise.controller.AutoK`). :func:`calibrate_cost_model` measures it once and caches each timing
+as JSON under ``draftwise_home()/calibration/``, keyed by model identity, dtype, device, the backend's timing
+settings (llama.cpp threads, flash attention, batch invariance) and machine (platform, CPU count, torch
+version and threads), so start-up stays quick after the first run.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from draftwise.backends.base import CausalLM
 from draftwise.config import SamplingParams
+from draftwise.cost_model import CostModel, predicted_speedup  # re-exported: defined in draftwise.cost_model
 from draftwise.models.pull import draftwise_home
 from draftwise.proposers.base import Proposer
 
@@ -51,7 +53,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CACHE_SCHEMA = 1  # bump when the cached JSON layout or the measuring method changes
+CACHE_SCHEMA = 2  # bump when the cached JSON layout or the measuring method changes
 
 
 @dataclass(frozen=True)
@@ -117,86 +119,6 @@ def _time_forward_passes(
     return samples
 
 
-def predicted_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float) -> float:
-    """Expected speed-up over plain decoding (Leviathan et al. 2023, Theorem 3.8 with a measured verify cost).
-
-    Args:
-        alpha: per-token acceptance rate in [0, 1].
-        k: draft tokens per step (K).
-        cost_ratio: c, proposer time per draft token / target time per token.
-        verify_cost: target time of the (K + 1)-token verification pass / one-token pass.
-    """
-    expected_tokens = float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return expected_tokens / (k * cost_ratio + verify_cost)
-
-
-# ---------------------------------------------------------------------------------------------- cost model
-@dataclass(frozen=True)
-class CostModel:
-    """What one speculative step costs, in seconds.
-
-    Attributes:
-        verify_seconds: ``verify_seconds[j - 1]`` is the target's forward time over j new tokens
-            (j = 1..len); a step with K draft tokens verifies K + 1 tokens. Beyond the measured range the
-            curve is extended linearly from its last two points.
-        draft_seconds_per_token: the proposer's time per drafted token (a draft model: about one 1-token
-            forward of the draft; n-gram lookup: about 0).
-        source: where the numbers come from (for reports), e.g. ``"measured"`` or ``"scripted"``.
-
-    Raises:
-        ValueError: empty or non-positive verify times, or a negative draft cost.
-    """
-
-    verify_seconds: tuple[float, ...]
-    draft_seconds_per_token: float = 0.0
-    source: str = "scripted"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "verify_seconds", tuple(float(v) for v in self.verify_seconds))
-        if not self.verify_seconds or min(self.verify_seconds) <= 0:
-            raise ValueError(f"verify_seconds must be non-empty and positive, got {self.verify_seconds}")
-        if not (self.draft_seconds_per_token >= 0):
-            raise ValueError(f"draft_seconds_per_token must be >= 0, got {self.draft_seconds_per_token}")
-
-    @property
-    def max_k(self) -> int:
-        """The largest K whose verify pass (K + 1 tokens) was measured."""
-        return len(self.verify_seconds) - 1
-
-    def verify_cost(self, num_tokens: int) -> float:
-        """Seconds of a target forward over ``num_tokens`` (>= 1) new tokens."""
-        if num_tokens < 1:
-            raise ValueError(f"a verify pass has at least 1 token, got {num_tokens}")
-        curve = self.verify_seconds
-        if num_tokens <= len(curve):
-            return curve[num_tokens - 1]
-        slope = max(0.0, curve[-1] - curve[-2]) if len(curve) >= 2 else curve[-1]
-        return curve[-1] + slope * (num_tokens - len(curve))
-
-    def step_cost(self, k: int) -> float:
-        """Seconds of one step with K draft tokens: ``K * draft_seconds_per_token + verify_cost(K + 1)``."""
-        return k * self.draft_seconds_per_token + self.verify_cost(k + 1)
-
-    @classmethod
-    def from_forward_costs(
-        cls, costs: ForwardCosts, draft_seconds_per_token: float, source: str = "measured"
-    ) -> CostModel:
-        """Build from a measured curve; its ks must be 1..n without gaps."""
-        n = max(costs.seconds)
-        missing = [j for j in range(1, n + 1) if j not in costs.seconds]
-        if missing:
-            raise ValueError(f"forward costs miss token counts {missing}")
-        return cls(tuple(costs.seconds[j] for j in range(1, n + 1)), draft_seconds_per_token, source)
-
-    def to_dict(self) -> dict:
-        return {"verify_seconds": list(self.verify_seconds), "draft_seconds_per_token": self.draft_seconds_per_token,
-                "source": self.source}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> CostModel:
-        return cls(tuple(data["verify_seconds"]), float(data["draft_seconds_per_token"]), str(data.get("source", "")))
-
-
 # ---------------------------------------------------------------------------------------------- identities
 def machine_identity(device: str = "cpu") -> dict:
     """What makes timings on this machine comparable: OS, CPU, CPU count, torch version and threads, and the
@@ -214,8 +136,14 @@ def machine_identity(device: str = "cpu") -> dict:
     return identity
 
 
+#: Backend attributes that change its speed, so belong in the cache key when a backend has them
+#: (llama.cpp: :class:`draftwise.backends.llama_cpp_backend.LlamaCppCausalLM`).
+TIMING_SETTINGS = ("n_threads", "flash_attention", "batch_invariant")
+
+
 def backend_identity(backend: CausalLM, *, dtype: str | None = None, device: str | None = None) -> dict:
-    """Model identity for the cache key: name, class, vocabulary width, dtype and device.
+    """Model identity for the cache key: name, class, vocabulary width, dtype, device and the backend's
+    timing settings (:data:`TIMING_SETTINGS`: llama.cpp threads, flash attention, batch invariance).
 
     ``dtype`` and ``device`` default to the backend's own (``backend.device``, ``backend.model.dtype``) when
     it has them, else ``"unknown"`` / ``"cpu"``.
@@ -223,8 +151,10 @@ def backend_identity(backend: CausalLM, *, dtype: str | None = None, device: str
     model = getattr(backend, "model", None)
     device = device or str(getattr(backend, "device", "cpu"))
     dtype = dtype or str(getattr(model, "dtype", "unknown")).replace("torch.", "")
-    return {"name": backend.name, "class": type(backend).__name__, "vocab_size": backend.vocab_size,
-            "dtype": dtype, "device": device}
+    identity = {"name": backend.name, "class": type(backend).__name__, "vocab_size": backend.vocab_size,
+                "dtype": dtype, "device": device}
+    settings = {name: getattr(backend, name) for name in TIMING_SETTINGS if hasattr(backend, name)}
+    return {**identity, "settings": settings} if settings else identity
 
 
 def calibration_dir() -> Path:
@@ -362,6 +292,12 @@ def monotone_fit(values: Sequence[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
+#: Tokens in the draft pass timed for its catch-up prefill rate.
+PREFILL_CHUNK_TOKENS = 64
+#: Context (tokens) of the second, longer timing that measures how pass times grow with the context.
+LONG_CONTEXT_TOKENS = 1024
+
+
 def calibrate_cost_model(
     target: CausalLM,
     max_k: int,
@@ -371,21 +307,28 @@ def calibrate_cost_model(
     dtype: str | None = None,
     device: str | None = None,
     context_len: int = 200,
+    long_context_len: int = LONG_CONTEXT_TOKENS,
     repeats: int = 5,
     cache_dir: Path | None = None,
 ) -> CostModel:
-    """Measure (or read from the cache) the costs :class:`draftwise.controller.AutoK` needs.
+    """Measure (or read from the cache) the :class:`~draftwise.cost_model.CostModel` that
+    :class:`draftwise.controller.AutoK` needs.
 
-    - verify curve: the target's forward time over j = 1..max_k + 1 tokens, made non-decreasing in j
-      (:func:`monotone_fit`: a pass over more tokens never costs less; dips are timing noise);
+    - verify curve: the target's forward time over j = 1..max_k + 1 tokens at ``context_len``, made
+      non-decreasing in j (:func:`monotone_fit`: a pass over more tokens never costs less; dips are noise);
     - draft cost per token: a draft model's one-token forward time (cached like the target's), else the
-      model-free ``proposer``'s measured time per drafted token, else 0.
+      model-free ``proposer``'s measured time per drafted token, else 0;
+    - a draft model's catch-up (prefill) time per token: its :data:`PREFILL_CHUNK_TOKENS`-token pass / that;
+    - context growth: the one-token pass times of the target (and the draft model) again at
+      ``long_context_len`` tokens (capped by the context length; skipped when not longer than
+      ``context_len``), as relative growth per context token.
 
     Args:
         target: the target backend.
         max_k: the largest K the controller may choose (>= 1).
         draft: the draft model backend for the draft-model method.
         proposer: a model-free proposer to time when there is no draft model.
+        long_context_len: context of the growth timing (tokens).
         dtype, device, context_len, repeats, cache_dir: see :func:`cached_forward_costs`.
 
     Raises:
@@ -393,16 +336,34 @@ def calibrate_cost_model(
     """
     if max_k < 1:
         raise ValueError(f"max_k must be >= 1, got {max_k}")
-    options = dict(dtype=dtype, device=device, context_len=context_len, repeats=repeats, cache_dir=cache_dir)
-    verify = cached_forward_costs(target, range(1, max_k + 2), **options)
+    options = dict(dtype=dtype, device=device, repeats=repeats, cache_dir=cache_dir)
+    verify = cached_forward_costs(target, range(1, max_k + 2), context_len=context_len, **options)
+    draft_cost = prefill_cost = draft_growth = 0.0
     if draft is not None:
-        draft_cost = cached_forward_costs(draft, [1], **options).seconds[1]
+        chunk = min(PREFILL_CHUNK_TOKENS, max(1, draft.max_context - verify.context_len - 1))
+        timed = cached_forward_costs(draft, [1, chunk], context_len=verify.context_len, **options)
+        draft_cost, prefill_cost = timed.seconds[1], timed.seconds[chunk] / chunk
+        draft_growth = _context_growth(draft, timed, long_context_len, options)
     elif proposer is not None:
         draft_cost = measure_proposer_seconds_per_token(proposer, target.vocab_size, k=max_k)
-    else:
-        draft_cost = 0.0
+    target_growth = _context_growth(target, verify, long_context_len, options)
     curve = monotone_fit([verify.seconds[j] for j in range(1, max_k + 2)])
-    model = CostModel(tuple(curve), draft_cost, source="measured")
-    logger.info("cost model for %s: verify %s s, draft %.2e s/token", target.name,
-                ", ".join(f"{v:.4f}" for v in model.verify_seconds), draft_cost)
+    model = CostModel(tuple(curve), draft_cost, "measured", draft_prefill_seconds_per_token=prefill_cost,
+                      context_len=verify.context_len, target_context_growth=target_growth,
+                      draft_context_growth=draft_growth)
+    logger.info("cost model for %s: verify %s s, draft %.2e s/token, draft prefill %.2e s/token, growth per "
+                "context token %.1e (target) %.1e (draft)", target.name,
+                ", ".join(f"{v:.4f}" for v in model.verify_seconds), draft_cost, prefill_cost, target_growth,
+                draft_growth)
     return model
+
+
+def _context_growth(backend: CausalLM, short: ForwardCosts, long_context_len: int, options: dict) -> float:
+    """Relative growth of the one-token pass time per context token between ``short.context_len`` and
+    ``long_context_len`` (capped by the backend's context); 0 when that is not longer."""
+    long_context_len = min(long_context_len, backend.max_context - 2)
+    if long_context_len <= short.context_len:
+        return 0.0
+    long = cached_forward_costs(backend, [1], context_len=long_context_len, **options)
+    ratio = long.seconds[1] / short.seconds[1]
+    return max(0.0, (ratio - 1.0) / (long.context_len - short.context_len))

@@ -1,36 +1,50 @@
 """Choosing K, the number of draft tokens per verification pass.
 
 The engine asks a per-request controller for K before every step and reports each verification back.
-:class:`FixedK` always speculates the configured maximum. :class:`AutoK` picks K from a cost model and the
-request's online acceptance rates to maximise expected committed tokens per second (Leviathan et al. 2023).
+:class:`FixedK` always speculates the configured maximum. :class:`AutoK` picks K from the cost model and
+online acceptance estimates (:mod:`draftwise.cost_model`, Leviathan et al. 2023) to maximise expected
+committed tokens per second, prices a draft model's catch-up prefill against what the remaining tokens can
+gain, and keeps what it learned in a per-engine :class:`AutoKMemory` across requests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from draftwise.calibration import CostModel
+from draftwise.cost_model import CostModel, expected_tokens, expected_tokens_per_step
 
 __all__ = [
     "KController",
     "FixedK",
     "AutoK",
+    "AutoKMemory",
     "AcceptanceEstimator",
     "expected_tokens",
     "leviathan_expected_tokens",
     "k_controller_factory",
     "SPECULATION_DISABLED_NOTE",
     "SPECULATION_UNPROFITABLE_NOTE",
+    "CATCH_UP_NOTE",
 ]
 
 logger = logging.getLogger(__name__)
 
+#: Leviathan et al. 2023, Eq. 1 (the one definition lives in :mod:`draftwise.cost_model`).
+leviathan_expected_tokens = expected_tokens_per_step
+
 
 class KController(ABC):
     """Per-request policy for K. One instance serves one request."""
+
+    def start(self, prompt_tokens: int, max_tokens: int, cached_tokens: int = 0) -> None:
+        """Called once before the request's prefill: its prompt length, ``max_tokens`` and how many prompt
+        tokens the prefix cache already holds (for the target and, kept with it, a draft model) (tokens).
+        Default: ignore."""
 
     @abstractmethod
     def choose_k(self) -> int:
@@ -62,48 +76,37 @@ SPECULATION_UNPROFITABLE_NOTE = (
     "speculation cannot pay with the measured costs (even a perfect draft would be slower than plain "
     "decoding): speculation disabled"
 )
-
-
-def expected_tokens(acceptance: Sequence[float]) -> float:
-    """Expected tokens committed by one step that drafts ``len(acceptance)`` tokens, bonus token included.
-
-    ``acceptance[i]`` is the probability that draft position i + 1 is accepted given that all earlier ones
-    were: ``E = 1 + sum_j prod_{i <= j} acceptance[i]``. With a constant rate alpha this is Leviathan et al.
-    2023, Eq. 1: ``(1 - alpha^(K+1)) / (1 - alpha)``.
-    """
-    total, reach = 1.0, 1.0
-    for rate in acceptance:
-        reach *= rate
-        total += reach
-    return total
-
-
-def leviathan_expected_tokens(alpha: float, k: int) -> float:
-    """``(1 - alpha^(k+1)) / (1 - alpha)`` (k + 1 when alpha = 1): Leviathan et al. 2023, Eq. 1."""
-    if not (0.0 <= alpha <= 1.0) or k < 0:
-        raise ValueError(f"need alpha in [0, 1] and k >= 0, got {alpha}, {k}")
-    return float(k + 1) if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+CATCH_UP_NOTE = (
+    "the draft's catch-up prefill of the context would cost more than speculating can gain over the "
+    "remaining tokens: decoded plainly"
+)
 
 
 class AcceptanceEstimator:
-    """Online per-position acceptance rates of one request, smoothed and exponentially forgotten.
+    """Online per-position conditional acceptance rates, split by what the previous draft did.
 
-    Position i's rate is the conditional probability that draft token i is accepted given tokens 1..i-1
-    were. Counts (trials, successes) decay by ``decay`` at every observed draft, so about
-    ``1 / (1 - decay)`` recent drafts matter. The pooled rate over all positions has a Beta prior
-    (``prior_mean``, ``prior_strength`` pseudo-trials); each position's rate shrinks toward the pooled rate
-    with ``position_strength`` pseudo-trials, so positions rarely drafted borrow from the others.
+    Position i's rate is the probability that draft token i is accepted given tokens 1..i-1 were
+    (:func:`draftwise.cost_model.conditional_acceptance`). Acceptance comes in runs (an n-gram proposer
+    inside copied text, a draft model on boilerplate), so the counts are kept per *regime*: after a draft
+    that was accepted in full, and after one that was rejected somewhere. Each regime's rate at a position
+    shrinks toward the position's rate over both regimes (``regime_strength`` pseudo-trials), which shrinks
+    toward the rate pooled over all positions (``position_strength``), which has a Beta prior
+    (``prior_mean``, ``prior_strength``). Counts decay by ``decay`` at every observed draft, so about
+    ``1 / (1 - decay)`` recent drafts matter.
 
     Args:
         max_k: positions tracked initially (more are added on demand).
         prior_mean: acceptance assumed before any evidence, in (0, 1).
         prior_strength: weight of the prior in pseudo-trials (> 0).
-        position_strength: shrinkage of each position toward the pooled rate, in pseudo-trials (>= 0).
+        position_strength: shrinkage of a position toward the pooled rate, in pseudo-trials (>= 0).
+        regime_strength: shrinkage of a regime toward both regimes' rate, in pseudo-trials (>= 0).
         decay: per-draft forgetting factor in (0, 1].
 
     Raises:
         ValueError: on out-of-range arguments.
     """
+
+    FULL, REJECTED = 1, 0  # regimes: what the previous draft did
 
     def __init__(
         self,
@@ -111,89 +114,171 @@ class AcceptanceEstimator:
         *,
         prior_mean: float = 0.6,
         prior_strength: float = 1.0,
-        position_strength: float = 4.0,
-        decay: float = 0.98,
+        position_strength: float = 16.0,
+        regime_strength: float = 64.0,
+        decay: float = 0.99,
     ) -> None:
-        if not (0.0 < prior_mean < 1.0) or prior_strength <= 0 or position_strength < 0 or not (0 < decay <= 1):
-            raise ValueError("need 0 < prior_mean < 1, prior_strength > 0, position_strength >= 0, 0 < decay <= 1")
+        if not (0.0 < prior_mean < 1.0) or prior_strength <= 0 or position_strength < 0 or regime_strength < 0:
+            raise ValueError("need 0 < prior_mean < 1, prior_strength > 0, position_strength >= 0, regime_strength >= 0")
+        if not (0 < decay <= 1):
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.prior_mean = prior_mean
         self.prior_strength = prior_strength
         self.position_strength = position_strength
+        self.regime_strength = regime_strength
         self.decay = decay
-        self._trials = [0.0] * max(1, max_k)
-        self._successes = [0.0] * max(1, max_k)
+        width = max(1, max_k)
+        self._trials = [[0.0] * width, [0.0] * width]  # [regime][position]
+        self._successes = [[0.0] * width, [0.0] * width]
+        self.regime: int | None = None  # None: no draft seen yet (rates pool both regimes)
         self.num_observed = 0  # drafts observed (not decayed)
 
+    def seeded(self, strength: float) -> AcceptanceEstimator:
+        """A fresh estimator (same settings) whose counts are this one's, scaled to at most ``strength``
+        drafts: a prior that a request's own evidence outweighs after a few drafts."""
+        other = AcceptanceEstimator(len(self._trials[0]), prior_mean=self.prior_mean,
+                                    prior_strength=self.prior_strength, position_strength=self.position_strength,
+                                    regime_strength=self.regime_strength, decay=self.decay)
+        drafts = self._trials[0][0] + self._trials[1][0]
+        scale = min(1.0, strength / drafts) if drafts > 0 else 0.0
+        other._trials = [[t * scale for t in row] for row in self._trials]
+        other._successes = [[s * scale for s in row] for row in self._successes]
+        return other
+
     def observe(self, num_drafted: int, num_accepted: int) -> None:
-        """Record one verified draft: ``num_drafted`` tokens offered, the first ``num_accepted`` accepted."""
+        """Record one verified draft: ``num_drafted`` tokens offered, the first ``num_accepted`` accepted.
+
+        Raises:
+            ValueError: ``num_accepted`` outside ``0..num_drafted``.
+        """
         if num_drafted <= 0:
             return
         if not (0 <= num_accepted <= num_drafted):
             raise ValueError(f"accepted {num_accepted} of {num_drafted} drafted tokens")
-        while len(self._trials) < num_drafted:
-            self._trials.append(0.0)
-            self._successes.append(0.0)
+        self._grow(num_drafted)
         self.num_observed += 1
-        self._trials = [t * self.decay for t in self._trials]
-        self._successes = [s * self.decay for s in self._successes]
-        for position in range(min(num_accepted + 1, num_drafted)):  # positions the target looked at
-            self._trials[position] += 1.0
-            self._successes[position] += 1.0 if position < num_accepted else 0.0
+        for regime in (0, 1):
+            self._trials[regime] = [t * self.decay for t in self._trials[regime]]
+            self._successes[regime] = [s * self.decay for s in self._successes[regime]]
+        regime = self.REJECTED if self.regime is None else self.regime
+        for position in range(min(num_accepted + 1, num_drafted)):  # positions the target judged
+            self._trials[regime][position] += 1.0
+            self._successes[regime][position] += 1.0 if position < num_accepted else 0.0
+        self.regime = self.FULL if num_accepted == num_drafted else self.REJECTED
+
+    def _grow(self, length: int) -> None:
+        for rows in (self._trials, self._successes):
+            for row in rows:
+                row.extend([0.0] * (length - len(row)))
 
     @property
     def overall(self) -> float:
-        """Pooled acceptance rate over all positions (prior included)."""
-        weight = self.prior_strength
-        return (sum(self._successes) + self.prior_mean * weight) / (sum(self._trials) + weight)
+        """Pooled acceptance rate over all positions and regimes (prior included)."""
+        successes = sum(map(sum, self._successes))
+        trials = sum(map(sum, self._trials))
+        return (successes + self.prior_mean * self.prior_strength) / (trials + self.prior_strength)
 
-    def rates(self, k: int) -> list[float]:
-        """Conditional acceptance rates of positions 1..k."""
+    def rates(self, k: int, regime: int | None = None) -> list[float]:
+        """Conditional acceptance rates of positions 1..k in ``regime`` (default: the current one)."""
+        regime = self.regime if regime is None else regime
         pooled = self.overall
         out = []
         for position in range(k):
-            trials = self._trials[position] if position < len(self._trials) else 0.0
-            successes = self._successes[position] if position < len(self._successes) else 0.0
-            out.append((successes + self.position_strength * pooled) / (trials + self.position_strength)
-                       if trials + self.position_strength > 0 else pooled)
+            trials = [row[position] if position < len(row) else 0.0 for row in self._trials]
+            successes = [row[position] if position < len(row) else 0.0 for row in self._successes]
+            rate = _shrunk(sum(successes), sum(trials), pooled, self.position_strength)
+            if regime is not None:
+                rate = _shrunk(successes[regime], trials[regime], rate, self.regime_strength)
+            out.append(rate)
         return out
+
+
+def _shrunk(successes: float, trials: float, toward: float, strength: float) -> float:
+    """``(successes + strength * toward) / (trials + strength)`` (``toward`` without any weight)."""
+    return (successes + strength * toward) / (trials + strength) if trials + strength > 0 else toward
+
+
+@dataclass
+class AutoKMemory:
+    """What the :class:`AutoK` controllers of one engine learn, kept across its requests.
+
+    :func:`k_controller_factory` makes one per engine and hands it to every request's controller (the engine
+    serves one request at a time). Each request seeds its own acceptance estimate from ``estimator`` and
+    updates it and the learned costs as it goes.
+
+    Attributes:
+        estimator: long-memory acceptance estimate over the engine's recent drafts.
+        verify_scales: ``verify_scales[j - 1]``: measured / calibrated time of a j-token verify pass
+            (missing: 1.0). ``verify_samples``: passes measured per token count. ``draft_samples``: drafting
+            steps the draft time per token was learned from.
+        draft_seconds_per_token: learned proposer time per draft token at the calibrated context
+            (None: the cost model's).
+        catch_up_seconds_per_token: learned draft prefill time per caught-up token (None: the cost model's).
+        num_requests: requests started.
+    """
+
+    estimator: AcceptanceEstimator
+    verify_scales: list[float] = dataclasses.field(default_factory=list)
+    verify_samples: list[int] = dataclasses.field(default_factory=list)
+    draft_seconds_per_token: float | None = None
+    catch_up_seconds_per_token: float | None = None
+    draft_samples: int = 0
+    num_requests: int = 0
+
+    @classmethod
+    def fresh(cls, max_k: int) -> AutoKMemory:
+        """Nothing learned yet; the long-memory estimator forgets over about 200 drafts."""
+        return cls(AcceptanceEstimator(max_k, decay=0.995))
 
 
 class AutoK(KController):
     """Picks K in 0..max_k before every step to maximise expected committed tokens per second.
 
-    Model (Leviathan et al. 2023, Sec. 3.4, with measured costs instead of their linear one): a step with K
-    draft tokens commits ``E(K) = 1 + sum_j prod_{i<=j} a_i`` tokens on average (per-position acceptance
-    ``a_i`` from :class:`AcceptanceEstimator`) and costs ``K * draft_s + verify_s(K + 1)`` seconds (from a
-    :class:`~draftwise.calibration.CostModel`); K = 0 is a plain step costing ``verify_s(1)``.
-    The controller returns ``argmax_K E(K) / cost(K)``, preferring the smaller K on ties.
+    Model (Leviathan et al. 2023, Sec. 3.4, with measured costs instead of their linear one; see
+    :mod:`draftwise.cost_model`): a step with K draft tokens commits ``E(K) = 1 + sum_j prod_{i<=j} a_i``
+    tokens on average (per-position conditional acceptance ``a_i`` from :class:`AcceptanceEstimator`, in the
+    regime the previous draft left) and costs ``CostModel.step_cost(K)`` seconds at the request's current
+    context length; K = 0 is a plain step. The controller returns ``argmax_K E(K) / cost(K)``, preferring
+    the smaller K on ties.
 
-    When the best K is 0 although a perfect draft would pay, the controller first probes with ``probe_k``
-    (before any evidence, the prior alone decides nothing). Once a probe is rejected, the draft disagrees
-    with the target: :data:`SPECULATION_DISABLED_NOTE` is noted once, and speculation is re-probed with a
-    small K after ``probe_interval`` plain steps. A probe that is fully accepted is followed at once by
-    another with twice the K (so a draft that starts agreeing, e.g. n-gram lookup entering copied text, is
-    picked up within a few steps); a rejected probe doubles the interval, up to ``max_probe_interval``, or
-    more when the measured probe cost needs it to stay within ``probe_budget``. A probe that drafted
-    nothing (n-gram lookup without a match) stays pending, which costs nothing. When even a perfect draft
-    could not pay with the measured costs, :data:`SPECULATION_UNPROFITABLE_NOTE` is noted and no probes run.
+    Catch-up: a draft model that has not seen the context (the prompt at the start of a request, tokens
+    committed by plain steps) must prefill it before it drafts (``CostModel.catch_up_cost``). The controller
+    speculates only when the time the chosen K saves over the request's remaining ``max_tokens`` exceeds that
+    catch-up (:data:`CATCH_UP_NOTE` otherwise), so a request with a long prompt and few new tokens decodes
+    plainly and never pays the draft's prefill. Needs :meth:`start` (the engine calls it); without it the
+    horizon is unbounded.
 
-    With ``learn_costs``, the measured step times the engine reports refine the cost model: a common scale
-    factor on the verify curve (exponential average of measured / predicted verify time) and the draft cost
-    per token (only from steps that follow a drafting step, so a draft model's catch-up after plain steps
-    does not count).
+    Probing: when the best K is 0 although a perfect draft would pay, the controller probes with ``probe_k``
+    (at once before any evidence; the prior alone decides nothing). Once a probe is rejected the draft
+    disagrees with the target: :data:`SPECULATION_DISABLED_NOTE` is noted once, and speculation is
+    re-probed with a small K after ``probe_interval`` plain steps. A probe that is fully accepted is followed
+    at once by another with twice the K; a rejected probe doubles the interval, up to
+    ``max_probe_interval``, or more when the probe's measured or predicted extra cost (a draft model's
+    catch-up included) needs it to stay within ``probe_budget`` of the plain decoding time. A probe that
+    drafted nothing (n-gram lookup without a match) stays pending, which costs nothing. A probe is skipped
+    while even a perfect draft could not repay its catch-up over the remaining tokens. When even a perfect
+    draft could not pay with the current costs, :data:`SPECULATION_UNPROFITABLE_NOTE` is noted; with
+    ``learn_costs`` the same backed-off probes still run (they re-measure the costs, which may be stale).
+
+    Learning (``learn_costs``): the measured step times refine the costs in ``memory``: a scale per point of
+    the verify curve (running average of measured / predicted verify time of passes over that many tokens;
+    unmeasured points take the last measured scale, and the curve is kept non-decreasing), the draft time
+    per token (from steps whose draft was nearly in sync, or every drafting step of a proposer without
+    catch-up) and a draft model's catch-up time per token (from its drafting steps after a gap).
 
     Args:
         cost_model: calibrated or scripted costs (seconds).
         max_k: the largest K (the configured ``num_speculative_tokens``, >= 1).
-        estimator: acceptance estimator (default: :class:`AcceptanceEstimator` with its defaults).
+        memory: the engine's :class:`AutoKMemory` (default: a fresh one, nothing kept).
+        estimator: this request's acceptance estimator (default: seeded from ``memory``).
         probe_interval: plain steps before the first re-probe (>= 1).
         max_probe_interval: cap of the doubling interval (>= probe_interval).
         probe_k: K of a first probe (1..max_k).
-        probe_budget: fraction of plain decoding time that failed probes may cost, in (0, 1]: a failed
-            probe that took ``t`` seconds more than a plain step delays the next one by at least
-            ``t / (probe_budget * plain step seconds)`` steps (measured times; ignored when they are 0).
+        probe_budget: fraction of plain decoding time that failed probes may cost, in (0, 1].
         learn_costs: refine the costs from the times passed to :meth:`observe`.
-        cost_smoothing: weight of a new time measurement in the running averages, in (0, 1].
+        cost_smoothing: weight of a new step time in the running averages, in (0, 1].
+        catch_up_smoothing: weight of a new catch-up measurement (rare, so weighted more), in (0, 1].
+        memory_strength: drafts' worth of the engine's acceptance estimate a request starts from (>= 0).
 
     Raises:
         ValueError: on out-of-range arguments.
@@ -207,6 +292,7 @@ class AutoK(KController):
         cost_model: CostModel,
         max_k: int,
         *,
+        memory: AutoKMemory | None = None,
         estimator: AcceptanceEstimator | None = None,
         probe_interval: int = 16,
         max_probe_interval: int = 256,
@@ -214,37 +300,77 @@ class AutoK(KController):
         probe_budget: float = 0.02,
         learn_costs: bool = True,
         cost_smoothing: float = 0.1,
+        catch_up_smoothing: float = 0.5,
+        memory_strength: float = 8.0,
     ) -> None:
         if max_k < 1 or not (1 <= probe_k <= max_k) or not (1 <= probe_interval <= max_probe_interval):
             raise ValueError("need max_k >= 1, 1 <= probe_k <= max_k and 1 <= probe_interval <= max_probe_interval")
-        if not (0.0 < probe_budget <= 1.0):
-            raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
-        if not (0.0 < cost_smoothing <= 1.0):
-            raise ValueError(f"cost_smoothing must be in (0, 1], got {cost_smoothing}")
+        for name, value in (("probe_budget", probe_budget), ("cost_smoothing", cost_smoothing),
+                            ("catch_up_smoothing", catch_up_smoothing)):
+            if not (0.0 < value <= 1.0):
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        if memory_strength < 0:
+            raise ValueError(f"memory_strength must be >= 0, got {memory_strength}")
         self.cost_model = cost_model
         self.max_k = max_k
-        self.estimator = estimator or AcceptanceEstimator(max_k)
+        self.memory = memory or AutoKMemory.fresh(max_k)
+        self.memory.num_requests += 1
+        evidence = self.memory.estimator.num_observed > 0
+        self.estimator = estimator or self.memory.estimator.seeded(memory_strength)
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.probe_k = probe_k
         self.probe_budget = probe_budget
         self.learn_costs = learn_costs
         self.cost_smoothing = cost_smoothing
+        self.catch_up_smoothing = catch_up_smoothing
         self.history: list[int] = []
-        self.verify_scale = 1.0  # measured / calibrated verify time
-        self.draft_seconds_per_token = cost_model.draft_seconds_per_token
         self._notes: list[str] = []
         self._disabled = False
+        self._unprofitable = False
         self._plain_streak = 0
         self._interval = probe_interval
-        self._next_probe_k = probe_k  # > 0: probe with this K at the next step (before any evidence: at once)
+        self._next_probe_k = 0 if evidence else probe_k  # > 0: probe with this K when due (first: at once)
         self._probing = 0  # K of the probe in flight
-        self._last_drafted = 0
+        self._context_len: int | None = None  # tokens in the context (None: unknown, the calibrated one)
+        self._remaining: int | None = None  # tokens still allowed (None: unbounded)
+        self._draft_behind = 0  # context tokens a draft model has not seen
+        self._costs: tuple[tuple, CostModel] | None = None
+
+    # ------------------------------------------------------------------ learned costs (kept in memory)
+    @property
+    def verify_scale(self) -> float:
+        """Measured / calibrated target time of a one-token pass."""
+        return self.memory.verify_scales[0] if self.memory.verify_scales else 1.0
+
+    @property
+    def draft_seconds_per_token(self) -> float:
+        """Proposer time per draft token at the calibrated context (learned, else calibrated)."""
+        learned = self.memory.draft_seconds_per_token
+        return self.cost_model.draft_seconds_per_token if learned is None else learned
+
+    @property
+    def catch_up_seconds_per_token(self) -> float:
+        """A draft model's prefill time per caught-up token (learned, else calibrated)."""
+        learned = self.memory.catch_up_seconds_per_token
+        return self.cost_model.draft_prefill_seconds_per_token if learned is None else learned
+
+    def costs(self) -> CostModel:
+        """The cost model with the learned corrections applied."""
+        key = (tuple(self.memory.verify_scales), self.draft_seconds_per_token, self.catch_up_seconds_per_token)
+        if self._costs is None or self._costs[0] != key:
+            scales = list(key[0]) + [key[0][-1] if key[0] else 1.0] * len(self.cost_model.verify_seconds)
+            curve = [v * scale for v, scale in zip(self.cost_model.verify_seconds, scales)]
+            model = dataclasses.replace(
+                self.cost_model, verify_seconds=tuple(max(curve[: j + 1]) for j in range(len(curve))),
+                draft_seconds_per_token=key[1], draft_prefill_seconds_per_token=key[2])
+            self._costs = (key, model)
+        return self._costs[1]
 
     # ------------------------------------------------------------------ the model
     def step_cost(self, k: int) -> float:
-        """Predicted seconds of a step with K draft tokens (learned corrections included)."""
-        return k * self.draft_seconds_per_token + self.verify_scale * self.cost_model.verify_cost(k + 1)
+        """Predicted seconds of a step with K draft tokens at the current context."""
+        return self.costs().step_cost(k, self._context_len)
 
     def expected_rate(self, k: int, acceptance: Sequence[float] | None = None) -> float:
         """Predicted committed tokens per second of a step with K draft tokens."""
@@ -252,14 +378,9 @@ class AutoK(KController):
         return expected_tokens(rates) / self.step_cost(k)
 
     def best_k(self, acceptance: Sequence[float] | None = None) -> int:
-        """argmax over K in 0..max_k of :meth:`expected_rate` (smallest K on ties)."""
+        """argmax over K in 0..max_k of :meth:`expected_rate` (smallest K on ties), catch-up not included."""
         rates = self.estimator.rates(self.max_k) if acceptance is None else list(acceptance)
-        best, best_rate = 0, self.expected_rate(0, rates)
-        for k in range(1, self.max_k + 1):
-            rate = self.expected_rate(k, rates)
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = k, rate
-        return best
+        return self.costs().best_k(rates, self.max_k, self._context_len)
 
     def can_pay(self) -> bool:
         """Whether some K >= 1 beats a plain step when every draft token is accepted."""
@@ -267,54 +388,105 @@ class AutoK(KController):
 
     def break_even_acceptance(self) -> float:
         """Smallest constant acceptance rate at which some K >= 1 beats plain decoding (1.0 if none does)."""
-        if not self.can_pay():
-            return 1.0
-        low, high = 0.0, 1.0
-        for _ in range(30):
-            mid = (low + high) / 2
-            if self.best_k([mid] * self.max_k) > 0:
-                high = mid
-            else:
-                low = mid
-        return high
+        return self.costs().break_even_acceptance(self.max_k, self._context_len)
+
+    def catch_up_cost(self) -> float:
+        """Predicted seconds a draft model needs to catch up on the context before its next draft (beyond the
+        one token every drafting step feeds, which the draft time per token covers)."""
+        return self.costs().catch_up_cost(self._draft_behind - 1, self._context_len)
+
+    def remaining_gain(self, k: int, acceptance: Sequence[float] | None = None) -> float:
+        """Predicted seconds K draft tokens per step save over the remaining tokens, catch-up excluded
+        (negative: lost; infinite when the request's length is unknown and K beats plain)."""
+        rates = self.estimator.rates(k) if acceptance is None else list(acceptance)[:k]
+        per_token = self.step_cost(0) - self.step_cost(k) / expected_tokens(rates)
+        if self._remaining is None:
+            return math.inf if per_token > 0 else per_token
+        return self._remaining * per_token
 
     # ------------------------------------------------------------------ KController
+    def start(self, prompt_tokens: int, max_tokens: int, cached_tokens: int = 0) -> None:
+        """The request: ``prompt_tokens`` in the prompt, at most ``max_tokens`` new ones (the first comes
+        from the prefill, before the first :meth:`choose_k`); a draft model kept in the prefix cache has
+        ``cached_tokens`` of the prompt already, so only the rest is catch-up."""
+        self._context_len = prompt_tokens + 1
+        self._remaining = max(0, max_tokens - 1)
+        self._draft_behind = prompt_tokens + 1 - min(cached_tokens, prompt_tokens)
+
     def choose_k(self) -> int:
         k = self._choose()
         self.history.append(k)
         return k
 
     def _choose(self) -> int:
-        best = self.best_k()
+        rates = self.estimator.rates(self.max_k)
+        best = self.best_k(rates)
         if best > 0:
+            if self.remaining_gain(best, rates) <= self.catch_up_cost():
+                self._note(CATCH_UP_NOTE)
+                return 0
             if self._disabled:
                 logger.info("speculation re-enabled (acceptance %.2f): K=%d", self.estimator.overall, best)
-            self._disabled, self._plain_streak, self._interval, self._next_probe_k = False, 0, self.probe_interval, 0
+            self._disabled = self._unprofitable = False
+            self._plain_streak, self._interval, self._next_probe_k = 0, self.probe_interval, 0
             return best
         if not self.can_pay():
             self._note(SPECULATION_UNPROFITABLE_NOTE)
-            return 0
+            if not self._unprofitable:
+                self._unprofitable = True
+                self._next_probe_k = 0 if not self._probing else self._next_probe_k  # no probe before the interval
+            if not self.learn_costs:
+                return 0  # probes could not change the costs
+            return self._probe_when_due(None)
+        self._unprofitable = False
+        return self._probe_when_due(SPECULATION_DISABLED_NOTE)
+
+    def _probe_when_due(self, note: str | None) -> int:
+        """K of a probe when one is due and affordable, else 0 (a plain step)."""
         if self._next_probe_k == 0:
             if not self._disabled:
                 self._disabled = True
-                self._note(SPECULATION_DISABLED_NOTE)
-                logger.info("speculation disabled: acceptance %.2f below break-even %.2f",
-                            self.estimator.overall, self.break_even_acceptance())
-            if self._plain_streak < self._interval:
+                if note:
+                    self._note(note)
+                    logger.info("speculation disabled: acceptance %.2f below break-even %.2f",
+                                self.estimator.overall, self.break_even_acceptance())
+            if self._plain_streak < max(self._interval, self._budget_interval(self._probe_extra_s(self.probe_k))):
                 self._plain_streak += 1
                 return 0
             self._next_probe_k = self.probe_k
-        # a first probe (before any evidence), a scheduled re-probe, or a probe chain that keeps being accepted
+        if note and not self._probe_can_repay_catch_up():
+            self._note(CATCH_UP_NOTE)
+            return 0
         self._probing, self._plain_streak = self._next_probe_k, 0
         return self._probing
 
+    def _probe_extra_s(self, k: int) -> float:
+        """Predicted seconds a probe of K tokens costs beyond a plain step (catch-up included)."""
+        return self.catch_up_cost() + self.step_cost(k) - self.step_cost(0)
+
+    def _probe_can_repay_catch_up(self) -> bool:
+        """Whether a perfect draft could save, over the remaining tokens, more than the catch-up costs."""
+        catch_up = self.catch_up_cost()
+        if catch_up <= 0:
+            return True
+        perfect = [1.0] * self.max_k
+        best = self.best_k(perfect)
+        return best > 0 and self.remaining_gain(best, perfect) > catch_up
+
     def observe(self, num_drafted: int, num_accepted: int, draft_time_s: float, target_time_s: float) -> None:
+        behind, context_len = self._draft_behind, self._context_len
         self.estimator.observe(num_drafted, num_accepted)
+        self.memory.estimator.observe(num_drafted, num_accepted)
         if self._probing:
             self._after_probe(num_drafted, num_accepted, draft_time_s + target_time_s)
         if self.learn_costs:
-            self._learn_costs(num_drafted, draft_time_s, target_time_s)
-        self._last_drafted = num_drafted
+            self._learn_costs(num_drafted, draft_time_s, target_time_s, behind, context_len)
+        committed = num_accepted + 1
+        if self._context_len is not None:
+            self._context_len += committed
+        if self._remaining is not None:
+            self._remaining = max(0, self._remaining - committed)
+        self._draft_behind = 1 if num_drafted > 0 else self._draft_behind + committed
 
     def notes(self) -> list[str]:
         return list(self._notes)
@@ -324,30 +496,53 @@ class AutoK(KController):
         probe, self._probing = self._probing, 0
         if num_drafted == 0:  # nothing to verify (no n-gram match, or clamped): try again next step
             self._next_probe_k = probe
-        elif num_accepted == num_drafted:
+        elif num_accepted == num_drafted and not self._unprofitable:
             self._next_probe_k = min(2 * probe, self.max_k)
             self._interval = self.probe_interval
         else:
             self._next_probe_k = 0
-            self._interval = max(min(2 * self._interval, self.max_probe_interval), self._budget_interval(probe_time_s))
+            self._interval = max(min(2 * self._interval, self.max_probe_interval),
+                                 self._budget_interval(probe_time_s - self.step_cost(0)))
 
-    def _budget_interval(self, probe_time_s: float) -> int:
-        """Plain steps needed so that a failed probe's extra time (seconds beyond a plain step, e.g. a draft
-        model catching up on the skipped tokens) stays within ``probe_budget`` of the plain decoding time."""
+    def _budget_interval(self, extra_s: float) -> int:
+        """Plain steps needed so that a probe's extra time (seconds beyond a plain step, e.g. a draft model
+        catching up on the skipped tokens) stays within ``probe_budget`` of the plain decoding time."""
         plain_step_s = self.step_cost(0)
-        extra_s = probe_time_s - plain_step_s
         if extra_s <= 0 or plain_step_s <= 0:
             return 0
         return math.ceil(extra_s / (self.probe_budget * plain_step_s))
 
-    def _learn_costs(self, num_drafted: int, draft_time_s: float, target_time_s: float) -> None:
-        w = self.cost_smoothing
-        if target_time_s > 0:
-            ratio = target_time_s / self.cost_model.verify_cost(num_drafted + 1)
-            self.verify_scale += w * (ratio - self.verify_scale)
-        if num_drafted > 0 and self._last_drafted > 0 and draft_time_s > 0:
-            per_token = draft_time_s / num_drafted
-            self.draft_seconds_per_token += w * (per_token - self.draft_seconds_per_token)
+    def _learn_costs(self, num_drafted: int, draft_time_s: float, target_time_s: float, behind: int,
+                     context_len: int | None) -> None:
+        memory, model, w = self.memory, self.cost_model, self.cost_smoothing
+        if target_time_s > 0 and num_drafted + 1 <= len(model.verify_seconds):
+            self._learn_verify(num_drafted + 1, target_time_s / model.verify_cost(num_drafted + 1, context_len))
+        if num_drafted <= 0 or draft_time_s <= 0:
+            return
+        growth = model.draft_growth(context_len)
+        # nearly in sync, or a proposer without catch-up (n-gram lookup, heads): the time is the drafting
+        if behind <= 2 or self.catch_up_seconds_per_token <= 0:
+            per_token = draft_time_s / (num_drafted * growth)
+            memory.draft_samples += 1
+            weight = max(w, 1.0 / memory.draft_samples)  # calibration may be stale: the first measurement wins
+            memory.draft_seconds_per_token = self.draft_seconds_per_token + weight * (per_token - self.draft_seconds_per_token)
+            return
+        catch_up_s = max(0.0, draft_time_s - num_drafted * self.draft_seconds_per_token * growth)
+        middle = None if context_len is None else max(0, context_len - behind // 2)
+        per_token = catch_up_s / ((behind - 1) * model.draft_growth(middle))
+        current = self.catch_up_seconds_per_token
+        memory.catch_up_seconds_per_token = current + self.catch_up_smoothing * (per_token - current)
+
+    def _learn_verify(self, num_tokens: int, ratio: float) -> None:
+        """Fold a measured / calibrated ratio of a ``num_tokens`` verify pass into its running scale (a plain
+        mean over the first ``1 / cost_smoothing`` passes, an exponential average after)."""
+        scales, samples = self.memory.verify_scales, self.memory.verify_samples
+        while len(scales) < num_tokens:
+            scales.append(scales[-1] if scales else 1.0)
+            samples.append(0)
+        samples[num_tokens - 1] += 1
+        weight = max(self.cost_smoothing, 1.0 / samples[num_tokens - 1])
+        scales[num_tokens - 1] += weight * (ratio - scales[num_tokens - 1])
 
     def _note(self, note: str) -> None:
         if note not in self._notes:
@@ -356,7 +551,11 @@ class AutoK(KController):
 
 def k_controller_factory(k_policy: str, max_k: int, cost_model: CostModel | None = None,
                          **auto_options) -> Callable[[], KController]:
-    """A per-request controller factory for :class:`draftwise.engine.SpeculativeEngine`.
+    """A per-request controller factory for one :class:`draftwise.engine.SpeculativeEngine`.
+
+    For ``"auto"`` the factory owns one :class:`AutoKMemory` and hands it to every controller it makes, so
+    what one request learns (acceptance, costs) carries to the engine's next request. Make one factory per
+    engine.
 
     Args:
         k_policy: ``"fixed"`` (always ``max_k``) or ``"auto"`` (:class:`AutoK`).
@@ -372,5 +571,6 @@ def k_controller_factory(k_policy: str, max_k: int, cost_model: CostModel | None
     if k_policy == "auto":
         if cost_model is None:
             raise ValueError("k_policy 'auto' needs a cost model (see draftwise.calibration.calibrate_cost_model)")
-        return lambda: AutoK(cost_model, max_k, **auto_options)
+        memory = AutoKMemory.fresh(max_k)
+        return lambda: AutoK(cost_model, max_k, memory=memory, **auto_options)
     raise ValueError(f"unknown k_policy {k_policy!r}; choose 'fixed' or 'auto'")

@@ -185,6 +185,7 @@ class SpeculativeEngine:
         state.started = True
         reused = self._reuse_prefix(state.prompt, state.scope)
         stats.num_cached_prompt_tokens = reused
+        controller.start(len(state.prompt), params.max_tokens, cached_tokens=reused)
         if self.proposer is not None:
             self.proposer.start(state.prompt)
 
@@ -215,14 +216,17 @@ class SpeculativeEngine:
             target_time = time.perf_counter() - t0
             stats.target_time_s += target_time
             chunk, consumed = self._commit(state, result.token_ids)
+            # a stop inside the accepted drafts ends the step there: count drafted and accepted up to it
+            num_drafted = proposal.depth if consumed > result.num_accepted else consumed
             num_accepted = min(result.num_accepted, consumed)
             if hidden is not None and not state.finish_reason:
                 draft_time += self._observe(hidden, result.token_ids)
             stats.draft_time_s += draft_time
-            stats.record_step(proposal.depth, num_accepted, len(chunk))
+            stats.record_step(num_drafted, num_accepted, len(chunk))
             stats.num_tree_nodes += len(proposal) if proposal.is_tree else 0
             stats.step_end_s.append(time.perf_counter() - state.start)
-            controller.observe(proposal.depth, num_accepted, draft_time, target_time)
+            if not state.finish_reason:  # the last step (perhaps cut by a stop) tells nothing about later ones
+                controller.observe(num_drafted, num_accepted, draft_time, target_time)
             if chunk:
                 yield chunk
         for note in controller.notes():

@@ -4,14 +4,20 @@ Terms (as in vLLM's spec-decode metrics):
 - *draft tokens*: tokens a proposer offered for verification;
 - *accepted tokens*: draft tokens the target agreed with and that were committed to the output;
 - *bonus / correction token*: the one token the target adds after each verification;
-- acceptance rate ``alpha = accepted / drafted``;
-- mean accepted length ``tau = committed tokens / verification passes`` (bonus token included), which
-  equals ``1 + accepted / drafts`` when no stop truncates a step.
+- acceptance rate ``accepted / drafted`` (None when nothing was drafted);
+- per-token acceptance ``a``: the probability that a draft token is accepted given the earlier ones were,
+  the ``alpha`` of Leviathan et al. 2023's formula (``accepted / drafted`` is not);
+- mean accepted length ``tau = 1 + accepted / verification passes`` (1.0 for plain decoding).
+
+A stop token inside an accepted draft ends the step there: the drafted and accepted counts stop at it.
+The definitions live in :mod:`draftwise.cost_model`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
+from draftwise import cost_model
 
 __all__ = ["SpeculativeStats"]
 
@@ -31,6 +37,7 @@ class SpeculativeStats:
     num_tree_nodes: int = 0  # draft-tree nodes verified (tree methods; a chain counts 0)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    rejected_per_position: list[int] = field(default_factory=list)  # drafts whose first rejection was there
     k_history: list[int] = field(default_factory=list)  # K used at each decode step
     step_end_s: list[float] = field(default_factory=list)  # seconds since request start at each step's end
     step_tokens: list[int] = field(default_factory=list)  # tokens committed by each decode step
@@ -42,8 +49,15 @@ class SpeculativeStats:
     warnings: list[str] = field(default_factory=list)
 
     def record_step(self, num_drafted: int, num_accepted: int, num_committed: int) -> None:
-        """Count one verification pass: ``num_drafted`` offered, ``num_accepted`` of them committed,
-        ``num_committed`` tokens added to the output by this pass (accepted + bonus, after stop truncation)."""
+        """Count one verification pass: ``num_drafted`` offered, the first ``num_accepted`` of them accepted
+        (both counted up to a stop token, see the module docstring), ``num_committed`` tokens added to the
+        output by this pass (accepted + bonus, after stop truncation).
+
+        Raises:
+            ValueError: ``num_accepted`` outside ``0..num_drafted``.
+        """
+        if not (0 <= num_accepted <= num_drafted):
+            raise ValueError(f"accepted {num_accepted} of {num_drafted} drafted tokens")
         self.num_target_passes += 1
         self.num_step_tokens += num_committed
         self.k_history.append(num_drafted)
@@ -58,21 +72,31 @@ class SpeculativeStats:
             self.drafted_per_position[position] += 1
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+        if num_accepted < num_drafted:
+            self.rejected_per_position[num_accepted] += 1
 
     def _grow(self, length: int) -> None:
         while len(self.drafted_per_position) < length:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
+            self.rejected_per_position.append(0)
 
     @property
-    def acceptance_rate(self) -> float:
-        """alpha = accepted / drafted (0 when nothing was drafted)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted (None when nothing was drafted); :func:`draftwise.cost_model.acceptance_rate`."""
+        return cost_model.acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
+
+    @property
+    def token_acceptance(self) -> float | None:
+        """Per-token acceptance probability ``a`` (None when nothing was judged);
+        :func:`draftwise.cost_model.token_acceptance`."""
+        return cost_model.token_acceptance(self.accepted_per_position, self.rejected_per_position)
 
     @property
     def mean_accepted_length(self) -> float:
-        """tau = committed tokens per decode-phase target pass, bonus token included."""
-        return self.num_step_tokens / self.num_target_passes if self.num_target_passes else 0.0
+        """tau = 1 + accepted / decode-phase target passes (1.0 without any);
+        :func:`draftwise.cost_model.mean_accepted_length`."""
+        return cost_model.mean_accepted_length(self.num_accepted_tokens, self.num_target_passes)
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -100,6 +124,7 @@ class SpeculativeStats:
         data = asdict(self)
         data.update(
             acceptance_rate=self.acceptance_rate,
+            token_acceptance=self.token_acceptance,
             mean_accepted_length=self.mean_accepted_length,
             acceptance_by_position=self.acceptance_by_position,
             tokens_per_s=self.tokens_per_s,

@@ -3,10 +3,12 @@ machine, and the speed-up they predict for each K (Leviathan et al. 2023, Sec. 3
 
 - acceptance probe: a :class:`~draftwise.engine.SpeculativeEngine` with a
   :class:`~draftwise.proposers.draft_model.DraftModelProposer` decodes a few prompts greedily at a fixed K;
-  ``alpha = accepted / drafted`` over all of them. Under the usual i.i.d. assumption one alpha serves every K.
+  the per-token acceptance ``a`` over all of them (:func:`draftwise.cost_model.token_acceptance`: accepted
+  / (accepted + rejections), not accepted / drafted, which falls with K). Under the usual i.i.d. assumption
+  one ``a`` serves every K.
 - costs: :func:`~draftwise.calibration.measure_forward_costs` for the target's verify curve
   ``v_k`` (k = 1..max_k + 1) and the draft's one-token time, whose ratio to the target's is ``c``.
-- prediction: :func:`~draftwise.calibration.predicted_speedup` for K = 1..max_k.
+- prediction: :meth:`draftwise.cost_model.CostModel.speedup` for K = 1..max_k.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from draftwise.benchmark import BenchPrompt, encode_turn
-from draftwise.calibration import ForwardCosts, measure_forward_costs, predicted_speedup
+from draftwise import cost_model
+from draftwise.calibration import ForwardCosts, measure_forward_costs
+from draftwise.cost_model import CostModel
 from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel
@@ -78,11 +82,13 @@ class ProbePromptResult:
     target_passes: int
     step_tokens: int
     decode_time_s: float
+    accepted_per_position: tuple[int, ...] = ()
+    rejected_per_position: tuple[int, ...] = ()
 
     @property
     def acceptance_rate(self) -> float | None:
         """accepted / drafted on this prompt (None when nothing was drafted)."""
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+        return cost_model.acceptance_rate(self.accepted_tokens, self.draft_tokens)
 
 
 @dataclass
@@ -109,14 +115,22 @@ class ProbeResult:
 
     @property
     def acceptance_rate(self) -> float | None:
-        """alpha = accepted / drafted over every prompt (None when nothing was drafted)."""
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+        """accepted / drafted over every prompt (None when nothing was drafted)."""
+        return cost_model.acceptance_rate(self.accepted_tokens, self.draft_tokens)
+
+    @property
+    def token_acceptance(self) -> float | None:
+        """The per-token acceptance ``a`` over every prompt, the alpha of Leviathan's formula (None when the
+        target judged no draft token)."""
+        accepted = [n for p in self.prompts for n in p.accepted_per_position]
+        rejected = [n for p in self.prompts for n in p.rejected_per_position]
+        return cost_model.token_acceptance(accepted, rejected)
 
     @property
     def mean_accepted_length(self) -> float | None:
-        """tau = tokens committed per verification pass (bonus included), over every prompt."""
+        """tau = 1 + accepted / verification passes, over every prompt (None without prompts)."""
         passes = sum(p.target_passes for p in self.prompts)
-        return sum(p.step_tokens for p in self.prompts) / passes if passes else None
+        return cost_model.mean_accepted_length(self.accepted_tokens, passes) if self.prompts else None
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -127,6 +141,7 @@ class ProbeResult:
     def to_dict(self) -> dict:
         return {"k": self.k, "max_tokens": self.max_tokens, "draft_tokens": self.draft_tokens,
                 "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate,
+                "token_acceptance": self.token_acceptance,
                 "mean_accepted_length": self.mean_accepted_length,
                 "decode_tokens_per_s": self.decode_tokens_per_s, "skipped": list(self.skipped),
                 "prompts": [{**asdict(p), "acceptance_rate": p.acceptance_rate} for p in self.prompts]}
@@ -170,6 +185,8 @@ def run_acceptance_probe(
             accepted_tokens=stats.num_accepted_tokens, target_passes=stats.num_target_passes,
             step_tokens=stats.num_step_tokens,
             decode_time_s=stats.total_time_s - stats.prefill_time_s,
+            accepted_per_position=tuple(stats.accepted_per_position),
+            rejected_per_position=tuple(stats.rejected_per_position),
         ))
         logger.info("probe %s (%s): %d/%d draft tokens accepted", prompt.id, prompt.category,
                     stats.num_accepted_tokens, stats.num_draft_tokens)
@@ -197,6 +214,13 @@ class CostMeasurement:
         """v_k for predictions: the measured ratio, raised to 1 where noise made a k-token pass look cheaper
         than a one-token pass (which would predict more than K + 1 tokens per step's worth of speed-up)."""
         return max(1.0, self.target.relative(num_tokens))
+
+    def cost_model(self) -> CostModel:
+        """The measurement as a :class:`~draftwise.cost_model.CostModel` (seconds at the timed context), with
+        k-token passes timed faster than one token raised to the one-token time (see :meth:`verify_cost`)."""
+        first = self.target.seconds[1]
+        timed = ForwardCosts({k: max(first, s) for k, s in self.target.seconds.items()}, self.target.context_len)
+        return CostModel.from_forward_costs(timed, self.draft_1_token_s)
 
     def warnings(self) -> list[str]:
         """Signs of a noisy measurement (a busy machine): k-token passes timed faster than one token."""
@@ -249,14 +273,16 @@ class SpeedupPrediction:
 
 
 def predict_speedups(alpha: float, costs: CostMeasurement, max_k: int) -> list[SpeedupPrediction]:
-    """Predicted speed-up for K = 1..max_k (only the K whose verify pass was timed), with
-    :meth:`CostMeasurement.verify_cost` as v_(K+1)."""
+    """Predicted speed-up for K = 1..max_k (only the K whose verify pass was timed, without gaps), with
+    :meth:`CostMeasurement.verify_cost` as v_(K+1).
+
+    Args:
+        alpha: the per-token acceptance ``a`` (:attr:`ProbeResult.token_acceptance`), not accepted / drafted.
+    """
+    model = costs.cost_model()
     predictions = []
-    for k in range(1, max_k + 1):
-        if (k + 1) not in costs.target.seconds:
-            continue
-        c, v = costs.cost_ratio, costs.verify_cost(k + 1)
-        speedup = predicted_speedup(alpha, k, c, v)
-        predictions.append(SpeedupPrediction(k=k, cost_ratio=c, verify_cost=v, tokens_per_step=speedup * (k * c + v),
-                                             speedup=speedup))
+    for k in range(1, min(max_k, model.max_k) + 1):
+        predictions.append(SpeedupPrediction(
+            k=k, cost_ratio=model.cost_ratio, verify_cost=model.relative_verify_cost(k + 1),
+            tokens_per_step=cost_model.expected_tokens_per_step(alpha, k), speedup=model.speedup(alpha, k)))
     return predictions

@@ -94,8 +94,9 @@ def _print_measurements(console: Console, report: CheckReport) -> None:
     costs, probe = report.costs, report.probe
     if probe is not None:
         console.print(_probe_table(report))
-        console.print(f"acceptance alpha = {_fmt(probe.acceptance_rate, '.3f')} "
+        console.print(f"acceptance rate = {_fmt(probe.acceptance_rate, '.3f')} "
                       f"({probe.accepted_tokens}/{probe.draft_tokens} draft tokens), "
+                      f"per-token acceptance a = {_fmt(probe.token_acceptance, '.3f')}, "
                       f"tau = {_fmt(probe.mean_accepted_length)} tokens per target pass"
                       + (f"; skipped (too long): {', '.join(probe.skipped)}" if probe.skipped else ""))
     if costs is not None:

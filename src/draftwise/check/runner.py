@@ -122,7 +122,7 @@ def measure_pair(
     report.costs = measure_costs(target, draft, settings.max_k, repeats=settings.repeats)
     report.probe = run_acceptance_probe(target, draft, prompts, k=settings.probe_k,
                                         max_tokens=settings.max_tokens, chat=settings.chat)
-    alpha = report.probe.acceptance_rate
+    alpha = report.probe.token_acceptance  # per-token acceptance, the alpha of Leviathan's formula
     report.predictions = [] if alpha is None else predict_speedups(alpha, report.costs, settings.max_k)
     report.verdict = speculation_verdict(alpha, report.predictions)
     return report

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from draftwise.check.probe import SpeedupPrediction
+from draftwise.cost_model import break_even_acceptance
 
 __all__ = ["HELPS_AT_LEAST", "Verdict", "break_even_alpha", "speculation_verdict", "static_verdict"]
 
@@ -41,23 +42,8 @@ class Verdict:
         return asdict(self)
 
 
-def break_even_alpha(k: int, cost_ratio: float, verify_cost: float) -> float | None:
-    """The acceptance rate at which K draft tokens per step match plain decoding (speed-up exactly 1).
-
-    Solves ``(1 - a^(K+1)) / (1 - a) = K * c + v_(K+1)`` by bisection; the left side grows from 1 (a = 0) to
-    K + 1 (a = 1). Returns 0.0 when even a = 0 breaks even, None when no a in [0, 1] does.
-    """
-    step_cost = k * cost_ratio + verify_cost
-    if step_cost <= 1.0:
-        return 0.0
-    if step_cost > k + 1:
-        return None
-    low, high = 0.0, 1.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        tokens = (1 - mid ** (k + 1)) / (1 - mid)
-        low, high = (mid, high) if tokens < step_cost else (low, mid)
-    return high
+#: The per-token acceptance at which K draft tokens per step break even (defined in draftwise.cost_model).
+break_even_alpha = break_even_acceptance
 
 
 def _fmt_x(speedup: float) -> str:
@@ -78,25 +64,25 @@ def _slowdown_reason(alpha: float, predictions: Sequence[SpeedupPrediction]) -> 
                 f"{_costs_text(perfect)}")
     needed = [(break_even_alpha(p.k, p.cost_ratio, p.verify_cost), p) for p in predictions]
     alpha_needed, at = min(((a, p) for a, p in needed if a is not None), key=lambda item: item[0])
-    return (f"only {alpha:.0%} of draft tokens are accepted; breaking even needs at least {alpha_needed:.0%} "
+    return (f"the per-token acceptance is only {alpha:.0%}; breaking even needs at least {alpha_needed:.0%} "
             f"(at K={at.k}: {_costs_text(at)})")
 
 
 def speculation_verdict(alpha: float | None, predictions: Sequence[SpeedupPrediction]) -> Verdict:
-    """Judge measured acceptance ``alpha`` and the per-K predictions (from
-    :func:`draftwise.check.probe.predict_speedups`)."""
+    """Judge the measured per-token acceptance ``alpha`` (:attr:`draftwise.check.probe.ProbeResult.token_acceptance`)
+    and the per-K predictions (from :func:`draftwise.check.probe.predict_speedups`)."""
     if alpha is None or not predictions:
         return Verdict("unknown", None, "unknown: the probe drafted no tokens",
                        "every probe prompt ended before a draft step; raise --max-tokens or use other prompts")
     best = max(predictions, key=lambda p: p.speedup)
     if best.speedup >= HELPS_AT_LEAST:
         return Verdict("helps", True, f"helps: {_fmt_x(best.speedup)} at K={best.k}",
-                       f"{alpha:.0%} of draft tokens accepted, so {best.tokens_per_step:.2f} tokens per target pass; "
+                       f"per-token acceptance {alpha:.0%}, so {best.tokens_per_step:.2f} tokens per target pass; "
                        f"{_costs_text(best)}", best.k, best.speedup)
     if best.speedup >= 1.0:
         return Verdict("marginal", False,
                        f"marginal: {_fmt_x(best.speedup)} at K={best.k}, within measurement noise; {_TRY_NGRAM}",
-                       f"{alpha:.0%} of draft tokens accepted; {_costs_text(best)}", best.k, best.speedup)
+                       f"per-token acceptance {alpha:.0%}; {_costs_text(best)}", best.k, best.speedup)
     return Verdict("does_not_help", False,
                    f"does not help here: speculation would slow decoding; {_TRY_NGRAM}",
                    _slowdown_reason(alpha, predictions), best.k, best.speedup)

@@ -120,8 +120,8 @@ class _Response(BaseModel):
 class SpeculativeUsage(_Response):
     """The request's speculative decoding statistics (a draftwise extension of ``usage``).
 
-    ``acceptance_rate`` = accepted / draft tokens; ``mean_accepted_length`` = tokens committed per target
-    verification pass (bonus token included; 1.0 for plain decoding); ``acceptance_by_position[i]`` = the
+    ``acceptance_rate`` = accepted / draft tokens (None when nothing was drafted); ``mean_accepted_length``
+    = 1 + accepted / target verification passes (1.0 for plain decoding); ``acceptance_by_position[i]`` = the
     fraction of drafts whose token at position i was accepted.
     """
 
@@ -130,7 +130,7 @@ class SpeculativeUsage(_Response):
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
-    acceptance_rate: float
+    acceptance_rate: float | None
     mean_accepted_length: float
     acceptance_by_position: list[float]
     accepted_per_position: list[int]

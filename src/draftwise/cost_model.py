@@ -1,0 +1,300 @@
+"""The one definition of acceptance and the one cost model of speculative decoding.
+
+Everything that reports acceptance or predicts a speed-up (the statistics, ``check``, ``bench`` and the
+auto-K controller) uses this module, so a number means the same thing everywhere.
+
+Acceptance. A verification pass looks at the draft positions in order and stops at the first rejection,
+so there are two different quantities:
+
+- the *draft acceptance rate* ``accepted / drafted`` (vLLM's ``acceptance rate``; what the statistics
+  report): it counts the positions after a rejection as drafted, so it falls with K even for a proposer
+  whose every token is equally likely to be right;
+- the *per-token acceptance probability* ``a``: the probability that a draft token is accepted given that
+  all earlier ones were. This is the ``alpha`` of Leviathan et al. 2023 (Eq. 1, ``E[tokens per step] =
+  (1 - a^(K+1)) / (1 - a)``). It is estimated by maximum likelihood from the positions the target actually
+  judged: each accepted position is a success, each rejection a failure, positions after a rejection are
+  not observed and a fully accepted draft is censored, so ``a = accepted / (accepted + rejections)``
+  (:func:`token_acceptance`). Position by position, ``accepted_i / (accepted_i + rejected_i)`` is the
+  conditional rate of position i (:func:`conditional_acceptance`).
+
+A proposer right 90% of the time at K=8 accepts about 5.1 of 8 draft tokens (rate 0.64, which put into Eq. 1
+would predict 2.78 tokens per step); its ``a`` is 0.9, which predicts the 6.1 tokens per step it delivers.
+
+Costs. :class:`CostModel` holds what one step costs in seconds: the target's verify curve (a pass over
+``j`` new tokens), the proposer's time per draft token, a draft model's prefill time per token when it has
+to catch up on context it has not seen (the prompt, or tokens committed by plain steps), and how the
+target's and the draft's pass times grow with the context length. Leviathan et al. 2023, Sec. 3.4 /
+Theorem 3.8, with measured costs instead of their linear one: the speed-up of K draft tokens per step over
+plain decoding is ``E(a, K) * verify(1) / (K * draft + verify(K + 1))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "CostModel",
+    "acceptance_rate",
+    "break_even_acceptance",
+    "conditional_acceptance",
+    "expected_tokens",
+    "expected_tokens_per_step",
+    "mean_accepted_length",
+    "predicted_speedup",
+    "rejections_from_counts",
+    "token_acceptance",
+]
+
+
+# ---------------------------------------------------------------------------------------------- acceptance
+def acceptance_rate(num_accepted: int, num_drafted: int) -> float | None:
+    """The draft acceptance rate ``accepted / drafted`` (None when nothing was drafted). Not the per-token
+    probability of Leviathan's formula: see :func:`token_acceptance`."""
+    return num_accepted / num_drafted if num_drafted else None
+
+
+def mean_accepted_length(num_accepted: int, num_passes: int) -> float:
+    """tau: tokens resolved per decode-phase target pass, ``1 + accepted / passes`` (each pass adds the
+    target's own token to the accepted drafts). 1.0 for plain decoding and for a request that ran no decode
+    pass (its one token came from the prefill)."""
+    return 1.0 + num_accepted / num_passes if num_passes else 1.0
+
+
+def conditional_acceptance(
+    accepted_per_position: Sequence[float], rejected_per_position: Sequence[float]
+) -> list[float | None]:
+    """Per draft position i, ``accepted_i / (accepted_i + rejected_i)``: the probability that position i is
+    accepted given positions before it were (None where the target never judged position i)."""
+    return [a / (a + r) if a + r > 0 else None for a, r in zip(accepted_per_position, rejected_per_position)]
+
+
+def token_acceptance(accepted_per_position: Sequence[float], rejected_per_position: Sequence[float]) -> float | None:
+    """The per-token acceptance probability ``a`` (maximum likelihood under a constant ``a``; see the module
+    docstring): ``sum(accepted) / (sum(accepted) + sum(rejected))``. None when nothing was judged."""
+    accepted, rejected = sum(accepted_per_position), sum(rejected_per_position)
+    return accepted / (accepted + rejected) if accepted + rejected > 0 else None
+
+
+def rejections_from_counts(drafted_per_position: Sequence[int], accepted_per_position: Sequence[int]) -> list[int]:
+    """Rejections per position rebuilt from drafted and accepted counts alone (records written before the
+    statistics counted rejections). Exact when every draft had the same length: the drafts that reached
+    position i are those that accepted position i - 1."""
+    rejected = []
+    for i, (drafted, accepted) in enumerate(zip(drafted_per_position, accepted_per_position)):
+        reached = drafted if i == 0 else min(drafted, accepted_per_position[i - 1])
+        rejected.append(max(0, reached - accepted))
+    return rejected
+
+
+def expected_tokens(acceptance: Sequence[float]) -> float:
+    """Expected tokens one step commits when it drafts ``len(acceptance)`` tokens, the target's own token
+    included: ``1 + sum_j prod_{i <= j} acceptance[i]``, where ``acceptance[i]`` is position i's conditional
+    acceptance probability. A constant ``a`` gives Leviathan et al. 2023, Eq. 1."""
+    total, reach = 1.0, 1.0
+    for rate in acceptance:
+        reach *= rate
+        total += reach
+    return total
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """``(1 - a^(k+1)) / (1 - a)`` (``k + 1`` at a = 1): Leviathan et al. 2023, Eq. 1.
+
+    Raises:
+        ValueError: ``alpha`` outside [0, 1] or ``k`` < 0.
+    """
+    if not (0.0 <= alpha <= 1.0) or k < 0:
+        raise ValueError(f"need alpha in [0, 1] and k >= 0, got {alpha}, {k}")
+    return float(k + 1) if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def predicted_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float) -> float:
+    """Expected speed-up over plain decoding (Leviathan et al. 2023, Theorem 3.8 with a measured verify cost).
+
+    Args:
+        alpha: per-token acceptance probability ``a`` in [0, 1] (:func:`token_acceptance`, not
+            accepted / drafted).
+        k: draft tokens per step (K).
+        cost_ratio: c, proposer time per draft token / target time of a one-token pass.
+        verify_cost: target time of the (K + 1)-token verification pass / one-token pass.
+    """
+    return expected_tokens_per_step(alpha, k) / (k * cost_ratio + verify_cost)
+
+
+def break_even_acceptance(k: int, cost_ratio: float, verify_cost: float) -> float | None:
+    """The per-token acceptance ``a`` at which K draft tokens per step match plain decoding.
+
+    Solves ``(1 - a^(K+1)) / (1 - a) = K * c + v_(K+1)`` by bisection (the left side grows from 1 at a = 0 to
+    K + 1 at a = 1). Returns 0.0 when even a = 0 breaks even, None when no a in [0, 1] does.
+    """
+    step_cost = k * cost_ratio + verify_cost
+    if step_cost <= 1.0:
+        return 0.0
+    if step_cost > k + 1:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected_tokens_per_step(mid, k) < step_cost else (low, mid)
+    return high
+
+
+# ---------------------------------------------------------------------------------------------- costs
+@dataclass(frozen=True)
+class CostModel:
+    """What one speculative step costs, in seconds.
+
+    Attributes:
+        verify_seconds: ``verify_seconds[j - 1]`` is the target's forward time over j new tokens
+            (j = 1..len) at ``context_len`` tokens of context; a step with K draft tokens verifies K + 1
+            tokens. Beyond the measured range the curve is extended linearly from its last two points.
+        draft_seconds_per_token: the proposer's time per drafted token (a draft model: about one 1-token
+            forward of the draft; n-gram lookup: about 0).
+        source: where the numbers come from (for reports), e.g. ``"measured"`` or ``"scripted"``.
+        draft_prefill_seconds_per_token: a draft model's time per token to catch up on context it has not
+            seen (the prompt, tokens committed by plain steps); 0 for proposers with nothing to catch up.
+        context_len: tokens of context under the measured passes (0: costs do not depend on context).
+        target_context_growth, draft_context_growth: relative growth of the target's and the draft's pass
+            times per token of context beyond ``context_len`` (e.g. 2e-4: 20% slower 1,000 tokens later).
+
+    Raises:
+        ValueError: empty or non-positive verify times, or negative costs.
+    """
+
+    verify_seconds: tuple[float, ...]
+    draft_seconds_per_token: float = 0.0
+    source: str = "scripted"
+    draft_prefill_seconds_per_token: float = 0.0
+    context_len: int = 0
+    target_context_growth: float = 0.0
+    draft_context_growth: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verify_seconds", tuple(float(v) for v in self.verify_seconds))
+        if not self.verify_seconds or min(self.verify_seconds) <= 0:
+            raise ValueError(f"verify_seconds must be non-empty and positive, got {self.verify_seconds}")
+        for name in ("draft_seconds_per_token", "draft_prefill_seconds_per_token", "context_len",
+                     "target_context_growth", "draft_context_growth"):
+            if not (getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def max_k(self) -> int:
+        """The largest K whose verify pass (K + 1 tokens) was measured."""
+        return len(self.verify_seconds) - 1
+
+    @property
+    def cost_ratio(self) -> float:
+        """c: draft time per token / target one-token pass time (at the measured context)."""
+        return self.draft_seconds_per_token / self.verify_seconds[0]
+
+    def _growth(self, rate: float, context_len: int | None) -> float:
+        if context_len is None or not self.context_len:
+            return 1.0
+        return 1.0 + rate * max(0, context_len - self.context_len)
+
+    def target_growth(self, context_len: int | None) -> float:
+        """Target pass time at ``context_len`` tokens of context / at the measured context (>= 1)."""
+        return self._growth(self.target_context_growth, context_len)
+
+    def draft_growth(self, context_len: int | None) -> float:
+        """Draft pass time at ``context_len`` tokens of context / at the measured context (>= 1)."""
+        return self._growth(self.draft_context_growth, context_len)
+
+    def verify_cost(self, num_tokens: int, context_len: int | None = None) -> float:
+        """Seconds of a target forward over ``num_tokens`` (>= 1) new tokens on ``context_len`` tokens of
+        context (None: the measured context).
+
+        Raises:
+            ValueError: ``num_tokens`` < 1.
+        """
+        if num_tokens < 1:
+            raise ValueError(f"a verify pass has at least 1 token, got {num_tokens}")
+        curve = self.verify_seconds
+        if num_tokens <= len(curve):
+            seconds = curve[num_tokens - 1]
+        else:
+            slope = max(0.0, curve[-1] - curve[-2]) if len(curve) >= 2 else curve[-1]
+            seconds = curve[-1] + slope * (num_tokens - len(curve))
+        return seconds * self.target_growth(context_len)
+
+    def relative_verify_cost(self, num_tokens: int) -> float:
+        """v_j: a j-token pass / a one-token pass, at the measured context."""
+        return self.verify_cost(num_tokens) / self.verify_cost(1)
+
+    def draft_cost(self, k: int, context_len: int | None = None) -> float:
+        """Seconds the proposer takes to draft ``k`` tokens at ``context_len`` tokens of context."""
+        return k * self.draft_seconds_per_token * self.draft_growth(context_len)
+
+    def step_cost(self, k: int, context_len: int | None = None) -> float:
+        """Seconds of one step with K draft tokens: ``draft_cost(K) + verify_cost(K + 1)``."""
+        return self.draft_cost(k, context_len) + self.verify_cost(k + 1, context_len)
+
+    def catch_up_cost(self, num_tokens: int, context_len: int | None = None) -> float:
+        """Seconds a draft model needs to prefill ``num_tokens`` unseen tokens ending at ``context_len``."""
+        if num_tokens <= 0:
+            return 0.0
+        middle = None if context_len is None else max(0, context_len - num_tokens // 2)
+        return num_tokens * self.draft_prefill_seconds_per_token * self.draft_growth(middle)
+
+    def speedup(self, acceptance: float | Sequence[float], k: int, context_len: int | None = None) -> float:
+        """Predicted speed-up of K draft tokens per step over plain decoding, steady state (catch-up not
+        included). ``acceptance``: a per-token probability ``a`` or per-position conditional rates."""
+        rates = [acceptance] * k if isinstance(acceptance, (int, float)) else list(acceptance)[:k]
+        if len(rates) < k:
+            raise ValueError(f"need {k} acceptance rates, got {len(rates)}")
+        return expected_tokens(rates) * self.step_cost(0, context_len) / self.step_cost(k, context_len)
+
+    def best_k(self, acceptance: float | Sequence[float], max_k: int, context_len: int | None = None) -> int:
+        """argmax over K in 0..max_k of :meth:`speedup` (the smallest K on ties; 0: plain decoding)."""
+        best, best_speedup = 0, 1.0
+        for k in range(1, max_k + 1):
+            speedup = self.speedup(acceptance, k, context_len)
+            if speedup > best_speedup * (1 + 1e-9):
+                best, best_speedup = k, speedup
+        return best
+
+    def break_even_acceptance(self, max_k: int, context_len: int | None = None) -> float:
+        """Smallest constant ``a`` at which some K in 1..max_k beats plain decoding (1.0 if none does)."""
+        if self.best_k(1.0, max_k, context_len) == 0:
+            return 1.0
+        low, high = 0.0, 1.0
+        for _ in range(40):
+            mid = (low + high) / 2
+            low, high = (low, mid) if self.best_k(mid, max_k, context_len) > 0 else (mid, high)
+        return high
+
+    @classmethod
+    def from_forward_costs(cls, costs, draft_seconds_per_token: float, source: str = "measured", **extra) -> CostModel:
+        """Build from a measured :class:`draftwise.calibration.ForwardCosts` (``seconds`` by token count, at
+        ``context_len``); its token counts must be 1..n without gaps. ``extra``: further fields.
+
+        Raises:
+            ValueError: a gap in the token counts.
+        """
+        n = max(costs.seconds)
+        missing = [j for j in range(1, n + 1) if j not in costs.seconds]
+        if missing:
+            raise ValueError(f"forward costs miss token counts {missing}")
+        return cls(tuple(costs.seconds[j] for j in range(1, n + 1)), draft_seconds_per_token, source,
+                    **{"context_len": costs.context_len, **extra})
+
+    def to_dict(self) -> dict:
+        """JSON-ready fields (inverse: :meth:`from_dict`)."""
+        return {"verify_seconds": list(self.verify_seconds), "draft_seconds_per_token": self.draft_seconds_per_token,
+                "source": self.source, "draft_prefill_seconds_per_token": self.draft_prefill_seconds_per_token,
+                "context_len": self.context_len, "target_context_growth": self.target_context_growth,
+                "draft_context_growth": self.draft_context_growth}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        """Inverse of :meth:`to_dict`; fields missing from older files take their defaults.
+
+        Raises:
+            KeyError, ValueError: missing verify times or invalid values.
+        """
+        return cls(tuple(data["verify_seconds"]), float(data.get("draft_seconds_per_token", 0.0)),
+                   str(data.get("source", "")), float(data.get("draft_prefill_seconds_per_token", 0.0)),
+                   int(data.get("context_len", 0)), float(data.get("target_context_growth", 0.0)),
+                   float(data.get("draft_context_growth", 0.0)))
