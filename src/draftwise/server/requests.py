@@ -226,6 +226,7 @@ def _sampling_params(request, max_tokens: int) -> SamplingParams:
             seed=request.seed,
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=request.ignore_eos,
+            sampling=request.sampling,
         )
     except ValueError as exc:
         message = str(exc)
@@ -233,7 +234,7 @@ def _sampling_params(request, max_tokens: int) -> SamplingParams:
         raise APIError(400, message, param=param if param in _SAMPLING_FIELDS else None) from exc
 
 
-_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "seed"}
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "seed", "sampling"}
 
 
 MAX_STOP_STRINGS = 16
