@@ -203,3 +203,19 @@ def test_stories_tree_pass_with_compaction_matches_a_fresh_prefill(stories):
     fresh = backend.forward(prompt + [root, 20, 30, 40, 50]).logits[-1]
     torch.testing.assert_close(tail, fresh, rtol=0, atol=1e-4)
     backend.reset()
+
+
+def test_default_compact_is_a_rollback_for_a_chain_and_refuses_a_tree():
+    """Backends without tree passes (llama.cpp) get compact from CausalLM: the engine's one cache operation."""
+    from draftwise.backends.base import CausalLM
+
+    class ChainOnly(BigramLM):
+        supports_tree = False
+        compact = CausalLM.compact
+
+    model = ChainOnly(peaked_table(8, seed=0))
+    model.forward([1, 2, 3, 4, 5, 6])
+    model.compact(2, [0, 1])  # the root and one accepted token of a 4-row pass: keep 4 entries
+    assert model.tokens == [1, 2, 3, 4]
+    with pytest.raises(NotImplementedError):
+        model.compact(1, [0, 2])

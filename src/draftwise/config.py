@@ -24,8 +24,9 @@ class SamplingParams:
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep only the k most likely tokens; 0 disables it.
         max_tokens: maximum number of new tokens to generate (>= 1).
-        seed: seed of the request's random generator; ``None`` draws a fresh seed. With a seed, the same
-            request on the same configuration gives the same text.
+        seed: seed of the request's randomness; ``None`` draws a fresh seed. With a seed, the same request
+            gives the same text: on any speculative configuration under coupled sampling (the default with a
+            seed), on the same configuration under rejection sampling.
         stop_token_ids: extra token ids that end generation (the model's EOS ids always do, unless
             ``ignore_eos``). The stop token itself is not part of the output.
         ignore_eos: keep generating past EOS (benchmarks use it to get fixed-length runs).
