@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from draftwise.config import SamplingParams
@@ -10,13 +11,14 @@ from draftwise.proposers.draft_model import DraftModelProposer
 from fakes import BigramLM, sequence_distribution
 
 
-def test_speculative_sampling_matches_target_sequence_distribution():
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
+def test_speculative_sampling_matches_target_sequence_distribution(sampling):
     vocab, length, draws = 4, 3, 6000
     gen = torch.Generator().manual_seed(0)
     target_table = torch.randn(vocab, vocab, generator=gen) * 1.5
     draft_table = torch.randn(vocab, vocab, generator=gen) * 1.5  # a different, imperfect draft
     target, draft = BigramLM(target_table), BigramLM(draft_table)
-    params = SamplingParams(temperature=0.8, max_tokens=length, ignore_eos=True, seed=0)
+    params = SamplingParams(temperature=0.8, max_tokens=length, ignore_eos=True, seed=0, sampling=sampling)
     engine = SpeculativeEngine(target, DraftModelProposer(draft, vocab), 2)
     counts: dict[tuple, int] = {}
     accepted = drafted = 0

@@ -11,7 +11,7 @@ from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
 from draftwise.proposers.base import DraftProposal
 from draftwise.tree import TreeTemplate, chain_parents, node_depths, path_to, tree_attention_mask, tree_position_ids
-from draftwise.verification.tree import verify_tree_greedy, verify_tree_sampling
+from draftwise.verification import verify_greedy, verify_rejection
 from fakes import BigramLM, ScriptedTreeProposer, peaked_table, sequence_distribution
 
 # root -> a(0), b(1); a -> c(2); c -> d(3); b -> e(4)
@@ -52,7 +52,10 @@ def test_template_parents_ranks_and_validation():
     with pytest.raises(ValueError, match="parent"):
         DraftProposal(token_ids=(1, 2), parents=(-1, 1))
     with pytest.raises(ValueError, match="deterministic"):
-        DraftProposal(token_ids=(1,), draft_probs=torch.ones(1, 4) / 4, parents=(-1,))
+        DraftProposal(token_ids=(1, 2), draft_probs=torch.ones(2, 4) / 4, parents=(-1, -1))
+    # a chain is the tree whose nodes each have one child: stored as a chain, whoever built it
+    chain = DraftProposal(token_ids=(1, 2, 3), parents=(-1, 0, 1))
+    assert chain.parents is None and not chain.is_tree and chain.node_parents == (-1, 0, 1)
 
 
 def one_hot_rows(argmaxes, vocab=10):
@@ -65,14 +68,14 @@ def one_hot_rows(argmaxes, vocab=10):
 def test_greedy_tree_verification_follows_the_matching_branch():
     tokens = (4, 5, 6, 7, 8)  # a=4, b=5, c=6, d=7, e=8
     # rows: root, a, b, c, d, e. root -> 5 (b), b -> 8 (e), e -> 3 (bonus)
-    result = verify_tree_greedy(tokens, PARENTS, one_hot_rows([5, 0, 8, 0, 0, 3]))
+    result = verify_greedy(tokens, PARENTS, one_hot_rows([5, 0, 8, 0, 0, 3]))
     assert result.accepted_nodes == (1, 4) and result.token_ids == (5, 8, 3)
-    result = verify_tree_greedy(tokens, PARENTS, one_hot_rows([4, 6, 0, 7, 9, 0]))
+    result = verify_greedy(tokens, PARENTS, one_hot_rows([4, 6, 0, 7, 9, 0]))
     assert result.accepted_nodes == (0, 2, 3) and result.token_ids == (4, 6, 7, 9)
-    result = verify_tree_greedy(tokens, PARENTS, one_hot_rows([1, 0, 0, 0, 0, 0]))
+    result = verify_greedy(tokens, PARENTS, one_hot_rows([1, 0, 0, 0, 0, 0]))
     assert result.accepted_nodes == () and result.token_ids == (1,)
     with pytest.raises(ValueError):
-        verify_tree_greedy(tokens, PARENTS, one_hot_rows([1, 2]))
+        verify_greedy(tokens, PARENTS, one_hot_rows([1, 2]))
 
 
 def test_tree_sampling_first_token_follows_the_target_distribution():
@@ -83,7 +86,7 @@ def test_tree_sampling_first_token_follows_the_target_distribution():
     counts = torch.zeros(vocab)
     accepted = 0
     for _ in range(draws):
-        result = verify_tree_sampling(tokens, parents, target_probs, gen)
+        result = verify_rejection(tokens, parents, None, target_probs.log(), SamplingParams(temperature=1.0), gen)
         counts[result.token_ids[0]] += 1
         accepted += result.num_accepted > 0
     tv = 0.5 * float((counts / draws - target_probs[0]).abs().sum())
@@ -93,7 +96,8 @@ def test_tree_sampling_first_token_follows_the_target_distribution():
     assert abs(accepted / draws - expected) < 0.01
 
 
-def test_engine_tree_sampling_matches_the_target_sequence_distribution():
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
+def test_engine_tree_sampling_matches_the_target_sequence_distribution(sampling):
     vocab, length, draws = 4, 3, 6000
     gen = torch.Generator().manual_seed(3)
     table = torch.randn(vocab, vocab, generator=gen) * 1.5
@@ -102,7 +106,8 @@ def test_engine_tree_sampling_matches_the_target_sequence_distribution():
     engine = SpeculativeEngine(target, ScriptedTreeProposer(1, oracle_guess, vocab, width=2, rank=0), 2)
     counts: dict[tuple, int] = {}
     for seed in range(draws):
-        result = engine.generate([0], SamplingParams(temperature=0.8, max_tokens=length, ignore_eos=True, seed=seed))
+        result = engine.generate([0], SamplingParams(temperature=0.8, max_tokens=length, ignore_eos=True, seed=seed,
+                                                     sampling=sampling))
         counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
     expected = sequence_distribution(table, 0, length, 0.8)
     tv = 0.5 * sum(abs(counts.get(s, 0) / draws - p) for s, p in expected.items())
@@ -198,3 +203,19 @@ def test_stories_tree_pass_with_compaction_matches_a_fresh_prefill(stories):
     fresh = backend.forward(prompt + [root, 20, 30, 40, 50]).logits[-1]
     torch.testing.assert_close(tail, fresh, rtol=0, atol=1e-4)
     backend.reset()
+
+
+def test_default_compact_is_a_rollback_for_a_chain_and_refuses_a_tree():
+    """Backends without tree passes (llama.cpp) get compact from CausalLM: the engine's one cache operation."""
+    from draftwise.backends.base import CausalLM
+
+    class ChainOnly(BigramLM):
+        supports_tree = False
+        compact = CausalLM.compact
+
+    model = ChainOnly(peaked_table(8, seed=0))
+    model.forward([1, 2, 3, 4, 5, 6])
+    model.compact(2, [0, 1])  # the root and one accepted token of a 4-row pass: keep 4 entries
+    assert model.tokens == [1, 2, 3, 4]
+    with pytest.raises(NotImplementedError):
+        model.compact(1, [0, 2])

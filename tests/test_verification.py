@@ -1,12 +1,20 @@
-"""Greedy verification and the rejection sampler on hand-built distributions."""
+"""Greedy verification and the rejection sampler on hand-built distributions (chains; trees: test_tree.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from draftwise.verification import verify_greedy, verify_sampling
+from draftwise.config import SamplingParams
+from draftwise.tree import chain_parents
+from draftwise.verification import verify_greedy, verify_rejection
 from draftwise.verification.rejection import residual_distribution
+
+
+def verify_sampling(draft, draft_probs, target_probs, generator):
+    """The unified rejection verifier on a chain, with hand-built target probabilities (temperature 1)."""
+    return verify_rejection(draft, chain_parents(len(draft)), draft_probs, target_probs.log(),
+                            SamplingParams(temperature=1.0), generator)
 
 
 def one_hot_logits(tokens: list[int], vocab: int = 8) -> torch.Tensor:
@@ -25,7 +33,7 @@ def one_hot_logits(tokens: list[int], vocab: int = 8) -> torch.Tensor:
     ],
 )
 def test_greedy_accepts_longest_matching_prefix(draft, target, accepted, next_token):
-    result = verify_greedy(draft, one_hot_logits(target))
+    result = verify_greedy(draft, chain_parents(len(draft)), one_hot_logits(target))
     assert result.num_accepted == accepted
     assert result.next_token_id == next_token
     assert result.token_ids == tuple(draft[:accepted]) + (next_token,)
@@ -33,8 +41,8 @@ def test_greedy_accepts_longest_matching_prefix(draft, target, accepted, next_to
 
 
 def test_greedy_rejects_wrong_shape():
-    with pytest.raises(ValueError, match=r"\[k \+ 1, vocab\]"):
-        verify_greedy([1, 2], one_hot_logits([1, 2]))
+    with pytest.raises(ValueError, match=r"\[n \+ 1, vocab\]"):
+        verify_greedy([1, 2], chain_parents(2), one_hot_logits([1, 2]))
 
 
 def test_identical_distributions_accept_everything():

@@ -36,6 +36,7 @@ from draftwise.config import SamplingParams
 from draftwise.cost_model import CostModel, predicted_speedup  # re-exported: defined in draftwise.cost_model
 from draftwise.models.pull import draftwise_home
 from draftwise.proposers.base import Proposer
+from draftwise.sampling import Sampler
 
 __all__ = [
     "ForwardCosts",
@@ -269,12 +270,13 @@ def measure_proposer_seconds_per_token(
     """
     period = [(13 + 29 * i) % vocab_size for i in range(17)]
     context = [period[i % len(period)] for i in range(context_len)]
-    params, generator = SamplingParams(), torch.Generator().manual_seed(0)
+    params = SamplingParams()
+    sampler = Sampler(params)
     times = []
     for rep in range(repeats + 1):
         context.append(period[len(context) % len(period)])
         t0 = time.perf_counter()
-        proposal = proposer.propose(context, k, params, generator)
+        proposal = proposer.propose(context, k, params, sampler)
         elapsed = time.perf_counter() - t0
         if rep:
             times.append(elapsed / max(1, len(proposal)))

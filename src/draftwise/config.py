@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingParams", "SpeculativeConfig", "SPECULATIVE_METHODS", "HEAD_METHODS", "K_POLICIES"]
+__all__ = ["SamplingParams", "SpeculativeConfig", "SPECULATIVE_METHODS", "HEAD_METHODS", "K_POLICIES",
+           "SAMPLING_RULES"]
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "medusa", "eagle")
 #: Methods whose ``model`` is a heads directory (``draftwise train-heads``) on the target itself.
@@ -12,6 +13,8 @@ HEAD_METHODS = ("medusa", "eagle")
 K_POLICIES = ("fixed", "auto")
 #: Temperatures below this are greedy decoding (as vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE = 1e-5
+#: How temperature > 0 draws tokens and verifies drafts (:attr:`SamplingParams.sampling`).
+SAMPLING_RULES = ("coupled", "rejection")
 
 
 @dataclass(frozen=True)
@@ -25,11 +28,20 @@ class SamplingParams:
             tiny ``top_p`` (even one that underflows float32) is greedy sampling, never an empty distribution.
         top_k: keep only the k most likely tokens; 0 disables it.
         max_tokens: maximum number of new tokens to generate (>= 1).
-        seed: seed of the request's random generator; ``None`` draws a fresh seed. With a seed, the same
-            request on the same configuration gives the same text.
+        seed: seed of the request's randomness; ``None`` draws a fresh seed. With a seed, the same request
+            gives the same text: on any speculative configuration under coupled sampling (the default with a
+            seed), on the same configuration under rejection sampling.
         stop_token_ids: extra token ids that end generation (the model's EOS ids always do, unless
             ``ignore_eos``). The stop token itself is not part of the output.
         ignore_eos: keep generating past EOS (benchmarks use it to get fixed-length runs).
+        sampling: the rule at temperature > 0 (ignored when greedy), one of :data:`SAMPLING_RULES`:
+            ``"coupled"``: Gumbel-max sampling with noise keyed by (seed, position), so the same seed gives
+            the same text with or without speculation, whatever the proposer, K or tree (Daliri et al. 2024,
+            "Coupling without communication and drafter-invariant speculative decoding");
+            ``"rejection"``: Leviathan et al. 2023 rejection sampling, whose acceptance rate with a sampled
+            draft can be higher (``sum(min(p, q))``, the best any coupling reaches) but whose text for a seed
+            depends on the configuration. ``None`` (default): coupled when ``seed`` is set, else rejection.
+            Both emit exactly the target's distribution. See :mod:`draftwise.sampling`.
 
     Raises:
         ValueError: on any out-of-range field.
@@ -42,6 +54,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    sampling: str | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
@@ -54,6 +67,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.sampling is not None and self.sampling not in SAMPLING_RULES:
+            raise ValueError(f"sampling must be one of {SAMPLING_RULES} (or unset), got {self.sampling!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -61,6 +76,14 @@ class SamplingParams:
         """True when decoding is argmax: temperature 0, or below :data:`GREEDY_TEMPERATURE` (1e-5, vLLM's
         threshold), where dividing the logits would overflow to inf / nan."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def coupled(self) -> bool:
+        """True when tokens are drawn by coupled (Gumbel-max) sampling: temperature > 0 and ``sampling`` is
+        ``"coupled"``, or unset with a ``seed``."""
+        if self.greedy:
+            return False
+        return self.sampling == "coupled" or (self.sampling is None and self.seed is not None)
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,15 @@ One step, with the target's KV cache holding every committed token but the last 
 1. the proposer drafts k tokens ``d_1..d_k`` after the committed context;
 2. the target runs one forward pass over ``[last, d_1..d_k]`` (k + 1 positions) and returns ``[k + 1, vocab]``
    logits;
-3. verification keeps the accepted prefix ``d_1..d_n`` and adds one target token (greedy: argmax; sampling:
-   Leviathan et al. 2023 rejection sampling). A draft *tree* (Medusa, EAGLE) runs as one pass with a tree
-   attention mask (:mod:`draftwise.tree`), keeps the longest agreeing root-to-node path
-   (:mod:`draftwise.verification.tree`) and compacts the KV cache to that path;
+3. verification keeps the accepted prefix ``d_1..d_n`` and adds one target token (greedy: argmax; coupled:
+   the target's Gumbel-argmax; rejection: Leviathan et al. 2023 rejection sampling; see
+   :mod:`draftwise.sampling`). A draft *tree* (Medusa, EAGLE) runs as one pass with a tree attention mask
+   (:mod:`draftwise.tree`); chains and trees go through the same verifiers (:mod:`draftwise.verification`),
+   which return the accepted root-to-node path;
 4. the committed tokens are checked against stop conditions (EOS, stop token ids, max_tokens, context
    length); tokens past a stop are discarded and never counted;
-5. the target cache is rolled back to the context plus the accepted drafts (the new last token is fed at
-   the next step). The proposer reconciles its own state at its next call.
+5. the target cache keeps the context plus the accepted path (``compact``; for a chain, a rollback), and
+   the new last token is fed at the next step. The proposer reconciles its own state at its next call.
 
 A step with k = 0 is a plain decoding step, so plain autoregressive decoding (the oracle and the
 benchmark baseline) is the same loop without a proposer.
@@ -33,10 +34,9 @@ from draftwise.config import SamplingParams
 from draftwise.controller import FixedK, KController
 from draftwise.prefix_cache import PrefixCache, PrefixEntry
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
-from draftwise.sampling import logits_to_probs, make_generator, sample_from_probs
+from draftwise.sampling import Sampler
 from draftwise.stats import SpeculativeStats
-from draftwise.verification import VerificationResult, verify_greedy, verify_sampling
-from draftwise.verification.tree import TreeVerificationResult, verify_tree_greedy, verify_tree_sampling
+from draftwise.verification import VerificationResult, verify
 
 __all__ = ["SpeculativeEngine", "GenerationResult", "Generation", "EngineBusyError"]
 
@@ -179,7 +179,7 @@ class SpeculativeEngine:
     def _steps(self, state: _RequestState) -> Iterator[list[int]]:
         params, stats = state.params, state.stats
         state.start = time.perf_counter()
-        generator = make_generator(params.seed)
+        sampler = Sampler(params)
         controller = self._controller_factory() if state.k_override is None else FixedK(state.k_override)
         t0 = time.perf_counter()
         state.started = True
@@ -196,7 +196,7 @@ class SpeculativeEngine:
             state.cache_valid = False
             raise
         stats.prefill_time_s = time.perf_counter() - t0
-        first = self._sample_one(prefill.logits[-1], params, generator)
+        first = self._sample_one(prefill.logits[-1], sampler, len(state.prompt))
         chunk, _ = self._commit(state, (first,))
         if self._needs_hidden and not state.finish_reason:
             stats.draft_time_s += self._observe(prefill.hidden, state.prompt[1:] + [first])
@@ -206,12 +206,12 @@ class SpeculativeEngine:
         while not state.finish_reason:
             context = state.prompt + state.generated
             k = self._clamp_k(controller.choose_k(), state, context)
-            proposal, draft_time = self._propose(context, k, params, generator)
+            proposal, draft_time = self._propose(context, k, params, sampler)
             if proposal.is_tree:  # a tree pass writes one cache entry per node on top of the context
                 proposal = proposal.truncated(self.target.max_context - len(context))
             t0 = time.perf_counter()
             state.cache_valid = False  # until the pass is verified and the cache cut to the committed tokens
-            result, hidden = self._verify_step(context, proposal, params, generator)
+            result, hidden = self._verify_step(context, proposal, sampler)
             state.cache_valid = True
             target_time = time.perf_counter() - t0
             stats.target_time_s += target_time
@@ -286,35 +286,33 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ steps
     def _propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+        self, context: list[int], k: int, params: SamplingParams, sampler: Sampler
     ) -> tuple[DraftProposal, float]:
         """Ask the proposer for at most k tokens; returns the proposal and the time it took (seconds)."""
         if k == 0 or self.proposer is None:
             return DraftProposal(token_ids=()), 0.0
         t0 = time.perf_counter()
-        proposal = self.proposer.propose(context, k, params, generator)
+        proposal = self.proposer.propose(context, k, params, sampler)
         draft_time = time.perf_counter() - t0
         if proposal.depth > k:
             raise RuntimeError(f"proposer {self.proposer.name!r} returned {proposal.depth} tokens deep for k={k}")
         return proposal, draft_time
 
     def _verify_step(
-        self, context: list[int], proposal: DraftProposal, params: SamplingParams, generator: torch.Generator
-    ) -> tuple[VerificationResult | TreeVerificationResult, torch.Tensor | None]:
-        """One target pass over ``[last, drafts...]``, verification, and the KV cache cut to the context plus
-        the accepted drafts. Returns the result and, for proposers that read target features, the hidden
-        states ``[1 + accepted, H]`` of the kept positions."""
-        root = context[-1]
+        self, context: list[int], proposal: DraftProposal, sampler: Sampler
+    ) -> tuple[VerificationResult, torch.Tensor | None]:
+        """One target pass over ``[last, drafts...]`` (a tree pass for a tree), verification, and the KV cache
+        cut to the context plus the accepted path. Returns the result and, for proposers that read target
+        features, the hidden states ``[1 + accepted, H]`` of the kept positions."""
+        rows = [context[-1], *proposal.token_ids]
         if proposal.is_tree:
-            out = self.target.forward_tree([root, *proposal.token_ids], proposal.parents, return_hidden=self._needs_hidden)
-            result = self._verify_tree(proposal, out.logits, params, generator)  # logits [n + 1, vocab]
-            keep = [0] + [1 + node for node in result.accepted_nodes]
-            self.target.compact(len(context) - 1, keep)
+            out = self.target.forward_tree(rows, proposal.parents, return_hidden=self._needs_hidden)
         else:
-            out = self.target.forward([root, *proposal.token_ids], return_hidden=self._needs_hidden)  # [k + 1, vocab]
-            result = self._verify(proposal, out.logits, params, generator)
-            self.target.rollback(len(context) + result.num_accepted)
-            keep = list(range(result.num_accepted + 1))
+            out = self.target.forward(rows, return_hidden=self._needs_hidden)
+        result = self._verify(proposal, out.logits, sampler, len(context))  # logits [n + 1, vocab]
+        keep = [0] + [1 + node for node in result.accepted_nodes]
+        self.target.compact(len(context) - 1, keep)  # a chain's accepted prefix: a rollback
+        sampler.release(len(context) + len(result.token_ids))
         return result, None if out.hidden is None else out.hidden[keep]
 
     def _observe(self, hidden: torch.Tensor, next_token_ids: Sequence[int]) -> float:
@@ -324,28 +322,16 @@ class SpeculativeEngine:
         return time.perf_counter() - t0
 
     @staticmethod
-    def _verify_tree(
-        proposal: DraftProposal, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-    ) -> TreeVerificationResult:
-        if params.greedy:
-            return verify_tree_greedy(proposal.token_ids, proposal.parents, target_logits)
-        target_probs = logits_to_probs(target_logits, params)  # [n + 1, vocab]
-        return verify_tree_sampling(proposal.token_ids, proposal.parents, target_probs, generator)
-
-    @staticmethod
     def _verify(
-        proposal: DraftProposal, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+        proposal: DraftProposal, target_logits: torch.Tensor, sampler: Sampler, position: int
     ) -> VerificationResult:
-        if params.greedy:
-            return verify_greedy(proposal.token_ids, target_logits)
-        target_probs = logits_to_probs(target_logits, params)  # [k + 1, vocab]
-        return verify_sampling(proposal.token_ids, proposal.draft_probs, target_probs, generator)
+        """Verify a chain or tree; ``position`` is the sequence position of the token after the root."""
+        return verify(proposal.token_ids, proposal.node_parents, proposal.draft_probs, target_logits, sampler, position)
 
     @staticmethod
-    def _sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-        if params.greedy:
-            return int(torch.argmax(logits).item())
-        return sample_from_probs(logits_to_probs(logits.unsqueeze(0), params)[0], generator)
+    def _sample_one(logits: torch.Tensor, sampler: Sampler, position: int) -> int:
+        """Plain decoding: the token at sequence ``position`` from the target's ``logits`` ``[vocab]``."""
+        return sampler.sample(logits, position)
 
     def _clamp_k(self, k: int, state: _RequestState, context: list[int]) -> int:
         """K within the configured maximum, the tokens still wanted and the context room (each step commits

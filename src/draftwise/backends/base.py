@@ -123,12 +123,20 @@ class CausalLM(ABC):
 
     def compact(self, base: int, keep: Sequence[int]) -> None:
         """Keep the first ``base`` cache entries and the entries ``base + j`` for ``j`` in ``keep`` (strictly
-        increasing offsets into the last tree pass), dropping the others: the accepted path's KV entries.
+        increasing offsets into the last pass), dropping the others: the accepted path's KV entries.
+
+        The engine's one cache operation after a verification, for chains and trees. A chain's accepted path
+        is a prefix (``keep = 0..m-1``), which is a :meth:`rollback`; this default implements that case, and
+        tree backends override it (keeping the prefix case as a rollback fast path).
 
         Raises:
-            NotImplementedError: the backend cannot run trees.
+            NotImplementedError: ``keep`` is not a prefix and the backend cannot run trees.
             ValueError: offsets out of range or not increasing.
         """
+        keep = [int(j) for j in keep]
+        if keep == list(range(len(keep))):
+            self.rollback(base + len(keep))
+            return
         raise NotImplementedError(f"{type(self).__name__} does not support tree verification")
 
     #: Set by the engine that last left a sequence in this cache for reuse (any other user of the cache clears

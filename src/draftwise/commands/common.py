@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 
 from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
-from draftwise.config import SamplingParams, SpeculativeConfig
+from draftwise.config import SAMPLING_RULES, SamplingParams, SpeculativeConfig
 
 __all__ = ["add_model_args", "add_sampling_args", "speculative_config_from_args", "sampling_params_from_args",
            "CliError", "add_quantization_arg", "add_backend_arg", "print_table"]
@@ -57,11 +57,15 @@ def add_backend_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 128) -> None:
-    """--temperature, --top-p, --top-k, --seed, --max-tokens, --ignore-eos."""
+    """--temperature, --top-p, --top-k, --seed, --sampling, --max-tokens, --ignore-eos."""
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--sampling", choices=SAMPLING_RULES, default=None,
+                        help="rule at temperature > 0: coupled (Gumbel-max keyed by seed and position: the same seed "
+                        "gives the same text with or without speculation) or rejection (Leviathan et al.; can accept "
+                        "more draft tokens). Default: coupled with --seed, else rejection")
     parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens (default {max_tokens})")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
 
@@ -70,7 +74,8 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     """Raises CliError on out-of-range values."""
     try:
         return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                              max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+                              max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                              sampling=getattr(args, "sampling", None))
     except ValueError as exc:
         raise CliError(str(exc)) from exc
 

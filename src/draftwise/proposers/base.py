@@ -2,7 +2,8 @@
 
 A proposer sees the committed token sequence (prompt + generated) and offers up to k draft tokens, with
 their draft distributions ``draft_probs`` when it samples them from a distribution (a draft model at
-temperature > 0) or ``None`` when the draft is deterministic (greedy draft model, n-gram lookup). A
+temperature > 0 under rejection sampling) or ``None`` when the draft is deterministic (greedy draft model,
+n-gram lookup, heads, or a draft chosen with the request's Gumbel noise under coupled sampling). A
 deterministic draft is verified as a one-hot ``draft_probs``, which keeps speculative sampling lossless.
 
 Proposers keep whatever state they need (a draft model's KV cache, an n-gram index) and reconcile it with
@@ -20,7 +21,8 @@ from typing import Any
 import torch
 
 from draftwise.config import SamplingParams
-from draftwise.tree import check_parents, node_depths
+from draftwise.sampling import Sampler
+from draftwise.tree import chain_parents, check_parents, node_depths
 
 __all__ = ["DraftProposal", "Proposer", "common_prefix_length"]
 
@@ -34,7 +36,8 @@ class DraftProposal:
         draft_probs: ``[k, vocab]`` float32 distributions the tokens were sampled from (vocab = the target's
             logits width), or None for a deterministic draft. Trees must be deterministic.
         parents: None for a chain; for a draft tree, ``[k]`` parent node indices (-1 = the last committed
-            token), see :mod:`draftwise.tree`.
+            token), see :mod:`draftwise.tree`. A chain-shaped ``parents`` (each node the child of the one
+            before) is stored as None: a chain is the tree whose nodes each have one child.
     """
 
     token_ids: tuple[int, ...]
@@ -42,6 +45,8 @@ class DraftProposal:
     parents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.parents is not None and tuple(self.parents) == chain_parents(len(self.token_ids)):
+            object.__setattr__(self, "parents", None)
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.token_ids):
             raise ValueError(
                 f"draft_probs has {self.draft_probs.shape[0]} rows for {len(self.token_ids)} draft tokens"
@@ -59,6 +64,11 @@ class DraftProposal:
     @property
     def is_tree(self) -> bool:
         return self.parents is not None
+
+    @property
+    def node_parents(self) -> tuple[int, ...]:
+        """Parent of every node, for a chain too (``(-1, 0, ..., k-2)``): what the verifiers take."""
+        return self.parents if self.parents is not None else chain_parents(len(self.token_ids))
 
     @property
     def depth(self) -> int:
@@ -111,12 +121,14 @@ class Proposer(ABC):
         context_ids: Sequence[int],
         k: int,
         params: SamplingParams,
-        generator: torch.Generator,
+        sampler: Sampler,
     ) -> DraftProposal:
         """Offer at most ``k`` (>= 1) draft tokens to follow ``context_ids`` (prompt + committed output).
 
-        May return fewer tokens, including none (the engine then takes a plain decoding step). Must use
-        ``generator`` for any randomness so that seeded requests are reproducible.
+        May return fewer tokens, including none (the engine then takes a plain decoding step). A proposer
+        that samples must draw through ``sampler`` (``sampler.choose(logits, position)``, the draft token at
+        sequence position ``len(context_ids) + depth - 1``), so that seeded requests are reproducible and,
+        under coupled sampling, its draft shares the target's Gumbel noise.
         """
 
 

@@ -4,6 +4,11 @@ Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative S
 
 Its KV cache is rolled back to the longest common prefix with the committed context at every call, so
 rejected draft tokens are discarded without the engine's help.
+
+Draft tokens are drawn through the request's :class:`~draftwise.sampling.Sampler`: greedy (argmax), rejection
+(a draw from the processed draft distribution, returned as ``draft_probs``) or coupled (the Gumbel-argmax with
+the target's noise for the same sequence position, so a well-matched draft picks the target's token with high
+probability; the draft is then deterministic given the noise and ``draft_probs`` is None).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 from draftwise.backends.base import CausalLM, KVState
 from draftwise.config import SamplingParams
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
-from draftwise.sampling import logits_to_probs, sample_from_probs
+from draftwise.sampling import Sampler
 
 __all__ = ["DraftModelProposer"]
 
@@ -78,7 +83,7 @@ class DraftModelProposer(Proposer):
             del self._cached[common:]
 
     def propose(
-        self, context_ids: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
+        self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler
     ) -> DraftProposal:
         room = self.draft.max_context - len(context_ids)
         k = min(k, room)
@@ -88,7 +93,7 @@ class DraftModelProposer(Proposer):
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for step in range(k):
-            token, probs = self._choose(logits, params, generator)
+            token, probs = sampler.choose(logits, len(context_ids) + step)  # the token at that sequence position
             tokens.append(token)
             if probs is not None:
                 rows.append(probs)
@@ -123,12 +128,3 @@ class DraftModelProposer(Proposer):
             return logits[: self.target_vocab_size]
         pad = torch.full((self.target_vocab_size - width,), float("-inf"), dtype=logits.dtype)
         return torch.cat([logits, pad])
-
-    @staticmethod
-    def _choose(
-        logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-    ) -> tuple[int, torch.Tensor | None]:
-        if params.greedy:
-            return int(torch.argmax(logits).item()), None
-        probs = logits_to_probs(logits.unsqueeze(0), params)[0]  # [vocab]
-        return sample_from_probs(probs, generator), probs

@@ -25,6 +25,7 @@ import torch
 from draftwise.config import SamplingParams
 from draftwise.heads.eagle import EagleHead, HeadCache
 from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.sampling import Sampler
 
 __all__ = ["EagleProposer"]
 
@@ -82,7 +83,7 @@ class EagleProposer(Proposer):
         self._root_feature = self.head(hidden, embeds, positions, self._cache)[-1]
 
     @torch.inference_mode()
-    def propose(self, context_ids: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator) -> DraftProposal:
+    def propose(self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler) -> DraftProposal:
         """A draft tree of depth at most ``k``; an empty draft before the first observe."""
         if self._root_feature is None or k < 1:
             return DraftProposal(token_ids=())
@@ -147,6 +148,4 @@ class EagleProposer(Proposer):
         index = {old: new for new, old in enumerate(keep)}
         tokens = tuple(nodes[i].token for i in keep)
         parents = tuple(-1 if nodes[i].parent < 0 else index[nodes[i].parent] for i in keep)
-        if parents == tuple(range(-1, len(parents) - 1)):
-            return DraftProposal(token_ids=tokens)
-        return DraftProposal(token_ids=tokens, parents=parents)
+        return DraftProposal(token_ids=tokens, parents=parents)  # a chain-shaped tree is a chain

@@ -17,6 +17,7 @@ import torch
 from draftwise.config import SamplingParams
 from draftwise.heads.medusa import MedusaHeads
 from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.sampling import Sampler
 from draftwise.tree import TreeTemplate
 
 __all__ = ["MedusaProposer"]
@@ -47,11 +48,11 @@ class MedusaProposer(Proposer):
         self._last_hidden = hidden[-1]
 
     @torch.inference_mode()
-    def propose(self, context_ids: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator) -> DraftProposal:
+    def propose(self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler) -> DraftProposal:
         """Up to ``k`` levels of the tree (at most ``num_heads``); an empty draft before the first observe.
 
         Returns:
-            a chain (``parents`` None) when the template is a chain, else a tree proposal.
+            the template's tree (a chain when the template is one: :class:`DraftProposal` stores it as such).
         """
         depth = min(k, self.heads.num_heads)
         if self._last_hidden is None or depth < 1:
@@ -65,7 +66,4 @@ class MedusaProposer(Proposer):
         widest = max(template.max_rank(d) for d in range(1, depth + 1))
         top = torch.topk(logits, widest, dim=-1).indices.tolist()  # [depth, widest]
         tokens = tuple(top[len(path) - 1][path[-1]] for path in template.paths)
-        parents = template.parents
-        if parents == tuple(range(-1, len(parents) - 1)):
-            return DraftProposal(token_ids=tokens)
-        return DraftProposal(token_ids=tokens, parents=parents)
+        return DraftProposal(token_ids=tokens, parents=template.parents)  # a chain-shaped tree is a chain

@@ -29,10 +29,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import torch
-
 from draftwise.config import SamplingParams
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
+from draftwise.sampling import Sampler
 
 __all__ = ["NgramProposer", "NgramIndex"]
 
@@ -147,7 +146,7 @@ class NgramProposer(Proposer):
         return self.index.max_n
 
     def propose(
-        self, context_ids: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
+        self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler
     ) -> DraftProposal:
         context = context_ids if isinstance(context_ids, list) else list(context_ids)
         if k <= 0 or len(context) < 2:

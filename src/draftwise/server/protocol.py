@@ -5,7 +5,7 @@ this server does not know are accepted and ignored, as vLLM does. Fields it know
 > 1, logprobs, tools, penalties...) are rejected with a 400 by :mod:`draftwise.server.requests`.
 
 vLLM's extra sampling fields ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted too (pass them
-with the OpenAI client's ``extra_body``).
+with the OpenAI client's ``extra_body``), and draftwise's ``sampling`` (``"coupled"`` or ``"rejection"``).
 
 Every string field is :data:`Text`: valid Unicode, so a lone UTF-16 surrogate (JSON ``"\\ud800"`` without
 its pair) is a 400 naming the field, before it can reach a tokenizer or an error message.
@@ -72,6 +72,8 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
+    # draftwise extra: "coupled" or "rejection" (unset: coupled with a seed); validated in requests.py
+    sampling: str | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -316,6 +316,7 @@ def _sampling_params(request, max_tokens: int) -> SamplingParams:
             seed=request.seed,
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=request.ignore_eos,
+            sampling=request.sampling,
         )
     except ValueError as exc:
         message = str(exc)
@@ -323,7 +324,7 @@ def _sampling_params(request, max_tokens: int) -> SamplingParams:
         raise APIError(400, message, param=param if param in _SAMPLING_FIELDS else None) from exc
 
 
-_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "seed"}
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "seed", "sampling"}
 
 
 def _check_temperature_and_top_p(temperature: float | None, top_p: float | None) -> None:

@@ -1,6 +1,6 @@
-"""Greedy verification (temperature 0): accept the longest prefix of the draft that equals the target's
-argmax, then add the target's own argmax at the first mismatch (correction) or after the draft (bonus).
-Output is identical to greedy decoding of the target alone."""
+"""Greedy verification (temperature 0): follow the draft nodes that equal the target's argmax, then add the
+target's own argmax where the path stops (correction) or after a leaf (bonus). Output is identical to
+greedy decoding of the target alone, for chains and trees alike."""
 
 from __future__ import annotations
 
@@ -8,36 +8,25 @@ from collections.abc import Sequence
 
 import torch
 
+from draftwise.verification.tree import check_draft, follow_target_choices
 from draftwise.verification.types import VerificationResult
 
 __all__ = ["verify_greedy"]
 
 
-def verify_greedy(draft_token_ids: Sequence[int], target_logits: torch.Tensor) -> VerificationResult:
+def verify_greedy(token_ids: Sequence[int], parents: Sequence[int], target_logits: torch.Tensor) -> VerificationResult:
     """Verify a draft against the target's argmax.
 
     Args:
-        draft_token_ids: ``[k]`` draft tokens (k >= 0).
-        target_logits: ``[k + 1, vocab]`` target logits; row i scores the token at draft position i, the
-            last row scores the bonus position.
+        token_ids: ``[n]`` draft node tokens (n >= 0).
+        parents: ``[n]`` parent indices (-1 = root), topological order; a chain is ``(-1, 0, ..., n-2)``.
+        target_logits: ``[n + 1, vocab]`` target logits; row 0 follows the root, row i + 1 follows node i.
 
     Returns:
-        The accepted prefix plus one correction or bonus token.
+        The accepted path plus one correction or bonus token.
 
     Raises:
-        ValueError: if the shapes disagree.
+        ValueError: if the shapes or parents are inconsistent.
     """
-    k = len(draft_token_ids)
-    if target_logits.dim() != 2 or target_logits.shape[0] != k + 1:
-        raise ValueError(f"target_logits must be [k + 1, vocab] = [{k + 1}, vocab], got {tuple(target_logits.shape)}")
-    target_tokens = torch.argmax(target_logits, dim=-1).tolist()  # [k + 1]
-    num_accepted = 0
-    while num_accepted < k and draft_token_ids[num_accepted] == target_tokens[num_accepted]:
-        num_accepted += 1
-    next_token = target_tokens[num_accepted]
-    return VerificationResult(
-        num_drafted=k,
-        num_accepted=num_accepted,
-        next_token_id=next_token,
-        token_ids=tuple(draft_token_ids[:num_accepted]) + (next_token,),
-    )
+    check_draft(token_ids, parents, target_logits, "target_logits")
+    return follow_target_choices(token_ids, parents, lambda row: int(torch.argmax(target_logits[row])))

@@ -1,116 +1,70 @@
-"""Verification of a draft tree: the longest root-to-node path the target agrees with, plus one target token.
+"""What every verifier shares: input checks and the walk down a draft tree.
 
-Greedy: starting at the root, follow the child whose token equals the target's argmax at the current node;
-stop when no child matches; the argmax there is the recovered/bonus token. The committed tokens are exactly
-what plain greedy decoding produces (the target's argmax at every step).
+A draft is a tree given as data (:mod:`draftwise.tree`): ``token_ids[i]`` is node i's token and
+``parents[i]`` its parent (-1 = the root, the last committed token), in topological order. A chain
+``d_1..d_k`` is the tree whose nodes each have one child, ``parents = (-1, 0, ..., k-2)``; an empty draft is a
+plain decoding step. The target's rows are ``[n + 1, vocab]``: row 0 scores the token after the root, row
+i + 1 the token after node i.
 
-Sampling (temperature > 0): the lossless multi-candidate rule (SpecInfer, Miao et al. 2024, "multi-step
-speculative sampling"; Chen et al. 2023; also EAGLE's verification) for deterministic drafts. At a node with
-residual target distribution ``target_probs`` and children ``c_1..c_m`` (tokens in index order): child c_j is
-accepted with probability ``residual[c_j]`` (its one-hot draft gives ``min(1, p/q) = p``); on rejection its
-token is removed, ``residual[c_j] = 0`` and renormalized, and the next sibling is tried. If every child is
-rejected, the recovered token is sampled from the remaining residual. By induction each committed token is
-distributed exactly as the target's own sample. Medusa's lossy "typical acceptance" is not implemented.
+Greedy and coupled verification are one walk (:func:`follow_target_choices`): the target makes one choice
+per visited node (its argmax, or its Gumbel-argmax); follow the child carrying that token; where no child
+does, the choice is the next token. Rejection sampling walks the same way with its own acceptance rule
+(:mod:`draftwise.verification.rejection`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 
-from draftwise.sampling import sample_from_probs
-from draftwise.tree import children_of
+from draftwise.tree import check_parents, children_of
+from draftwise.verification.types import VerificationResult
 
-__all__ = ["TreeVerificationResult", "verify_tree_greedy", "verify_tree_sampling"]
-
-
-@dataclass(frozen=True)
-class TreeVerificationResult:
-    """Outcome of verifying one draft tree.
-
-    Attributes:
-        accepted_nodes: node indices of the accepted path, depth 1 first (empty: nothing accepted).
-        next_token_id: recovered token (the path stopped before a leaf's depth) or bonus token.
-        token_ids: tokens to commit: the accepted nodes' tokens then ``next_token_id``.
-    """
-
-    accepted_nodes: tuple[int, ...]
-    next_token_id: int
-    token_ids: tuple[int, ...]
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.accepted_nodes)
+__all__ = ["check_draft", "follow_target_choices", "result_for_path"]
 
 
-def _check(token_ids: Sequence[int], parents: Sequence[int], rows: torch.Tensor) -> None:
+def check_draft(token_ids: Sequence[int], parents: Sequence[int], rows: torch.Tensor, name: str = "target rows") -> None:
+    """Raise ``ValueError`` unless ``parents`` is a topological tree over the tokens and ``rows`` is
+    ``[len(token_ids) + 1, vocab]``."""
     if len(token_ids) != len(parents):
-        raise ValueError(f"{len(token_ids)} tree tokens but {len(parents)} parents")
+        raise ValueError(f"{len(token_ids)} draft tokens but {len(parents)} parents")
+    check_parents(parents)
     if rows.dim() != 2 or rows.shape[0] != len(token_ids) + 1:
-        raise ValueError(f"expected [{len(token_ids) + 1}, vocab] target rows (root + nodes), got {list(rows.shape)}")
+        raise ValueError(f"{name} must be [n + 1, vocab] = [{len(token_ids) + 1}, vocab] (root + nodes), "
+                         f"got {list(rows.shape)}")
 
 
-def verify_tree_greedy(token_ids: Sequence[int], parents: Sequence[int], target_logits: torch.Tensor) -> TreeVerificationResult:
-    """Greedy tree verification.
+def result_for_path(token_ids: Sequence[int], accepted: Sequence[int], next_token: int, at_leaf: bool) -> VerificationResult:
+    """The result for an accepted node path and the token the target chose after it."""
+    return VerificationResult(
+        accepted_nodes=tuple(accepted),
+        next_token_id=int(next_token),
+        token_ids=tuple(int(token_ids[c]) for c in accepted) + (int(next_token),),
+        bonus=at_leaf,
+    )
+
+
+def follow_target_choices(
+    token_ids: Sequence[int], parents: Sequence[int], choose: Callable[[int], int]
+) -> VerificationResult:
+    """Walk from the root, following at each node the child whose token is the target's choice there.
 
     Args:
         token_ids: ``[n]`` node tokens.
-        parents: ``[n]`` parent indices (-1 = root), topological order.
-        target_logits: ``[n + 1, vocab]``; row 0 follows the root, row i + 1 follows node i.
+        parents: ``[n]`` parent indices (-1 = root), topological order (checked by the caller).
+        choose: ``row -> token``: the target's choice after row ``row`` (0 = root, ``i + 1`` = node i); called
+            once per visited node, so only the rows on the path are ever evaluated.
 
-    Raises:
-        ValueError: inconsistent shapes.
+    Returns:
+        The accepted path and the target's choice where it stops (recovered, or bonus at a leaf).
     """
-    _check(token_ids, parents, target_logits)
-    argmax = torch.argmax(target_logits, dim=-1).tolist()  # [n + 1]
     children = children_of(parents)
     node, accepted = -1, []
     while True:
-        best = argmax[node + 1]
-        match = next((c for c in children[node] if token_ids[c] == best), None)
+        choice = choose(node + 1)
+        match = next((c for c in children[node] if token_ids[c] == choice), None)
         if match is None:
-            return TreeVerificationResult(tuple(accepted), best, tuple(token_ids[c] for c in accepted) + (best,))
+            return result_for_path(token_ids, accepted, choice, at_leaf=not children[node])
         accepted.append(match)
         node = match
-
-
-def verify_tree_sampling(
-    token_ids: Sequence[int], parents: Sequence[int], target_probs: torch.Tensor, generator: torch.Generator
-) -> TreeVerificationResult:
-    """Lossless multi-candidate rejection sampling over a deterministic draft tree (see the module docstring).
-
-    Args:
-        token_ids: ``[n]`` node tokens.
-        parents: ``[n]`` parent indices (-1 = root), topological order.
-        target_probs: ``[n + 1, vocab]`` float32 target distributions (temperature / top-p applied); row 0
-            follows the root, row i + 1 follows node i.
-        generator: the request's random generator.
-
-    Raises:
-        ValueError: inconsistent shapes.
-    """
-    _check(token_ids, parents, target_probs)
-    children = children_of(parents)
-    node, accepted = -1, []
-    while True:
-        residual = target_probs[node + 1].clone()
-        chosen = None
-        for child in children[node]:
-            token = token_ids[child]
-            mass = float(residual.sum())
-            if mass <= 0.0:
-                break
-            accept_prob = float(residual[token]) / mass
-            if accept_prob > 0.0 and float(torch.rand((), generator=generator)) < accept_prob:
-                chosen = child
-                break
-            residual[token] = 0.0
-        if chosen is None:
-            if float(residual.sum()) <= 0.0:  # only through rounding: every child took the whole mass
-                residual = target_probs[node + 1].clone()
-            recovered = sample_from_probs(residual / residual.sum(), generator)
-            return TreeVerificationResult(tuple(accepted), recovered, tuple(token_ids[c] for c in accepted) + (recovered,))
-        accepted.append(chosen)
-        node = chosen
