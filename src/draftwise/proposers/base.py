@@ -81,8 +81,12 @@ class Proposer(ABC):
     #: target for hidden states and calls :meth:`observe` after the prefill and after every verification.
     needs_target_hidden: bool = False
 
-    def start(self, prompt_ids: Sequence[int]) -> None:
-        """Begin a new request whose prompt is ``prompt_ids`` (reset per-request state). Default: nothing."""
+    def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
+        """Begin a new request whose prompt is ``prompt_ids`` (reset per-request state). Default: nothing.
+
+        ``scope`` names who sent the request (the server passes the API key's or ``user``'s scope): a proposer
+        that learns from earlier requests (suffix decoding) uses only the earlier requests of the same scope.
+        """
 
     def observe(self, hidden: torch.Tensor, next_token_ids: Sequence[int]) -> None:
         """Target features of the positions just added to the target's KV cache (``needs_target_hidden``).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,11 @@ from draftwise.backends.base import CausalLM
 from draftwise.config import SamplingParams
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import logits_to_probs, sample_from_probs
+
+if TYPE_CHECKING:
+    from draftwise.config import SpeculativeConfig
+    from draftwise.models.loading import LoadedModel
+    from draftwise.proposers.registry import BuildOptions, BuiltProposer
 
 __all__ = ["DraftModelProposer"]
 
@@ -40,7 +46,7 @@ class DraftModelProposer(Proposer):
         self.target_vocab_size = target_vocab_size
         self._cached: list[int] = []  # tokens in the draft's KV cache, in order
 
-    def start(self, prompt_ids: Sequence[int]) -> None:
+    def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
         self.draft.reset()
         self._cached = []
 
@@ -99,3 +105,17 @@ class DraftModelProposer(Proposer):
             return int(torch.argmax(logits).item()), None
         probs = logits_to_probs(logits.unsqueeze(0), params)[0]  # [vocab]
         return sample_from_probs(probs, generator), probs
+
+
+def build(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
+    """Registry entry point (:mod:`draftwise.proposers.registry`): load the draft model ``config.model`` like
+    the target (``options``) and check its tokenizer against the target's.
+
+    Raises:
+        ModelLoadError, TokenizerMismatchError: see :func:`draftwise.builder.load_draft_model`.
+    """
+    from draftwise.builder import load_draft_model
+    from draftwise.proposers.registry import BuiltProposer
+
+    draft = load_draft_model(config, target, options)
+    return BuiltProposer(DraftModelProposer(draft.backend, target.backend.vocab_size), draft)
