@@ -29,7 +29,10 @@ the first token. Appending a token touches the nodes of the suffixes ending at t
 suffix-link chain of that token's deepest node) and their children: at most D + 1 nodes, whatever the
 context length; removing the last token touches at most D. Matching the context's suffix walks the last
 D - 1 tokens of the context along child and suffix links (amortized O(D)). Memory: at most D nodes per
-indexed token (far fewer on repetitive text, where paths are shared).
+indexed token (far fewer on repetitive text, where paths are shared), about 250 bytes per node in CPython.
+Measured on this machine (2 shared cores): indexing a 20,000-token prompt of code-like text takes about 3 s at
+D = 24 (0.4 s at D = 8), once per request and only for the tokens past the common prefix with the previous
+request; a drafting step takes about 0.1 ms.
 
 Drafts are deterministic (``draft_probs=None``), so sampling verification treats them as one-hot draft
 distributions and stays lossless; trees are verified by the engine's tree verification.
@@ -437,7 +440,7 @@ class SuffixProposer(Proposer):
     name = "suffix"
 
     def __init__(self, max_tree_depth: int = 24, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
-                 max_cached_requests: int = 1000, max_cached_tokens: int = 200_000, tree_width: int = 1) -> None:
+                 max_cached_requests: int = 1000, max_cached_tokens: int = 50_000, tree_width: int = 1) -> None:
         if not max_spec_factor > 0 or not (0.0 <= min_token_prob <= 1.0) or tree_width < 1:
             raise ValueError("need max_spec_factor > 0, 0 <= min_token_prob <= 1 and tree_width >= 1")
         self.local = SuffixIndex(max_tree_depth)
