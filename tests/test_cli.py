@@ -52,3 +52,34 @@ def test_user_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("config", [
+    '{"method": "suffix", "num_speculative_tokens": 4}',
+    '{"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_tree_width": 2, '
+    '"suffix_decoding_min_token_prob": 0.05}',
+    '{"method": "hybrid", "model": "STORIES", "num_speculative_tokens": 3}',
+])
+def test_generate_with_suffix_and_hybrid_prints_the_plain_text(stories, stories_path, capsys, config):
+    args = ["generate", "--model", str(stories_path), "--max-tokens", "32", "--chat", "off",
+            "One two three. One two three. One two three. One two"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--speculative-config", config.replace("STORIES", str(stories_path)), "--json"]) == 0
+    text, stats_json = capsys.readouterr().out.split("\n{", 1)
+    stats = json.loads("{" + stats_json)
+    assert text.strip() == plain.strip() and len(text.strip()) > 0
+    assert stats["method"] == json.loads(config.replace("STORIES", "x"))["method"]
+    assert stats["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "suffix_decoding_min_token_prob"),
+    ('{"method": "suffix", "tree_width": 2}', "not used by method 'suffix'"),
+    ('{"method": "hybrid"}', "needs a draft model"),
+    ('{"method": "magic"}', "hybrid"),  # the error lists the known methods
+])
+def test_bad_suffix_and_hybrid_configs_are_one_line_errors(config, message, capsys):
+    assert main(["generate", "--model", "x", "--speculative-config", config, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

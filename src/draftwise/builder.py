@@ -20,9 +20,10 @@ from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel, load_model
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import Proposer
+from draftwise.proposers.registry import BuildOptions, get_method
 
 __all__ = ["EngineBundle", "TokenizerMismatchError", "backend_kind", "build_engine", "build_proposer",
-           "check_same_tokenizer"]
+           "build_head_proposer", "check_same_tokenizer", "load_draft_model", "load_target_heads"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,39 +103,47 @@ def build_proposer(
     backend: str = "torch",
     threads: int | None = None,
 ) -> tuple[Proposer, LoadedModel | None]:
-    """Create the proposer a speculative config names; returns it and its draft model (if any).
+    """Create the proposer a speculative config names (through :mod:`draftwise.proposers.registry`); returns
+    it and its draft model (if any).
 
     ``quantization``, ``backend`` and ``threads`` apply to a draft model as to the target (see
     :func:`load_model`). With ``backend="auto"`` the draft may land on another backend than the target (a
     ``.gguf`` draft for a Hugging Face target); that is allowed only with identical token tables.
 
     Raises:
-        ModelLoadError, TokenizerMismatchError, ValueError: bad draft model or method.
+        ModelLoadError, TokenizerMismatchError, HeadsMismatchError, ValueError: bad draft model, heads or method.
     """
-    if config.method == "draft_model":
-        from draftwise.proposers.draft_model import DraftModelProposer
-
-        assert config.model is not None
-        draft = load_model(config.model, device=device, dtype=dtype, max_context=target.backend.max_context,
-                           quantization=quantization, backend=backend, threads=threads)
-        check_same_tokenizer(target, draft)
-        relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
-        return DraftModelProposer(draft.backend, target.backend.vocab_size), draft
-    if config.method == "ngram":
-        from draftwise.proposers.ngram import NgramProposer
-
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), None
-    if config.method in ("medusa", "eagle"):
-        return build_head_proposer(config, target), None
-    raise ValueError(f"speculative method {config.method!r} is not available")
+    options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend, threads=threads)
+    built = get_method(config.method).builder()(config, target, options)
+    return built.proposer, built.draft
 
 
-def build_head_proposer(config: SpeculativeConfig, target: LoadedModel) -> Proposer:
-    """A Medusa or EAGLE proposer from the heads directory ``config.model``, on the target's device and dtype.
+def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> LoadedModel:
+    """Load the draft model ``config.model`` for ``target`` (same context length, checked tokenizer, drafting
+    settings) for the methods that run one.
 
     Raises:
-        HeadsMismatchError: not a heads directory, heads of the other method, or heads trained on another
-            base model (fingerprint check).
+        ModelLoadError, TokenizerMismatchError: see :func:`load_model` and :func:`check_same_tokenizer`.
+    """
+    assert config.model is not None
+    draft = load_model(config.model, device=options.device, dtype=options.dtype,
+                       max_context=target.backend.max_context, quantization=options.quantization,
+                       backend=options.backend, threads=options.threads)
+    check_same_tokenizer(target, draft)
+    relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
+    return draft
+
+
+def load_target_heads(config: SpeculativeConfig, target: LoadedModel):
+    """Load the heads directory ``config.model`` onto the target's device and dtype, for the heads methods.
+
+    Returns:
+        ``(heads, heads_config, model)``: the heads module, its :class:`~draftwise.heads.HeadsConfig`, and the
+        target's PyTorch model (whose embeddings and LM head the proposers share).
+
+    Raises:
+        HeadsMismatchError: not a heads directory, heads of another method, or heads trained on another base
+            model (fingerprint check).
         ValueError: the target is not a PyTorch model.
     """
     from draftwise.backends.torch_backend import TorchCausalLM
@@ -150,22 +159,19 @@ def build_head_proposer(config: SpeculativeConfig, target: LoadedModel) -> Propo
                                      device=backend.device, dtype=dtype)
     if heads_config.method != config.method:
         raise HeadsMismatchError(f"{config.model} holds {heads_config.method} heads, not {config.method}")
-    lm_head = model.get_output_embeddings()
-    if config.method == "medusa":
-        from draftwise.proposers.medusa import MedusaProposer
-        from draftwise.tree import TreeTemplate
+    return heads, heads_config, model
 
-        depth = min(config.num_speculative_tokens, heads_config.num_heads)
-        if config.tree is not None:
-            template = TreeTemplate(config.tree)
-        elif config.tree_width > 1:
-            template = TreeTemplate.full(depth, config.tree_width, config.tree_budget)
-        else:
-            template = None
-        return MedusaProposer(heads, lm_head, template)
-    from draftwise.proposers.eagle import EagleProposer
 
-    return EagleProposer(heads, model.get_input_embeddings(), lm_head, config.tree_width, config.tree_budget)
+def build_head_proposer(config: SpeculativeConfig, target: LoadedModel) -> Proposer:
+    """A Medusa or EAGLE proposer from the heads directory ``config.model``, on the target's device and dtype.
+
+    Raises:
+        HeadsMismatchError: see :func:`load_target_heads`.
+        ValueError: the target is not a PyTorch model, or ``config.method`` is not a heads method.
+    """
+    if get_method(config.method).model != "heads":
+        raise ValueError(f"method {config.method!r} does not run heads")
+    return get_method(config.method).builder()(config, target, BuildOptions()).proposer
 
 
 def build_engine(

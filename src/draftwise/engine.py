@@ -187,7 +187,7 @@ class SpeculativeEngine:
         stats.num_cached_prompt_tokens = reused
         controller.start(len(state.prompt), params.max_tokens, cached_tokens=reused)
         if self.proposer is not None:
-            self.proposer.start(state.prompt)
+            self.proposer.start(state.prompt, scope=state.scope)
 
         hidden_args = {"return_hidden": True, "hidden_rows": len(state.prompt)} if self._needs_hidden else {}
         try:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
 from draftwise.config import SAMPLING_RULES, SamplingParams, SpeculativeConfig
+from draftwise.proposers.registry import method_names
 
 __all__ = ["add_model_args", "add_sampling_args", "speculative_config_from_args", "sampling_params_from_args",
            "CliError", "add_quantization_arg", "add_backend_arg", "print_table"]
@@ -27,7 +28,7 @@ def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = Fals
                         help="K, the maximum number of draft tokens per verification (default 5)")
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, as in vLLM: \'{"method": "draft_model", "model": "...", '
-                        '"num_speculative_tokens": 4}\'')
+                        '"num_speculative_tokens": 4}\'; methods: ' + ", ".join(method_names()))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on GPU)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")

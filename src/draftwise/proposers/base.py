@@ -92,8 +92,12 @@ class Proposer(ABC):
     #: target for hidden states and calls :meth:`observe` after the prefill and after every verification.
     needs_target_hidden: bool = False
 
-    def start(self, prompt_ids: Sequence[int]) -> None:
-        """Begin a new request whose prompt is ``prompt_ids`` (reset per-request state). Default: nothing."""
+    def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
+        """Begin a new request whose prompt is ``prompt_ids`` (reset per-request state). Default: nothing.
+
+        ``scope`` names who sent the request (the server passes the API key's or ``user``'s scope): a proposer
+        that learns from earlier requests (suffix decoding) uses only the earlier requests of the same scope.
+        """
 
     def export_state(self) -> Any:
         """State worth keeping for a later request that shares a prefix with this one (a draft model's KV

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,11 @@ from draftwise.backends.base import CausalLM, KVState
 from draftwise.config import SamplingParams
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import Sampler
+
+if TYPE_CHECKING:
+    from draftwise.config import SpeculativeConfig
+    from draftwise.models.loading import LoadedModel
+    from draftwise.proposers.registry import BuildOptions, BuiltProposer
 
 __all__ = ["DraftModelProposer"]
 
@@ -59,7 +65,7 @@ class DraftModelProposer(Proposer):
         self.target_vocab_size = target_vocab_size
         self._cached: list[int] = []  # tokens in the draft's KV cache, in order
 
-    def start(self, prompt_ids: Sequence[int]) -> None:
+    def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
         """Nothing to reset: the draft's cache is reconciled with the context at every :meth:`propose`, and the
         engine sets it through :meth:`import_state` before a request."""
 
@@ -128,3 +134,17 @@ class DraftModelProposer(Proposer):
             return logits[: self.target_vocab_size]
         pad = torch.full((self.target_vocab_size - width,), float("-inf"), dtype=logits.dtype)
         return torch.cat([logits, pad])
+
+
+def build(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
+    """Registry entry point (:mod:`draftwise.proposers.registry`): load the draft model ``config.model`` like
+    the target (``options``) and check its tokenizer against the target's.
+
+    Raises:
+        ModelLoadError, TokenizerMismatchError: see :func:`draftwise.builder.load_draft_model`.
+    """
+    from draftwise.builder import load_draft_model
+    from draftwise.proposers.registry import BuiltProposer
+
+    draft = load_draft_model(config, target, options)
+    return BuiltProposer(DraftModelProposer(draft.backend, target.backend.vocab_size), draft)

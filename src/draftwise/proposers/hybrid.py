@@ -1,0 +1,268 @@
+"""Hybrid proposer: per step, suffix decoding's draft when its match pays more than the draft model, the draft
+model's draft otherwise, chosen by expected committed tokens per second.
+
+SuffixDecoding (Oliaro et al., https://arxiv.org/abs/2411.04975) reports that suffix drafts win on repetitive
+(agentic) text and a model-based drafter elsewhere, and combines them per step by the suffix match's score.
+Here the choice is the cost model of Leviathan et al. 2023, Sec. 3.4, per step:
+
+- suffix: ``(1 + f * score) / verify(n_s + 1)``, with ``score`` the draft's expected accepted tokens from its
+  empirical path probabilities (:attr:`SuffixDraft.score`), ``n_s`` its node count and ``f`` a correction
+  learned from this proposer's own suffix steps (accepted / predicted, exponentially forgotten, 1 at first);
+- draft model: ``E(K) / (K * c_d + verify(K + 1))``, with ``E(K)`` the expected committed tokens from the
+  draft model's measured per-position acceptance and ``c_d`` its seconds per drafted token.
+
+``verify(n)`` (seconds of a target pass over n tokens) and the initial ``c_d`` come from a :class:`StepCosts`
+object; :func:`build` passes the cached :func:`draftwise.calibration.calibrate_cost_model` result (its
+``verify_cost`` and ``draft_seconds_per_token``: the only use of that module). Acceptance uses
+:class:`draftwise.controller.AcceptanceEstimator` and :func:`draftwise.controller.expected_tokens` (the
+project's one definition of those quantities). The suffix lookup's own time is paid either way and left out.
+
+The engine does not report acceptance to proposers: at each call the proposer compares the newly committed
+tokens with its previous draft (chain or tree) to learn how many were accepted. The draft model's cost per
+token is refined from steps that follow a draft-model step (after suffix steps its first call also feeds the
+skipped tokens, which is not a per-token cost).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from draftwise.config import SamplingParams
+from draftwise.controller import AcceptanceEstimator, expected_tokens
+from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.proposers.suffix import SuffixDraft, SuffixProposer, uses_earlier_requests
+from draftwise.tree import children_of
+from draftwise.sampling import Sampler
+
+if TYPE_CHECKING:
+    from draftwise.config import SpeculativeConfig
+    from draftwise.models.loading import LoadedModel
+    from draftwise.proposers.registry import BuildOptions, BuiltProposer
+
+__all__ = ["HybridProposer", "LearnedState", "StepCosts", "accepted_length"]
+
+logger = logging.getLogger(__name__)
+
+SUFFIX, DRAFT_MODEL = "suffix", "draft_model"
+
+
+class StepCosts(Protocol):
+    """What the hybrid reads of a cost model (:class:`draftwise.calibration.CostModel` fits)."""
+
+    draft_seconds_per_token: float
+
+    def verify_cost(self, num_tokens: int) -> float:
+        """Seconds of a target pass over ``num_tokens`` (>= 1) new tokens."""
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """The previous step's draft, to learn its outcome at the next call."""
+
+    source: str
+    context_len: int
+    token_ids: tuple[int, ...]
+    parents: tuple[int, ...] | None
+    predicted: float  # the suffix draft's score (0 for the draft model)
+
+
+def accepted_length(token_ids: Sequence[int], parents: Sequence[int] | None, committed: Sequence[int]) -> int:
+    """How many draft tokens the target accepted, given the tokens it committed after the draft's context.
+
+    A chain's accepted tokens are its longest prefix equal to ``committed``; a tree's, its longest root path
+    equal to a prefix of ``committed``. (The token committed after the accepted ones never equals a rejected
+    draft token: greedy verification would have accepted it, and rejection sampling's residual gives it no
+    mass.)
+    """
+    if parents is None:
+        accepted = 0
+        for drafted, actual in zip(token_ids, committed):
+            if drafted != actual:
+                break
+            accepted += 1
+        return accepted
+    children = children_of(parents)
+    node, accepted = -1, 0
+    for actual in committed:
+        node = next((child for child in children[node] if token_ids[child] == actual), None)
+        if node is None:
+            break
+        accepted += 1
+    return accepted
+
+
+@dataclass
+class LearnedState:
+    """What the hybrid learns from its own steps.
+
+    Attributes:
+        acceptance: the draft model's per-position acceptance.
+        draft_seconds_per_token: the draft model's seconds per drafted token.
+        suffix_accepted, suffix_predicted: exponentially forgotten sums of accepted tokens and of predicted
+            ones (scores) over suffix steps.
+    """
+
+    acceptance: AcceptanceEstimator
+    draft_seconds_per_token: float
+    suffix_accepted: float = 0.0
+    suffix_predicted: float = 0.0
+
+
+class HybridProposer(Proposer):
+    """Suffix decoding or a draft model, chosen per step (see the module docstring).
+
+    What it learns (:class:`LearnedState`) carries over between requests. A seeded sampling request instead
+    starts from the priors and learns from itself only, with the initial costs (no measured times), and its
+    suffix drafts ignore earlier requests (:func:`draftwise.proposers.suffix.uses_earlier_requests`): its text
+    then depends only on its seed and prompt.
+
+    Args:
+        suffix: the suffix proposer (also indexes every committed token, whichever side drafts).
+        draft: the draft-model proposer.
+        costs: target verify costs and the draft model's initial seconds per token (:class:`StepCosts`).
+        max_k: positions the acceptance estimator tracks initially (K).
+        suffix_prior: pseudo-tokens of the suffix correction's prior (f = 1), > 0.
+        suffix_decay: forgetting factor of the suffix correction's sums per suffix step, in (0, 1].
+        learn_costs: refine the draft model's seconds per token from measured steps.
+        cost_smoothing: weight of a new measurement in the running averages, in (0, 1].
+        clock: seconds (injectable for tests).
+
+    Raises:
+        ValueError: on out-of-range arguments.
+
+    Attributes:
+        learned: the state learned over requests.
+        num_suffix_steps, num_draft_steps: how often each side drafted.
+        last_choice: ``"suffix"`` or ``"draft_model"`` (or ``""`` before the first step).
+    """
+
+    name = "hybrid"
+
+    def __init__(self, suffix: SuffixProposer, draft: DraftModelProposer, costs: StepCosts, *, max_k: int = 5,
+                 suffix_prior: float = 4.0, suffix_decay: float = 0.95, learn_costs: bool = True,
+                 cost_smoothing: float = 0.1, clock: Callable[[], float] = time.perf_counter) -> None:
+        if suffix_prior <= 0 or not (0.0 < suffix_decay <= 1.0) or not (0.0 < cost_smoothing <= 1.0):
+            raise ValueError("need suffix_prior > 0, 0 < suffix_decay <= 1 and 0 < cost_smoothing <= 1")
+        self.suffix = suffix
+        self.draft = draft
+        self.costs = costs
+        self.max_k = max_k
+        self.suffix_prior = suffix_prior
+        self.suffix_decay = suffix_decay
+        self.learn_costs = learn_costs
+        self.cost_smoothing = cost_smoothing
+        self.clock = clock
+        self.learned = self.initial_state()
+        self._request_state: LearnedState | None = None  # a seeded sampling request's own state
+        self._pending: _Pending | None = None
+        self.num_suffix_steps = 0
+        self.num_draft_steps = 0
+        self.last_choice = ""
+
+    def initial_state(self) -> LearnedState:
+        """The priors: acceptance from :class:`AcceptanceEstimator`'s defaults, the cost model's draft cost."""
+        return LearnedState(AcceptanceEstimator(self.max_k), float(self.costs.draft_seconds_per_token))
+
+    def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
+        self.suffix.start(prompt_ids, scope=scope)
+        self.draft.start(prompt_ids, scope=scope)
+        self._pending = None
+        self._request_state = None
+
+    # ------------------------------------------------------------------ the model
+    def suffix_correction(self, state: LearnedState | None = None) -> float:
+        """f: accepted / predicted tokens of the suffix drafts so far (prior: 1)."""
+        state = state or self.learned
+        return (state.suffix_accepted + self.suffix_prior) / (state.suffix_predicted + self.suffix_prior)
+
+    def suffix_rate(self, draft: SuffixDraft, state: LearnedState | None = None) -> float:
+        """Expected committed tokens per second of a step with this suffix draft (0 for an empty one)."""
+        if not len(draft):
+            return 0.0
+        expected = 1.0 + min(self.suffix_correction(state) * draft.score, float(len(draft)))
+        return expected / self.costs.verify_cost(len(draft) + 1)
+
+    def draft_model_rate(self, k: int, state: LearnedState | None = None) -> float:
+        """Expected committed tokens per second of a step with k draft-model tokens."""
+        state = state or self.learned
+        seconds = k * state.draft_seconds_per_token + self.costs.verify_cost(k + 1)
+        return expected_tokens(state.acceptance.rates(k)) / seconds
+
+    def choose(self, draft: SuffixDraft, k: int, state: LearnedState | None = None) -> str:
+        """``"suffix"`` when the suffix draft's expected rate is at least the draft model's, else
+        ``"draft_model"``."""
+        if len(draft) and self.suffix_rate(draft, state) >= self.draft_model_rate(k, state):
+            return SUFFIX
+        return DRAFT_MODEL
+
+    # ------------------------------------------------------------------ Proposer
+    def propose(
+        self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler
+    ) -> DraftProposal:
+        context = context_ids if isinstance(context_ids, list) else list(context_ids)
+        shared = uses_earlier_requests(params)
+        if shared:
+            state = self.learned
+        else:
+            state = self._request_state = self._request_state or self.initial_state()
+        previous = self._learn_outcome(context, state)
+        suffix_draft = self.suffix.best_draft(context, k, use_earlier=shared)
+        choice = self.choose(suffix_draft, k, state)
+        self.last_choice = choice
+        if choice == SUFFIX:
+            self.num_suffix_steps += 1
+            proposal = suffix_draft.proposal()
+            predicted = suffix_draft.score
+        else:
+            self.num_draft_steps += 1
+            t0 = self.clock()
+            proposal = self.draft.propose(context, k, params, sampler)
+            if shared and previous == DRAFT_MODEL and len(proposal):
+                self._learn_draft_cost(state, (self.clock() - t0) / len(proposal))
+            predicted = 0.0
+        self._pending = _Pending(choice, len(context), proposal.token_ids, proposal.parents, predicted)
+        return proposal
+
+    def _learn_outcome(self, context: list[int], state: LearnedState) -> str:
+        """Score the previous step's draft against what was committed since; returns its source (``""`` when
+        there is none for this request)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return ""
+        if len(context) > pending.context_len and pending.token_ids:
+            accepted = accepted_length(pending.token_ids, pending.parents, context[pending.context_len :])
+            if pending.source == SUFFIX:
+                state.suffix_accepted = self.suffix_decay * state.suffix_accepted + accepted
+                state.suffix_predicted = self.suffix_decay * state.suffix_predicted + pending.predicted
+            else:
+                state.acceptance.observe(len(pending.token_ids), accepted)
+        return pending.source
+
+    def _learn_draft_cost(self, state: LearnedState, seconds_per_token: float) -> None:
+        if self.learn_costs and seconds_per_token > 0:
+            state.draft_seconds_per_token += self.cost_smoothing * (seconds_per_token - state.draft_seconds_per_token)
+
+
+def build(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
+    """Registry entry point (:mod:`draftwise.proposers.registry`): the draft model ``config.model`` (loaded as
+    for ``draft_model``), a suffix proposer from the ``suffix_decoding_*`` fields, and the target's and draft's
+    costs from :func:`draftwise.calibration.calibrate_cost_model` (cached per model and machine).
+
+    Raises:
+        ModelLoadError, TokenizerMismatchError: see :func:`draftwise.builder.load_draft_model`.
+    """
+    from draftwise.calibration import calibrate_cost_model
+    from draftwise.proposers import draft_model
+    from draftwise.proposers.suffix import suffix_proposer_from_config
+
+    built = draft_model.build(config, target, options)
+    suffix = suffix_proposer_from_config(config, supports_tree=bool(getattr(target.backend, "supports_tree", False)))
+    k = config.num_speculative_tokens
+    costs = calibrate_cost_model(target.backend, k, draft=built.draft.backend)
+    built.proposer = HybridProposer(suffix, built.proposer, costs, max_k=k)
+    return built

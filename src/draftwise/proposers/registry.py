@@ -1,0 +1,193 @@
+"""The speculative methods draftwise knows: method name -> how to build its proposer and which config fields it
+reads.
+
+Adding a method means one proposer module that defines ``build(config, target, options) -> BuiltProposer``
+plus one :class:`MethodSpec` entry in :data:`METHODS`. :class:`draftwise.config.SpeculativeConfig` validates
+through this table (method name, ``model``, K policy, method-specific fields) and
+:func:`draftwise.builder.build_proposer` builds through it, so neither branches on method names.
+
+This module imports nothing heavy: proposer modules (and torch) are imported only when a proposer is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from draftwise.config import SpeculativeConfig
+    from draftwise.models.loading import LoadedModel
+    from draftwise.proposers.base import Proposer
+
+__all__ = ["BuildOptions", "BuiltProposer", "MethodSpec", "METHODS", "K_POLICIES", "method_names", "get_method",
+           "validate_config", "SUFFIX_FIELDS"]
+
+K_POLICIES = ("fixed", "auto")
+
+#: What ``model`` names for a method.
+MODEL_KINDS = ("draft", "heads")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How to load a draft model, as for the target (see :func:`draftwise.models.loading.load_model`)."""
+
+    device: str | None = None
+    dtype: str | None = None
+    quantization: str | None = None
+    backend: str = "torch"
+    threads: int | None = None
+
+
+@dataclass
+class BuiltProposer:
+    """A proposer ready for the engine, and the draft model it runs (None for model-free methods and heads)."""
+
+    proposer: Proposer
+    draft: LoadedModel | None = None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One speculative method.
+
+    Attributes:
+        name: the ``method`` value in ``--speculative-config``.
+        summary: one line for help texts.
+        module: the proposer module; its ``build(config, target, options) -> BuiltProposer`` creates the
+            proposer (imported on first use).
+        model: what ``config.model`` names: ``"draft"`` (a draft model, required), ``"heads"`` (a heads
+            directory, required) or None (not used).
+        fields: the method-specific :class:`~draftwise.config.SpeculativeConfig` fields the method reads;
+            setting another method's field to a non-default value is an error.
+        k_policies: the K policies the method supports.
+        validate: extra checks of the config (ranges of its fields); raises ``ValueError``.
+    """
+
+    name: str
+    summary: str
+    module: str
+    model: str | None = None
+    fields: tuple[str, ...] = ()
+    k_policies: tuple[str, ...] = K_POLICIES
+    validate: Callable[[SpeculativeConfig], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is not None and self.model not in MODEL_KINDS:
+            raise ValueError(f"method {self.name!r}: model must be one of {MODEL_KINDS} or None, got {self.model!r}")
+
+    def builder(self) -> Callable[[SpeculativeConfig, Any, BuildOptions], BuiltProposer]:
+        """The module's ``build`` function (imports the module)."""
+        return importlib.import_module(self.module).build
+
+
+# ---------------------------------------------------------------------------------------------- validators
+def _in_range(name: str, value, low, high) -> None:
+    if not (low <= value <= high):
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _check_ngram(config: SpeculativeConfig) -> None:
+    if not (1 <= config.prompt_lookup_min <= config.prompt_lookup_max):
+        raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                         f"{config.prompt_lookup_min}, {config.prompt_lookup_max}")
+
+
+def _check_heads(config: SpeculativeConfig) -> None:
+    _in_range("tree_width", config.tree_width, 1, 16)
+    if config.tree_budget is not None:
+        _in_range("tree_budget", config.tree_budget, 1, 256)
+    if config.tree is not None:
+        from draftwise.tree import TreeTemplate
+
+        try:
+            paths = TreeTemplate(tuple(tuple(p) for p in config.tree)).paths
+        except TypeError as exc:
+            raise ValueError(f"tree must be a list of lists of non-negative ints: {exc}") from exc
+        object.__setattr__(config, "tree", paths)
+
+
+def _check_suffix(config: SpeculativeConfig) -> None:
+    _in_range("suffix_decoding_max_tree_depth", config.suffix_decoding_max_tree_depth, 2, 1024)
+    _in_range("suffix_decoding_max_spec_factor", config.suffix_decoding_max_spec_factor, 1e-6, 1024.0)
+    _in_range("suffix_decoding_min_token_prob", config.suffix_decoding_min_token_prob, 0.0, 1.0)
+    _in_range("suffix_decoding_max_cached_requests", config.suffix_decoding_max_cached_requests, 0, 1_000_000)
+    _in_range("suffix_decoding_max_cached_tokens", config.suffix_decoding_max_cached_tokens, 0, 100_000_000)
+    _in_range("suffix_decoding_tree_width", config.suffix_decoding_tree_width, 1, 16)
+
+
+#: The suffix-decoding fields (method ``suffix``, and ``hybrid``'s suffix side).
+SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+                 "suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens",
+                 "suffix_decoding_tree_width")
+
+METHODS: Mapping[str, MethodSpec] = MappingProxyType({spec.name: spec for spec in (
+    MethodSpec("draft_model", "a smaller causal LM with the target's tokenizer", "draftwise.proposers.draft_model",
+               model="draft"),
+    MethodSpec("ngram", "prompt lookup: copy what followed the latest match of the context's suffix",
+               "draftwise.proposers.ngram", fields=("prompt_lookup_min", "prompt_lookup_max"), validate=_check_ngram),
+    MethodSpec("suffix", "SuffixDecoding: a frequency-scored suffix index over the request and earlier outputs",
+               "draftwise.proposers.suffix", fields=SUFFIX_FIELDS, validate=_check_suffix),
+    MethodSpec("medusa", "Medusa heads on the target's hidden states (draftwise train-heads)",
+               "draftwise.proposers.medusa", model="heads", fields=("tree_width", "tree_budget", "tree"),
+               k_policies=("fixed",), validate=_check_heads),
+    MethodSpec("eagle", "an EAGLE feature-level draft head on the target (draftwise train-heads)",
+               "draftwise.proposers.eagle", model="heads", fields=("tree_width", "tree_budget"),
+               k_policies=("fixed",), validate=_check_heads),
+    MethodSpec("hybrid", "suffix decoding when its match is confident, the draft model otherwise (per step, by "
+               "expected tokens per second)", "draftwise.proposers.hybrid", model="draft", fields=SUFFIX_FIELDS,
+               validate=_check_suffix),
+)})
+
+
+def method_names() -> tuple[str, ...]:
+    """Every registered method name, in registry order."""
+    return tuple(METHODS)
+
+
+def get_method(name: str) -> MethodSpec:
+    """The registered method ``name``.
+
+    Raises:
+        ValueError: no such method (the message lists the known ones).
+    """
+    spec = METHODS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown speculative method {name!r}; choose one of {method_names()}")
+    return spec
+
+
+def validate_config(config: SpeculativeConfig) -> None:
+    """Check a config against its method's entry: ``model`` present when the method needs one, a supported K
+    policy, no other method's field set, and the method's own field checks.
+
+    Raises:
+        ValueError: naming the offending field.
+    """
+    spec = get_method(config.method)
+    if spec.model is not None and not config.model:
+        what = "a draft model (speculative model path or name)" if spec.model == "draft" else \
+            "its heads directory as 'model' (draftwise train-heads)"
+        raise ValueError(f"method {spec.name!r} needs {what}")
+    if config.k_policy not in K_POLICIES:
+        raise ValueError(f"unknown k_policy {config.k_policy!r}; choose one of {K_POLICIES}")
+    if config.k_policy not in spec.k_policies:
+        raise ValueError(f"method {spec.name!r} supports k_policy {' or '.join(map(repr, spec.k_policies))} only")
+    _reject_foreign_fields(config, spec)
+    if spec.validate is not None:
+        spec.validate(config)
+
+
+def _reject_foreign_fields(config: SpeculativeConfig, spec: MethodSpec) -> None:
+    """A field that only other methods read, set to a non-default value, is a mistake the user should hear of."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for other in METHODS.values():
+        for name in other.fields:
+            if name in spec.fields or getattr(config, name) == defaults[name]:
+                continue
+            users = [m.name for m in METHODS.values() if name in m.fields]
+            raise ValueError(f"{name!r} is not used by method {spec.name!r} (it is for {', '.join(users)})")

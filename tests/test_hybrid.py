@@ -1,0 +1,152 @@
+"""Hybrid proposer: greedy exactness, the per-step choice between suffix decoding and the draft model under
+scripted costs, and learning acceptance from committed tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from draftwise.config import SamplingParams
+from draftwise.engine import SpeculativeEngine
+from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.proposers.hybrid import HybridProposer, accepted_length
+from draftwise.proposers.suffix import SuffixDraft, SuffixProposer
+from fakes import BigramLM, peaked_table
+
+
+@dataclass
+class FakeCosts:
+    """Deterministic costs (seconds): a target pass over n tokens costs ``1 + 0.05 (n - 1)``."""
+
+    draft_seconds_per_token: float = 0.1
+
+    def verify_cost(self, num_tokens: int) -> float:
+        return 1.0 + 0.05 * (num_tokens - 1)
+
+
+def cycle_table(vocab: int, period: int) -> torch.Tensor:
+    """Bigram logits whose argmax after token t is ``(t + 1) % period``."""
+    table = torch.zeros(vocab, vocab)
+    for t in range(vocab):
+        table[t, (t + 1) % period] = 8.0
+    return table
+
+
+def hybrid(target_table, draft_table, k, **options):
+    vocab = target_table.shape[0]
+    costs = options.pop("costs", FakeCosts())
+    proposer = HybridProposer(SuffixProposer(), DraftModelProposer(BigramLM(draft_table), vocab), costs, max_k=k,
+                              **options)
+    return BigramLM(target_table), proposer
+
+
+def plain(target, prompt, params, eos=()):
+    return SpeculativeEngine(target, eos_token_ids=eos).generate(prompt, params)
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("prompt", [[3, 4, 5, 6, 7] * 6, [5, 8], [2, 9, 2, 9, 4, 2, 9]])
+def test_bigram_exactness_with_an_imperfect_draft(k, prompt):
+    target, proposer = hybrid(peaked_table(12, seed=7), peaked_table(12, seed=8), k)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    result = SpeculativeEngine(target, proposer, k).generate(prompt, params)
+    assert result.token_ids == plain(BigramLM(peaked_table(12, seed=7)), prompt, params).token_ids
+    assert proposer.num_suffix_steps + proposer.num_draft_steps == result.stats.num_drafts
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_tiny_llama_exactness_over_consecutive_requests(k):
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=1)
+    proposer = HybridProposer(SuffixProposer(tree_width=2), DraftModelProposer(draft, target.vocab_size), FakeCosts(),
+                              max_k=k)
+    engine = SpeculativeEngine(target, proposer, k)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    for prompt in ([3, 17, 42, 5] * 6, [9, 9, 9, 9, 9, 9, 9, 9], [11, 12, 13, 14, 15, 16, 11, 12, 13], [3, 17, 42, 5] * 6):
+        assert engine.generate(prompt, params).token_ids == plain(target, prompt, params).token_ids, prompt
+    assert proposer.num_draft_steps > 0
+
+
+def test_stories260k_exactness(stories, stories_draft):
+    params = SamplingParams(max_tokens=48)
+    proposer = HybridProposer(SuffixProposer(), DraftModelProposer(stories_draft.backend, stories.backend.vocab_size),
+                              FakeCosts(), max_k=4)
+    engine = SpeculativeEngine(stories.backend, proposer, 4, eos_token_ids=stories.eos_token_ids)
+    for text in ("Once upon a time",
+                 "One two three. One two three. One two three. One two three. One two"):
+        prompt = stories.encode(text)
+        oracle = plain(stories.backend, prompt, params, stories.eos_token_ids)
+        result = engine.generate(prompt, params)
+        assert result.token_ids == oracle.token_ids, text
+    assert proposer.num_draft_steps > 0 and proposer.num_suffix_steps > 0
+
+
+def test_seeded_sampling_is_reproducible_whatever_ran_before():
+    """A seeded sampling request ignores what the hybrid learned from earlier requests (and their outputs), so
+    the same request gives the same text after other requests; an unseeded one may use all of it."""
+    target, proposer = hybrid(peaked_table(12, seed=7, scale=1.5), peaked_table(12, seed=9, scale=1.5), 3)
+    engine = SpeculativeEngine(target, proposer, 3)
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=5)
+    prompt = [1, 2, 3, 1, 2, 3]
+    first = engine.generate(prompt, params).token_ids
+    for seed in range(3):
+        engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=None))
+        engine.generate(prompt + [seed], SamplingParams(max_tokens=40, ignore_eos=True))
+    assert engine.generate(prompt, params).token_ids == first
+    assert proposer.num_suffix_steps > 0 and proposer.num_draft_steps > 0
+    assert proposer.suffix.cache.num_requests == 7
+
+
+# ---------------------------------------------------------------------------------------------- the choice
+def test_picks_suffix_on_repetitive_text():
+    """The target cycles through 0..15 and the prompt holds the cycle three times: every suffix draft is
+    certain, and a K-token suffix step costs no drafting, so suffix wins every step."""
+    table = cycle_table(32, 16)
+    target, proposer = hybrid(table, table, 4, learn_costs=False)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    prompt = list(range(16)) * 3
+    result = SpeculativeEngine(target, proposer, 4).generate(prompt, params)
+    assert result.token_ids == plain(BigramLM(table), prompt, params).token_ids
+    assert proposer.num_draft_steps == 0 and proposer.num_suffix_steps > 0
+    assert result.stats.num_accepted_tokens >= 0.7 * len(result.token_ids)
+
+
+def test_picks_the_draft_model_when_nothing_repeats():
+    """The target counts through 0..199 without repeating: the suffix index never has a continuation."""
+    table = cycle_table(200, 200)
+    target, proposer = hybrid(table, table, 4, learn_costs=False)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    result = SpeculativeEngine(target, proposer, 4).generate([0], params)
+    assert result.token_ids == list(range(1, 61))
+    assert proposer.num_suffix_steps == 0 and proposer.num_draft_steps > 0
+    assert proposer.learned.acceptance.overall > 0.9  # learned from the committed tokens: the draft is the target
+
+
+def test_choice_weighs_confidence_against_costs():
+    costs = FakeCosts(draft_seconds_per_token=0.1)
+    proposer = HybridProposer(SuffixProposer(), DraftModelProposer(BigramLM(cycle_table(8, 8)), 8), costs, max_k=4,
+                              learn_costs=False)
+    confident = SuffixDraft((1, 2, 3, 4), (-1, 0, 1, 2), (1.0, 1.0, 1.0, 1.0), 6)
+    weak = SuffixDraft((1,), (-1,), (0.2,), 1)
+    assert proposer.choose(confident, 4) == "suffix"
+    assert proposer.choose(weak, 4) == "draft_model"  # 1.2 tokens / 1.05 s < 2.31 tokens / 1.6 s
+    assert proposer.choose(SuffixDraft(), 4) == "draft_model"
+    proposer.learned.draft_seconds_per_token = 10.0  # a slow draft model: even the weak suffix draft pays more
+    assert proposer.choose(weak, 4) == "suffix"
+    proposer.learned.draft_seconds_per_token = 0.1
+    proposer.learned.suffix_predicted = 50.0  # the suffix drafts turned out wrong: their confidence is discounted
+    assert proposer.suffix_correction() < 0.1
+    assert proposer.choose(confident, 4) == "draft_model"
+
+
+def test_accepted_length_of_chains_and_trees():
+    assert accepted_length((5, 6, 7), None, [5, 6, 9]) == 2
+    assert accepted_length((5, 6, 7), None, [5, 6, 7, 8]) == 3
+    assert accepted_length((5, 6, 7), None, [4]) == 0
+    tokens, parents = (5, 6, 7, 8), (-1, -1, 1, 1)  # 5 | 6 -> 7, 6 -> 8
+    assert accepted_length(tokens, parents, [6, 8, 1]) == 2
+    assert accepted_length(tokens, parents, [5, 7]) == 1
+    assert accepted_length(tokens, parents, [9]) == 0
