@@ -69,7 +69,7 @@ class ScriptedEngine:
         self.gate = threading.Event()
         self.served: list[str] = []
 
-    def stream(self, prompt_ids, params: SamplingParams) -> Generation:
+    def stream(self, prompt_ids, params: SamplingParams, **request_options) -> Generation:
         prompt = CharTokenizer().decode(prompt_ids)
         self.served.append(prompt)
         generated: list[int] = []

@@ -24,7 +24,7 @@ class GatedEngine:
         self.served: list[int] = []
         self.closed: list[int] = []
 
-    def stream(self, prompt_ids, params) -> Generation:
+    def stream(self, prompt_ids, params, **request_options) -> Generation:
         request = prompt_ids[0]
         self.served.append(request)
         generated: list[int] = []
@@ -45,7 +45,7 @@ class GatedEngine:
 
 
 class FailingEngine:
-    def stream(self, prompt_ids, params) -> Generation:
+    def stream(self, prompt_ids, params, **request_options) -> Generation:
         def steps():
             raise RuntimeError("boom")
             yield []

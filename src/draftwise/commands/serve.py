@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
+from draftwise.builder import DEFAULT_KV_CACHE_MEMORY, DEMO_DRAFT, DEMO_TARGET
 from draftwise.commands.common import CliError, add_backend_arg, add_model_args, add_quantization_arg, speculative_config_from_args
 from draftwise.config import SpeculativeConfig
 from draftwise.server.settings import (
@@ -53,6 +53,10 @@ def register(subparsers) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help=f"max_tokens when a request sets none (default {DEFAULT_MAX_TOKENS}, clamped to the "
                         "context)")
+    parser.add_argument("--kv-cache-memory", type=_memory_size, default=DEFAULT_KV_CACHE_MEMORY, metavar="SIZE",
+                        help="memory for the KV states of finished requests, reused by later requests that share a "
+                        "token prefix with one (agent loops resend the conversation each turn), e.g. 4GiB, 512MB; "
+                        "0 turns prefix reuse off (default 4GiB; least recently used evicted first)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="queued requests beyond which new ones get 503 (default 256)")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -135,6 +139,16 @@ def _chat_template(value: str | None) -> str | None:
     raise CliError(f"--chat-template: no such file, and not a Jinja template: {value!r}")
 
 
+def _memory_size(text: str) -> int:
+    """argparse type: ``4GiB`` -> bytes."""
+    from draftwise.prefix_cache import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the models, then serve until interrupted."""
     from draftwise.builder import build_engine
@@ -147,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                 f"K={plan.speculative_config.num_speculative_tokens}" if plan.speculative_config else "plain decoding")
     bundle = build_engine(plan.target, plan.speculative_config, device=args.device, dtype=args.dtype,
                           max_context=args.max_model_len, quantization=args.quantization,
-                          backend=args.backend, threads=args.threads)
+                          backend=args.backend, threads=args.threads, kv_cache_memory=args.kv_cache_memory)
     app = create_app(bundle, plan.settings)
     logger.info("OpenAI-compatible API at http://%s:%d/v1", args.host, args.port)
     serve(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -9,6 +9,7 @@ and run it with :func:`draftwise.server.serving.serve` (uvicorn, with the gracef
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ from draftwise.server.errors import APIError, ErrorBoundaryMiddleware, error_bod
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
-from draftwise.server.requests import GenerationRequest, RequestBuilder, TextCodec
+from draftwise.server.requests import GenerationRequest, RequestBuilder, TextCodec, cache_scope
 from draftwise.server.responses import (
     SSE_DONE,
     chat_body,
@@ -74,11 +75,14 @@ class ServerState:
         seconds to finish, then fails with ``server_closing`` too. Idempotent."""
         self.scheduler.close(self.settings.shutdown_grace_s)
 
-    def usage(self, prompt_tokens: int, finished: Finished) -> Usage:
-        """The response's usage object (OpenAI's counts plus the speculative statistics)."""
-        engine = self.bundle.engine
-        return make_usage(prompt_tokens, finished.completion_tokens, finished.stats, self.bundle.method,
-                          engine.num_speculative_tokens)
+    def usage(self, request: GenerationRequest, finished: Finished) -> Usage:
+        """The response's usage object (OpenAI's counts, cached prompt tokens, and the speculative statistics:
+        the method and K this request used, ``"plain"`` and 0 when it turned speculation off)."""
+        k = self.bundle.engine.num_speculative_tokens
+        if request.num_speculative_tokens is not None:
+            k = request.num_speculative_tokens
+        method = self.bundle.method if k > 0 else "plain"
+        return make_usage(len(request.prompt_ids), finished.completion_tokens, finished.stats, method, k)
 
 
 def create_app(bundle: EngineBundle, settings: ServerSettings | None = None) -> FastAPI:
@@ -116,7 +120,8 @@ def create_app(bundle: EngineBundle, settings: ServerSettings | None = None) -> 
 def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
     target = bundle.target
     codec = TextCodec(target, settings.chat_template, settings.tokenizer_copies)
-    builder = RequestBuilder(codec, target.name, target.backend.max_context, target.backend.vocab_size, settings)
+    builder = RequestBuilder(codec, target.name, target.backend.max_context, target.backend.vocab_size, settings,
+                             max_k=bundle.engine.num_speculative_tokens)
     metrics = ServerMetrics(builder.served_names[0])
     scheduler = Scheduler(bundle.engine, codec.decode, metrics.record, settings.max_waiting_requests)
     metrics.track_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
@@ -159,14 +164,14 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI text completions, streamed or not."""
         model = state.builder.check_model(body.model)
-        prepared = await run_in_threadpool(state.builder.completion, body)
+        prepared = _scoped(await run_in_threadpool(state.builder.completion, body), request, body)
         return await _respond(state, request, prepared, _CompletionFormat(prepared.request_id, model), body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completions, streamed or not."""
         model = state.builder.check_model(body.model)
-        prepared = await run_in_threadpool(state.builder.chat, body)
+        prepared = _scoped(await run_in_threadpool(state.builder.chat, body), request, body)
         return await _respond(state, request, prepared, _ChatFormat(prepared.request_id, model), body)
 
 
@@ -222,8 +227,15 @@ async def _respond(state: ServerState, request: Request, prepared: GenerationReq
     if collected is None:
         return Response(status_code=499)  # client closed the request; nobody reads this
     text, finished = collected
-    usage = state.usage(len(prepared.prompt_ids), finished)
+    usage = state.usage(prepared, finished)
     return JSONResponse(fmt.body(text, finished.finish_reason, usage))
+
+
+def _scoped(prepared: GenerationRequest, request: Request, body) -> GenerationRequest:
+    """The request with its cache scope: the bearer key it sent and its ``user`` field."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    api_key = token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    return dataclasses.replace(prepared, scope=cache_scope(api_key, body.user))
 
 
 def _submit(state: ServerState, prepared: GenerationRequest) -> RequestHandle:
@@ -292,7 +304,7 @@ async def _stream_events(state: ServerState, handle: RequestHandle, fmt: _Comple
             elif isinstance(event, Finished):
                 yield sse(fmt.closing(event.finish_reason, include_usage))
                 if include_usage:
-                    usage = state.usage(len(handle.request.prompt_ids), event)
+                    usage = state.usage(handle.request, event)
                     yield sse(usage_chunk(fmt.request_id, fmt.created, fmt.model, fmt.object_name, usage))
                 break
             elif isinstance(event, Failed):

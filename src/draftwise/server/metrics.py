@@ -77,6 +77,9 @@ class ServerMetrics:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"{PREFIX}{name}", doc, names + extra, registry=self.registry)
 
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache "
+                                         "(KV state reused, not prefilled).")
         self.num_drafts = counter("spec_decode_num_drafts", "Verification passes that carried draft tokens.")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed for verification.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -121,6 +124,8 @@ class ServerMetrics:
 
     def _record_speculation(self, stats: SpeculativeStats) -> None:
         labels = self._labels
+        self.prefix_cache_queries.labels(**labels).inc(stats.num_prompt_tokens)
+        self.prefix_cache_hits.labels(**labels).inc(stats.num_cached_prompt_tokens)
         self.num_drafts.labels(**labels).inc(stats.num_drafts)
         self.num_draft_tokens.labels(**labels).inc(stats.num_draft_tokens)
         self.num_accepted_tokens.labels(**labels).inc(stats.num_accepted_tokens)

@@ -74,6 +74,8 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     # draftwise extra: "coupled" or "rejection" (unset: coupled with a seed); validated in requests.py
     sampling: str | None = None
+    # draftwise extra: this request's K, 0..the server's K (0: plain decoding); unset: the server's policy
+    num_speculative_tokens: int | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -139,12 +141,20 @@ class SpeculativeUsage(_Response):
     drafted_per_position: list[int]
 
 
+class PromptTokensDetails(_Response):
+    """OpenAI's ``usage.prompt_tokens_details``: ``cached_tokens`` = prompt tokens whose KV state came from
+    the prefix cache (not prefilled)."""
+
+    cached_tokens: int
+
+
 class Usage(_Response):
     """OpenAI's usage plus ``speculative``."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     speculative: SpeculativeUsage
 
 

@@ -5,6 +5,7 @@ strings. Every user error becomes an :class:`APIError` (4xx) here, before the re
 from __future__ import annotations
 
 import copy
+import hashlib
 import dataclasses
 import math
 import queue
@@ -22,7 +23,7 @@ from draftwise.server.errors import APIError
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from draftwise.server.settings import ServerSettings
 
-__all__ = ["GenerationRequest", "TextCodec", "RequestBuilder", "public_model_name"]
+__all__ = ["GenerationRequest", "TextCodec", "RequestBuilder", "public_model_name", "cache_scope"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class GenerationRequest:
         params: sampling parameters (``max_tokens`` already clamped to the context).
         stops: stop strings (cut from the output, OpenAI style).
         arrival_s: ``time.perf_counter()`` when the request arrived (for latency metrics).
+        scope: who may share cached state with this request (see :func:`cache_scope`).
+        num_speculative_tokens: the request's own K (0: plain decoding), or None for the server's policy.
     """
 
     request_id: str
@@ -42,6 +45,20 @@ class GenerationRequest:
     params: SamplingParams
     stops: tuple[str, ...] = ()
     arrival_s: float = 0.0
+    scope: str = ""
+    num_speculative_tokens: int | None = None
+
+
+def cache_scope(api_key: str | None, user: str | None) -> str:
+    """The prefix-cache / suffix-index scope of a request: a digest of the bearer key it authenticated with
+    (never the key itself) and its ``user`` field, so neither different keys nor different users share state.
+
+    Args:
+        api_key: the bearer token sent (None when the server needs none).
+        user: the request's ``user`` field.
+    """
+    key = hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else ""
+    return f"{key}|{user or ''}"
 
 
 class TextCodec:
@@ -180,10 +197,12 @@ class RequestBuilder:
         max_context: context length in tokens.
         vocab_size: width of the target's logits (valid token ids are below it).
         settings: served names and the default ``max_tokens``.
+        max_k: the engine's K; a request's ``num_speculative_tokens`` must be in 0..max_k.
     """
 
     def __init__(self, codec: TextCodec, model_name: str, max_context: int, vocab_size: int,
-                 settings: ServerSettings) -> None:
+                 settings: ServerSettings, max_k: int = 0) -> None:
+        self._max_k = max_k
         self._codec = codec
         self._max_context = max_context
         self._vocab_size = vocab_size
@@ -266,7 +285,17 @@ class RequestBuilder:
             params=_sampling_params(request, limit),
             stops=_stop_strings(request.stop),
             arrival_s=arrival,
+            num_speculative_tokens=self._request_k(request.num_speculative_tokens),
         )
+
+    def _request_k(self, requested: int | None) -> int | None:
+        if requested is None:
+            return None
+        if not 0 <= requested <= self._max_k:
+            raise APIError(400, f"'num_speculative_tokens' must be in 0..{self._max_k} (0 turns speculation off; "
+                           f"this server speculates at most {self._max_k} tokens), got {requested}",
+                           param="num_speculative_tokens")
+        return requested
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str, prompt_param: str) -> int:
         room = self._max_context - prompt_len

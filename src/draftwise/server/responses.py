@@ -11,6 +11,7 @@ from draftwise.server.protocol import (
     ChatMessageOut,
     CompletionChoice,
     CompletionResponse,
+    PromptTokensDetails,
     SpeculativeUsage,
     Usage,
 )
@@ -38,7 +39,9 @@ def make_usage(prompt_tokens: int, completion_tokens: int, stats: SpeculativeSta
         drafted_per_position=list(stats.drafted_per_position),
     )
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens, speculative=speculative)
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.num_cached_prompt_tokens),
+                 speculative=speculative)
 
 
 def completion_body(request_id: str, model: str, text: str, finish_reason: str, usage: Usage) -> dict:

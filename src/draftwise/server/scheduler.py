@@ -292,7 +292,8 @@ class Scheduler:
         request = job.request
         started = time.perf_counter()
         output = OutputText(self._decode, request.prompt_ids, request.stops)
-        generation = self._engine.stream(request.prompt_ids, request.params)
+        generation = self._engine.stream(request.prompt_ids, request.params, scope=request.scope,
+                                         num_speculative_tokens=request.num_speculative_tokens)
         first_token_at = None
         chunks = iter(generation)
         try:
