@@ -279,6 +279,25 @@ def test_in_process_agent_run_on_stories(stories_path, sessions_file, template_f
     assert plots == ["agent_speedup_by_session.png", "agent_turns.png"]
 
 
+def test_in_process_prefix_reuse_suffix_and_hybrid(stories_path, sessions_file, template_file, tmp_path):
+    """Later turns of every method but plain-nocache reuse the conversation's KV state; suffix and hybrid replay
+    the sessions token for token like plain."""
+    out = tmp_path / "agent-reuse.json"
+    code = main(["bench", "--workload", "agent", "--model", str(stories_path), "--draft", str(stories_path),
+                 "--methods", "plain,plain-nocache,suffix,hybrid", "--ks", "3", "--sessions", str(sessions_file),
+                 "--chat-template", str(template_file), "--max-tokens", "10", "--device", "cpu", "--no-plots",
+                 "--output", str(out)])
+    assert code == 0
+    turns = json.loads(out.read_text())["turns"]
+    assert {t["method"] for t in turns} == {"plain", "plain no-reuse", "suffix K=3", "hybrid K=3"}
+    assert all(t["identical_to_plain"] for t in turns)
+    for turn in turns:
+        if turn["method"] == "plain no-reuse":
+            assert turn["cached_tokens"] == 0
+        elif turn["turn"] > 0:  # (a first turn may share the template's opening with the warm-up request)
+            assert turn["prompt_tokens"] // 2 < turn["cached_tokens"] < turn["prompt_tokens"]
+
+
 def test_in_process_without_a_chat_template_is_a_clear_error(stories_path, sessions_file, tmp_path, capsys):
     code = main(["bench", "--workload", "agent", "--model", str(stories_path), "--methods", "plain",
                  "--sessions", str(sessions_file), "--device", "cpu", "--output", str(tmp_path / "r.json")])

@@ -31,13 +31,14 @@ from draftwise.benchmark import (
     summarize,
     write_json,
 )
-from draftwise.builder import DEMO_DRAFT, DEMO_TARGET, check_same_tokenizer
+from draftwise.builder import DEFAULT_KV_CACHE_MEMORY, DEMO_DRAFT, DEMO_TARGET, check_same_tokenizer
 from draftwise.calibration import ForwardCosts, measure_forward_costs
 from draftwise.commands.common import (
     CliError,
     add_backend_arg,
     add_quantization_arg,
     add_sampling_args,
+    memory_size,
     print_table,
     sampling_params_from_args,
 )
@@ -47,6 +48,9 @@ from draftwise.models.loading import LoadedModel, load_model
 logger = logging.getLogger(__name__)
 
 METHODS = ("plain", "draft", "ngram", "medusa", "eagle", "hf")
+#: Methods of the agent workload only: suffix decoding, the hybrid proposer, and plain decoding with the prefix
+#: cache off (the baseline an agent loop gets from a server without prefix reuse).
+AGENT_METHODS = METHODS + ("suffix", "hybrid", "plain-nocache")
 
 
 def register(subparsers) -> None:
@@ -91,6 +95,9 @@ def _add_agent_args(parser: argparse.ArgumentParser) -> None:
                        help="sessions file (.json or .jsonl; default data/agent_sessions.jsonl), or 'spec-bench' to "
                        "build sessions from --prompts (category coding unless --category) plus coding follow-ups; "
                        "--limit caps the number of sessions")
+    group.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",
+                       help="in process: prefix-cache budget of every method's engine (default 4GiB; 0 = no prefix "
+                       "reuse); the method plain-nocache always runs without")
     group.add_argument("--agent-turns", type=int, default=None,
                        help="turns per session (default: all of a file's; 4 for spec-bench)")
     group.add_argument("--system-prompt", default=None, help="system prompt for every session (replaces the file's)")
@@ -408,7 +415,7 @@ def _agent_methods(args: argparse.Namespace, params):
         config = {"mode": "http", "urls": dict(labelled), "methods": [label for label, _ in labelled],
                   "model_name": args.model_name}
         return [_http_method(label, url, params, args) for label, url in labelled], config
-    methods = _csv(args.methods, METHODS, "--methods")
+    methods = _csv(args.methods, AGENT_METHODS, "--methods")
     if "hf" in methods:
         raise CliError("--methods hf (transformers' generate) is not available with --workload agent")
     plan = agent_method_plan(methods, parse_ks(args.ks), _csv(args.k_policies, ("fixed", "auto"), "--k-policies"),
@@ -429,12 +436,14 @@ def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tr
     from draftwise.config import SpeculativeConfig
 
     plan: list[tuple] = [("plain", "plain", None, None)]
-    for kind, method in (("draft", "draft_model"), ("ngram", "ngram")):
+    if "plain-nocache" in methods:
+        plan.append(("plain no-reuse", "plain-nocache", None, None))
+    for kind, method in (("draft", "draft_model"), ("ngram", "ngram"), ("suffix", "suffix"), ("hybrid", "hybrid")):
         if kind not in methods:
             continue
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                config = SpeculativeConfig(method=method, model=draft if kind == "draft" else None,
+                config = SpeculativeConfig(method=method, model=draft if kind in ("draft", "hybrid") else None,
                                            num_speculative_tokens=k, k_policy=policy)
                 plan.append((method_label(kind, k, policy), kind, k, config))
     for kind in ("medusa", "eagle"):
@@ -455,8 +464,10 @@ def _engine_method(label, kind, k, spec_config, args, params, chat_template):
 
     @contextmanager
     def open_runner():
+        memory = DEFAULT_KV_CACHE_MEMORY if args.kv_cache_memory is None else args.kv_cache_memory
         bundle = build_engine(args.model, spec_config, device=args.device, dtype=args.dtype,
-                              quantization=args.quantization, backend=args.backend, threads=args.threads)
+                              quantization=args.quantization, backend=args.backend, threads=args.threads,
+                              kv_cache_memory=0 if kind == "plain-nocache" else memory)
         yield EngineTurnRunner(bundle, params, chat_template)
 
     return AgentMethod(label, open_runner, kind, k, concurrent=False)

@@ -11,11 +11,21 @@ from draftwise.config import SAMPLING_RULES, SamplingParams, SpeculativeConfig
 from draftwise.proposers.registry import method_names
 
 __all__ = ["add_model_args", "add_sampling_args", "speculative_config_from_args", "sampling_params_from_args",
-           "CliError", "add_quantization_arg", "add_backend_arg", "print_table"]
+           "CliError", "add_quantization_arg", "add_backend_arg", "memory_size", "print_table"]
 
 
 class CliError(Exception):
     """A user error the CLI reports as one line (exit code 2), without a traceback."""
+
+
+def memory_size(text: str) -> int:
+    """argparse type for memory sizes: ``4GiB`` / ``512MB`` / ``0`` -> bytes."""
+    from draftwise.prefix_cache import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = False) -> None:

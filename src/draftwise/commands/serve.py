@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftwise.builder import DEFAULT_KV_CACHE_MEMORY, DEMO_DRAFT, DEMO_TARGET
-from draftwise.commands.common import CliError, add_backend_arg, add_model_args, add_quantization_arg, speculative_config_from_args
+from draftwise.commands.common import CliError, memory_size, add_backend_arg, add_model_args, add_quantization_arg, speculative_config_from_args
 from draftwise.config import SpeculativeConfig
 from draftwise.server.settings import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -53,7 +53,7 @@ def register(subparsers) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help=f"max_tokens when a request sets none (default {DEFAULT_MAX_TOKENS}, clamped to the "
                         "context)")
-    parser.add_argument("--kv-cache-memory", type=_memory_size, default=DEFAULT_KV_CACHE_MEMORY, metavar="SIZE",
+    parser.add_argument("--kv-cache-memory", type=memory_size, default=DEFAULT_KV_CACHE_MEMORY, metavar="SIZE",
                         help="memory for the KV states of finished requests, reused by later requests that share a "
                         "token prefix with one (agent loops resend the conversation each turn), e.g. 4GiB, 512MB; "
                         "0 turns prefix reuse off (default 4GiB; least recently used evicted first)")
@@ -137,16 +137,6 @@ def _chat_template(value: str | None) -> str | None:
     if "{{" in value or "{%" in value:
         return value
     raise CliError(f"--chat-template: no such file, and not a Jinja template: {value!r}")
-
-
-def _memory_size(text: str) -> int:
-    """argparse type: ``4GiB`` -> bytes."""
-    from draftwise.prefix_cache import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
