@@ -14,6 +14,7 @@ from draftwise.prefix_cache import PrefixCache, PrefixEntry, parse_bytes
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.ngram import NgramProposer
 from fakes import BigramLM, peaked_table
+from llama_cpp_gate import needs_llama_cpp
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -253,3 +254,26 @@ def test_request_may_turn_speculation_off_or_lower_k(tiny_pair):
     for bad in (-1, 5):
         with pytest.raises(ValueError, match="num_speculative_tokens"):
             engine.stream([3, 4], GREEDY, num_speculative_tokens=bad)
+
+
+# ----------------------------------------------------------------------------------------- llama.cpp
+
+
+@needs_llama_cpp
+def test_llama_cpp_warm_turn_equals_cold(stories_path, draftwise_home):
+    """llama.cpp cannot export its cache: the engine reuses the sequence still in it (same scope only)."""
+    from draftwise.models.loading import load_model
+
+    model = load_model(str(stories_path), backend="llama.cpp", threads=1)
+    target = model.backend
+    assert not target.supports_cache_export
+    engine = SpeculativeEngine(target, NgramProposer(1, 3), 3, prefix_cache=PrefixCache(1 << 30))
+    prompt = model.encode("Once upon a time, there was a little dog.")
+    first = engine.generate(prompt, GREEDY)
+    conversation = prompt + first.token_ids + model.encode(" The dog ran.")
+    warm = _generate(engine, conversation, "")
+    assert warm.stats.num_cached_prompt_tokens == len(prompt) + len(first.token_ids) - 1
+    assert warm.token_ids == SpeculativeEngine(target).generate(conversation, GREEDY).token_ids
+    other_scope = _generate(engine, conversation, "someone-else")
+    assert other_scope.stats.num_cached_prompt_tokens == 0
+    assert other_scope.token_ids == warm.token_ids
