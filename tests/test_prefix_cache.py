@@ -277,3 +277,21 @@ def test_llama_cpp_warm_turn_equals_cold(stories_path, draftwise_home):
     other_scope = _generate(engine, conversation, "someone-else")
     assert other_scope.stats.num_cached_prompt_tokens == 0
     assert other_scope.token_ids == warm.token_ids
+
+
+
+def test_hybrid_warm_turn_reuses_its_draft_state_and_stays_exact(tiny_pair):
+    from draftwise.proposers.hybrid import HybridProposer
+    from draftwise.proposers.suffix import SuffixProposer
+    from test_hybrid import FakeCosts
+
+    target, draft = tiny_pair
+    hybrid = HybridProposer(SuffixProposer(), DraftModelProposer(draft, target.vocab_size), FakeCosts(), max_k=4)
+    engine = SpeculativeEngine(target, hybrid, 4, prefix_cache=PrefixCache(1 << 30))
+    first = engine.generate([3, 17, 42, 5], GREEDY)
+    kept = engine.prefix_cache.lookup("", [3, 17, 42, 5]).entry
+    assert kept.proposer_state is not None and kept.proposer_state.kv is not None  # the draft's KV is kept
+    conversation = [3, 17, 42, 5] + first.token_ids + [8, 9]
+    warm = engine.generate(conversation, GREEDY)
+    assert warm.stats.num_cached_prompt_tokens == len(conversation) - 3
+    assert warm.token_ids == cold(target, conversation).token_ids

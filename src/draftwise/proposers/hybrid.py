@@ -174,6 +174,14 @@ class HybridProposer(Proposer):
         self._pending = None
         self._request_state = None
 
+    def export_state(self):
+        """The draft model's kept state (the prefix cache stores it with the target's KV)."""
+        return self.draft.export_state()
+
+    def import_state(self, state) -> None:
+        """Adopt the draft model's kept state (None: start empty)."""
+        self.draft.import_state(state)
+
     # ------------------------------------------------------------------ the model
     def suffix_correction(self, state: LearnedState | None = None) -> float:
         """f: accepted / predicted tokens of the suffix drafts so far (prior: 1)."""
