@@ -311,14 +311,16 @@ def test_demo_script_agent_command_parses_and_runs(stories_path, template_file, 
     words = shlex.split(line)
     argv = [w for w in words[words.index("bench"):] if w != "$@"]
     args = build_parser().parse_args(argv)
-    assert (args.workload, args.limit, args.agent_turns, args.methods) == ("agent", 1, 3, "plain,draft,ngram")
+    assert (args.workload, args.limit, args.agent_turns, args.methods) == (
+        "agent", 1, 3, "plain,plain-nocache,draft,ngram,suffix")
+    assert args.quantization == "int8"
     assert 96 <= args.max_tokens <= 128
     out = tmp_path / "demo.json"
     code = main(argv + ["--model", str(stories_path), "--draft", str(stories_path), "--chat-template",
                         str(template_file), "--max-tokens", "6", "--device", "cpu", "--no-plots", "--output", str(out)])
     assert code == 0
     data = json.loads(out.read_text())
-    assert data["config"]["num_sessions"] == 1 and len(data["turns"]) == 3 * 3
+    assert data["config"]["num_sessions"] == 1 and len(data["turns"]) == 5 * 3
 
 
 # ---------------------------------------------------------------------- --url, against the draftwise server
