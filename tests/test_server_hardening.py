@@ -14,7 +14,6 @@ import asyncio
 import http.client
 import json
 import logging
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ from draftwise.server.requests import GenerationRequest, TextCodec, public_model
 from draftwise.server.scheduler import Failed, Finished, QueueFullError, Scheduler, ServerClosingError
 from draftwise.server.serving import make_server
 from draftwise.stats import SpeculativeStats
+from test_server import _free_port
 
 SECRET_PATH = "/secret/place/fake-model.gguf"
 BOS = 1
@@ -95,12 +95,6 @@ def fake_bundle(engine: ScriptedEngine | None = None, name: str = SECRET_PATH) -
     target = LoadedModel(backend=SimpleNamespace(max_context=4096, vocab_size=256, name=name),
                          tokenizer=CharTokenizer(), name=name, eos_token_ids=())
     return EngineBundle(target=target, engine=engine or ScriptedEngine())
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from draftwise import __version__
 from draftwise.builder import EngineBundle
 from draftwise.server.errors import APIError, ErrorBoundaryMiddleware, error_body, install_error_handlers
 from draftwise.server.metrics import ServerMetrics
-from draftwise.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from draftwise.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, bearer_token
 from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
 from draftwise.server.requests import GenerationRequest, RequestBuilder, TextCodec, cache_scope
 from draftwise.server.responses import (
@@ -233,8 +233,8 @@ async def _respond(state: ServerState, request: Request, prepared: GenerationReq
 
 def _scoped(prepared: GenerationRequest, request: Request, body) -> GenerationRequest:
     """The request with its cache scope: the bearer key it sent and its ``user`` field."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    api_key = token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    token = bearer_token(request.headers.get("authorization", "").encode("latin-1"))
+    api_key = token.decode("latin-1") if token else None
     return dataclasses.replace(prepared, scope=cache_scope(api_key, body.user))
 
 
