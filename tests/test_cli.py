@@ -83,3 +83,19 @@ def test_bad_suffix_and_hybrid_configs_are_one_line_errors(config, message, caps
     assert main(["generate", "--model", "x", "--speculative-config", config, "hi"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"method": "ngram", "num_speculative_tokens": 2.5}', "num_speculative_tokens must be an integer, got 2.5"),
+    ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens must be an integer"),
+    ('{"method": "ngram", "num_speculative_tokens": "3"}', "num_speculative_tokens must be an integer"),
+    ('{"method": "ngram", "prompt_lookup_max": 2.5}', "prompt_lookup_max must be an integer"),
+    ('{"method": "suffix", "suffix_decoding_min_token_prob": "high"}', "must be a number"),
+    ('{"bogus": 1}', "unknown field(s) in --speculative-config: bogus"),
+    ('{"method": "draft_model"}', "needs a draft model"),
+])
+def test_mistyped_speculative_config_fails_before_loading(config, message, capsys):
+    """A float K used to be accepted and crash inside the n-gram proposer (a 500 on every server request)."""
+    assert main(["generate", "--model", "x", "--speculative-config", config, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

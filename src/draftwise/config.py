@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 __all__ = ["SamplingParams", "SpeculativeConfig", "GREEDY_TEMPERATURE", "SAMPLING_RULES"]
@@ -151,6 +152,31 @@ class SpeculativeConfig:
         # imported here: the proposers package imports this module
         from draftwise.proposers.registry import validate_config
 
+        _check_field_types(self)
         if not (1 <= self.num_speculative_tokens <= 64):
             raise ValueError(f"num_speculative_tokens must be in 1..64, got {self.num_speculative_tokens}")
         validate_config(self)
+
+
+_SCALAR_TYPES = {"int": (int,), "float": (int, float), "str": (str,)}
+
+
+def _check_field_types(config) -> None:
+    """Scalar fields must hold their annotated type (JSON gives floats, strings and booleans where an int
+    belongs; ``True`` is not an int here), so a bad value is a clear error, not a crash deep in a proposer.
+
+    Raises:
+        ValueError: naming the field, the expected type and the value.
+    """
+    for spec in dataclasses.fields(config):
+        names = [part.strip() for part in str(spec.type).split("|")]
+        optional = "None" in names
+        wanted = [name for name in names if name != "None"]
+        if len(wanted) != 1 or wanted[0] not in _SCALAR_TYPES:
+            continue  # containers (tree) are checked by their own parser
+        value = getattr(config, spec.name)
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, _SCALAR_TYPES[wanted[0]]):
+            kind = {"int": "an integer", "float": "a number", "str": "a string"}[wanted[0]]
+            raise ValueError(f"{spec.name} must be {kind}{' or null' if optional else ''}, got {value!r}")

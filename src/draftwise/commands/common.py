@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
 
@@ -104,20 +105,23 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
             raise CliError(f"--speculative-config is not valid JSON: {exc}") from exc
         if not isinstance(fields, dict):
             raise CliError("--speculative-config must be a JSON object")
+        unknown = sorted(set(fields) - {spec.name for spec in dataclasses.fields(SpeculativeConfig)})
+        if unknown:
+            raise CliError(f"unknown field(s) in --speculative-config: {', '.join(unknown)}")
     model = args.speculative_model
     if model and model.lower() != "none":
         fields["model"] = model
         fields.setdefault("method", "draft_model")
     if args.num_speculative_tokens is not None:
         fields["num_speculative_tokens"] = args.num_speculative_tokens
-    if not fields.get("model") and fields.get("method", "draft_model") == "draft_model":
-        return None
+    method_given = "method" in fields
+    if not fields.get("model") and fields.get("method", "draft_model") in ("draft_model", None) and \
+            (not method_given or (model and model.lower() == "none")):
+        return None  # no draft named: plain decoding (an explicit draft_model without a model is an error below)
     if fields.get("method") in ("draft", "draft_model", None):
         fields["method"] = "draft_model"
     try:
         return SpeculativeConfig(**fields)
-    except TypeError as exc:
-        raise CliError(f"unknown field in --speculative-config: {exc}") from exc
     except ValueError as exc:
         raise CliError(str(exc)) from exc
 

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftwise.builder import DEFAULT_KV_CACHE_MEMORY, DEMO_DRAFT, DEMO_TARGET
-from draftwise.commands.common import CliError, memory_size, add_backend_arg, add_model_args, add_quantization_arg, speculative_config_from_args
+from draftwise.commands.common import (
+    CliError,
+    add_backend_arg,
+    add_model_args,
+    add_quantization_arg,
+    memory_size,
+    speculative_config_from_args,
+)
 from draftwise.config import SpeculativeConfig
 from draftwise.server.settings import (
     DEFAULT_MAX_REQUEST_BYTES,
