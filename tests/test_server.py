@@ -51,9 +51,9 @@ def _free_port() -> int:
 
 
 @contextmanager
-def live_server(app):
-    """Run an app with uvicorn on a free loopback port in a background thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+def running(server: uvicorn.Server, join_s: float = 15, must_stop: bool = False):
+    """Run a uvicorn server in a background thread until the block ends; yields its base URL. With
+    ``must_stop``, fail if the server thread has not ended ``join_s`` seconds after it was told to exit."""
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -64,7 +64,16 @@ def live_server(app):
         yield f"http://127.0.0.1:{server.config.port}"
     finally:
         server.should_exit = True
-        thread.join(15)
+        thread.join(join_s)
+        if must_stop:
+            assert not thread.is_alive(), "server did not stop"
+
+
+@contextmanager
+def live_server(app):
+    """Run an app with uvicorn on a free loopback port in a background thread; yields the base URL."""
+    with running(uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

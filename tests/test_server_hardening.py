@@ -35,7 +35,7 @@ from draftwise.server.requests import GenerationRequest, TextCodec, public_model
 from draftwise.server.scheduler import Failed, Finished, QueueFullError, Scheduler, ServerClosingError
 from draftwise.server.serving import make_server
 from draftwise.stats import SpeculativeStats
-from test_server import _free_port
+from test_server import _free_port, running
 
 SECRET_PATH = "/secret/place/fake-model.gguf"
 BOS = 1
@@ -102,18 +102,8 @@ def live(app):
     """Serve ``app`` with :class:`DrainingServer` (what ``draftwise serve`` runs) on a loopback port in a
     thread; yields ``(base_url, server)``. Setting ``server.should_exit`` is what SIGTERM does."""
     server = make_server(app, port=_free_port(), log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}", server
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive(), "server did not stop"
+    with running(server, join_s=30, must_stop=True) as url:
+        yield url, server
 
 
 def metric(base_url: str, name: str, **labels) -> float:

@@ -79,17 +79,25 @@ def write_plots(directory: Path, runs: Sequence[PromptRun], by_category: list[di
 
 
 def _plot_speedup(plt, path: Path, rows: list[dict]) -> Path:
-    categories = list(dict.fromkeys(r["category"] for r in rows))
+    return _grouped_speedup_bars(plt, path, rows, "category", "speedup_median", "median speedup over plain",
+                                 inch_per_bar=1.2)
+
+
+def _grouped_speedup_bars(plt, path: Path, rows: Sequence[dict], group_key: str, value_key: str, ylabel: str, *,
+                          inch_per_bar: float, tick_fontsize: float | None = None) -> Path:
+    """One bar per (group, method) from ``rows`` (``row[value_key]``, None drawn as 0), groups along x, a line
+    at 1.0: the speed-up plots of both workloads."""
+    groups = list(dict.fromkeys(r[group_key] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) * max(1, len(methods)) / 2), 4))
+    fig, ax = plt.subplots(figsize=(max(6, inch_per_bar * len(groups) * max(1, len(methods)) / 2), 4))
     width = 0.8 / max(1, len(methods))
     for j, method in enumerate(methods):
-        values = [next((r["speedup_median"] or 0 for r in rows if r["category"] == c and r["method"] == method), 0)
-                  for c in categories]
-        ax.bar([i + j * width for i in range(len(categories))], values, width, label=method)
+        values = [next((r[value_key] or 0 for r in rows if r[group_key] == g and r["method"] == method), 0)
+                  for g in groups]
+        ax.bar([i + j * width for i in range(len(groups))], values, width, label=method)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(categories))], categories)
-    ax.set_ylabel("median speedup over plain")
+    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(groups))], groups, fontsize=tick_fontsize)
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
     return _save(plt, fig, path)
 
@@ -230,19 +238,8 @@ def _plot_agent_turns(plt, path: Path, turns) -> Path:
 
 
 def _plot_agent_speedup(plt, path: Path, sessions: Sequence[dict]) -> Path:
-    session_ids = list(dict.fromkeys(r["session_id"] for r in sessions))
-    methods = list(dict.fromkeys(r["method"] for r in sessions))
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(session_ids) * max(1, len(methods)) / 2), 4))
-    width = 0.8 / max(1, len(methods))
-    for j, method in enumerate(methods):
-        values = [next((r["speedup"] or 0 for r in sessions if r["session_id"] == s and r["method"] == method), 0)
-                  for s in session_ids]
-        ax.bar([i + j * width for i in range(len(session_ids))], values, width, label=method)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(session_ids))], session_ids, fontsize=7)
-    ax.set_ylabel("session speed-up over the baseline")
-    ax.legend(fontsize=7)
-    return _save(plt, fig, path)
+    return _grouped_speedup_bars(plt, path, sessions, "session_id", "speedup", "session speed-up over the baseline",
+                                 inch_per_bar=0.8, tick_fontsize=7)
 
 
 def _mean(values: list[float]) -> float:
