@@ -14,7 +14,7 @@ from conftest import tiny_llama
 from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
 from draftwise.proposers.draft_model import DraftModelProposer
-from draftwise.quantization import int8_kernels_available, quantize_model
+from draftwise.backends.quantization import int8_kernels_available, quantize_model
 from test_quantization import tiny_qwen2
 
 pytestmark = pytest.mark.skipif(not int8_kernels_available(), reason="torch build without fbgemm int8 kernels")

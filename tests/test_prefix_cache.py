@@ -114,7 +114,7 @@ def test_warm_turns_equal_cold_prefill_and_reuse_the_conversation(tiny_pair, met
 
 def test_prefill_logits_after_import_are_bit_identical_on_int8(stories_path, draftwise_home):
     from draftwise.models.loading import load_model
-    from draftwise.quantization import int8_kernels_available
+    from draftwise.backends.quantization import int8_kernels_available
 
     if not int8_kernels_available():
         pytest.skip("torch build without fbgemm int8 kernels")

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from conftest import tiny_llama
-from draftwise.attention import ROWWISE_ATTENTION, register_rowwise_attention, use_rowwise_attention
-from draftwise.quantization import (
+from draftwise.backends.attention import ROWWISE_ATTENTION, register_rowwise_attention, use_rowwise_attention
+from draftwise.backends.quantization import (
     Int8Linear,
     QuantizationError,
     int8_kernels_available,

@@ -146,7 +146,7 @@ def _linear_logits(seed, ids, quantize=False):
 def _model(seed, quantize):
     model = tiny_llama(seed)
     if quantize:
-        from draftwise.quantization import quantize_model
+        from draftwise.backends.quantization import quantize_model
 
         quantize_model(model.model, "int8")
     return model

@@ -195,7 +195,7 @@ def build_engine(
         device, dtype: see :func:`draftwise.models.loading.load_model`.
         max_context: context length in tokens (default: the target config's).
         quantization: ``"none"`` or ``"int8"`` for the target and a draft model (see
-            :mod:`draftwise.quantization`).
+            :mod:`draftwise.backends.quantization`).
         backend: ``"torch"``, ``"llama.cpp"`` or ``"auto"`` for the target and a draft model (see
             :func:`draftwise.models.loading.select_backend`).
         threads: llama.cpp CPU threads (default: all available).

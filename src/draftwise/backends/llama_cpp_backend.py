@@ -547,19 +547,18 @@ def load_llama_cpp(
     """Load a GGUF file for the llama.cpp backend: the backend, llama.cpp's tokenizer and its EOG ids.
 
     Returns:
-        a :class:`draftwise.models.loading.LoadedModel`.
+        ``(backend, tokenizer, eos_token_ids)``: the :class:`LlamaCppCausalLM`, its :class:`LlamaCppTokenizer` and
+        the vocabulary's end-of-generation ids; :func:`draftwise.models.loading.load_model` wraps them in a
+        ``LoadedModel`` (this module does not import the loading module: no import cycle).
 
     Raises:
         ImportError: llama-cpp-python is not installed.
         FileNotFoundError, ValueError: see :class:`LlamaCppCausalLM`.
     """
-    from draftwise.models.loading import LoadedModel
-
     handle = _ModelHandle(Path(path), repack=not batch_invariant)
     backend = LlamaCppCausalLM(path, name=name, max_context=max_context, n_threads=n_threads,
                                flash_attention=flash_attention, batch_invariant=batch_invariant, model=handle)
     tokenizer = LlamaCppTokenizer(handle)
     logger.info("llama.cpp: loaded %s (%d tokens, context %d, %d threads, batch-invariant %s)", backend.name,
                 backend.vocab_size, backend.max_context, backend.n_threads, batch_invariant)
-    return LoadedModel(backend=backend, tokenizer=tokenizer, name=name or str(path),
-                       eos_token_ids=tokenizer.eog_token_ids())
+    return backend, tokenizer, tuple(tokenizer.eog_token_ids())

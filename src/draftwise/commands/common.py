@@ -48,7 +48,7 @@ def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = Fals
 def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
     """--quantization {none,int8}: pass ``args.quantization`` to ``load_model`` / ``build_engine`` (it applies to
     the target and a draft model alike)."""
-    from draftwise.quantization import QUANTIZATION_MODES
+    from draftwise.backends.quantization import QUANTIZATION_MODES
 
     parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default="none",
                         help="int8: batch-invariant int8 linear layers on the CPU, so a k-token verify pass gives "

@@ -23,7 +23,7 @@ from draftwise.backends.base import CausalLM
 from draftwise.backends.torch_backend import TorchCausalLM, default_attention, default_device, default_dtype
 from draftwise.models.gguf_tokenizer import gguf_metadata, tokenizer_from_gguf_vocab
 from draftwise.models.pull import MODEL_REGISTRY, draftwise_home, is_pulled, model_path
-from draftwise.quantization import parse_quantization, quantize_model
+from draftwise.backends.quantization import parse_quantization, quantize_model
 
 __all__ = ["RANDOM_PREFIX", "randomize_weights", "LoadedModel", "ModelLoadError", "load_model", "resolve_model", "select_backend", "BACKENDS"]
 
@@ -136,7 +136,7 @@ def load_model(
         max_context: context length in tokens (default: the model config's).
         attn_implementation: transformers attention kernel (default: see ``default_attention``).
         quantization: ``"none"`` (default) or ``"int8"``: batch-invariant int8 linear layers and row-wise
-            attention on the CPU (see :mod:`draftwise.quantization`), applied after loading; the backend's
+            attention on the CPU (see :mod:`draftwise.backends.quantization`), applied after loading; the backend's
             name then ends in ``+int8`` (so calibration caches keep the two apart).
         backend: ``"torch"`` (default), ``"llama.cpp"`` or ``"auto"``; see :func:`select_backend` for the rule.
         threads: llama.cpp only: CPU threads (default: every CPU this process may use).
@@ -231,9 +231,10 @@ def _load_llama_cpp(spec: str, path: str, *, max_context: int | None, threads: i
     if not Path(path).is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
     try:
-        return load_llama_cpp(path, name=spec, max_context=max_context, n_threads=threads)
+        backend, tokenizer, eos_ids = load_llama_cpp(path, name=spec, max_context=max_context, n_threads=threads)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model {spec!r} with llama.cpp: {exc}") from exc
+    return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids)
 
 
 def _looks_local(spec: str) -> bool:

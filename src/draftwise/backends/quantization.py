@@ -29,7 +29,7 @@ batch-invariant.
 
 The word embedding stays in float (a lookup, row-independent); a tied LM head gets a quantized copy.
 The rest of batch invariance (attention, activations, rotary embeddings computed per position) is
-:func:`draftwise.attention.make_batch_invariant`.
+:func:`draftwise.backends.attention.make_batch_invariant`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import warnings
 import torch
 from torch import nn
 
-from draftwise.attention import make_batch_invariant
+from draftwise.backends.attention import make_batch_invariant
 
 __all__ = ["QUANTIZATION_MODES", "Int8Linear", "QuantizationError", "int8_kernels_available", "quantize_model",
            "parse_quantization"]
@@ -187,7 +187,7 @@ def quantize_model(model: nn.Module, mode: str | None = "int8") -> nn.Module:
     ``"int8"``: every ``nn.Linear`` (attention and MLP projections, the LM head) becomes an
     :class:`Int8Linear`; the input embedding stays float (a tied LM head gets its own int8 copy, the
     embedding table is not modified); attention, MLP activations and rotary embeddings are computed one
-    position at a time (:func:`draftwise.attention.make_batch_invariant`).
+    position at a time (:func:`draftwise.backends.attention.make_batch_invariant`).
     ``"none"``: the model is returned unchanged.
 
     Args:

@@ -25,7 +25,7 @@ Register with :func:`register_rowwise_attention` (idempotent) and select with
 
 Elementwise transcendental functions have the same problem in a milder form (SIMD body vs scalar tail, thread
 chunks), so :func:`make_batch_invariant` also wraps MLP activations and rotary embeddings to run per position.
-Linear layers are the remaining piece; :mod:`draftwise.quantization` makes those batch-invariant.
+Linear layers are the remaining piece; :mod:`draftwise.backends.quantization` makes those batch-invariant.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class RowwiseRotary(nn.Module):
 
 def make_batch_invariant(model: nn.Module) -> int:
     """Make every per-position computation of a transformers decoder independent of the number of positions
-    in the pass, apart from its linear layers (see :mod:`draftwise.quantization` for those): row-wise
+    in the pass, apart from its linear layers (see :mod:`draftwise.backends.quantization` for those): row-wise
     attention, and :class:`RowwiseActivation` / :class:`RowwiseRotary` around MLP activations (``act_fn``
     attributes) and rotary embeddings (``rotary_emb`` attributes). Norms, residual adds and the embedding
     lookup already are (per-row reductions of fixed width, correctly rounded basic arithmetic, a lookup).
