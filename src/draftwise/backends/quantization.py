@@ -165,6 +165,11 @@ class Int8Linear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    def nbytes(self) -> int:
+        """Bytes the layer stores: int8 weights, per-channel scales (float64), bias (float32)."""
+        bias = 0 if self.bias is None else 4 * self.out_features
+        return self.out_features * self.in_features + 8 * self.out_features + bias
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
 

@@ -25,13 +25,15 @@ from draftwise.models.gguf_tokenizer import gguf_metadata, tokenizer_from_gguf_v
 from draftwise.models.pull import MODEL_REGISTRY, draftwise_home, is_pulled, model_path
 from draftwise.backends.quantization import parse_quantization, quantize_model
 
-__all__ = ["RANDOM_PREFIX", "randomize_weights", "LoadedModel", "ModelLoadError", "load_model", "resolve_model", "select_backend", "BACKENDS"]
+__all__ = ["RANDOM_PREFIX", "randomize_weights", "LoadedModel", "ModelLoadError", "load_model", "resolve_model", "select_backend", "select_runtime", "BACKENDS", "RUNTIMES"]
 
 #: ``load_model("random:SPEC")``: SPEC's architecture and tokenizer with random weights.
 RANDOM_PREFIX = "random:"
 
 #: Values of ``load_model(backend=...)`` and ``--backend``.
 BACKENDS = ("torch", "llama.cpp", "auto")
+#: Values of ``load_model(runtime=...)`` and ``--runtime``: how the PyTorch backend runs a model.
+RUNTIMES = ("lean", "transformers", "auto")
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +126,7 @@ def load_model(
     quantization: str | None = None,
     backend: str = "torch",
     threads: int | None = None,
+    runtime: str = "auto",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, for the PyTorch backend or (GGUF files) the llama.cpp backend.
 
@@ -140,6 +143,10 @@ def load_model(
             name then ends in ``+int8`` (so calibration caches keep the two apart).
         backend: ``"torch"`` (default), ``"llama.cpp"`` or ``"auto"``; see :func:`select_backend` for the rule.
         threads: llama.cpp only: CPU threads (default: every CPU this process may use).
+        runtime: PyTorch backend only: ``"lean"`` (draftwise's own Llama-family decoder,
+            :mod:`draftwise.backends.lean`: preallocated KV cache, batch-invariant by construction),
+            ``"transformers"`` (the model as transformers runs it) or ``"auto"`` (default; see
+            :func:`select_runtime`). The lean backend's name ends in ``+lean``.
 
     Raises:
         ModelLoadError: missing file, unreadable model, a registry model that is not pulled, or the llama.cpp
@@ -174,10 +181,48 @@ def load_model(
     model.to(device)
     if randomize:
         randomize_weights(model)
-    quantize_model(model, quantization)
+    eos_ids = _eos_ids(model, tokenizer)
     name = spec if quantization == "none" else f"{spec}+{quantization}"
+    if select_runtime(runtime, model, device=device, dtype=torch_dtype, quantization=quantization) == "lean":
+        from draftwise.backends.lean import build_lean
+
+        lean = build_lean(model, quantization=quantization, name=f"{name}+lean", max_context=max_context)
+        del model  # the lean decoder holds its own copies of the weights
+        return LoadedModel(backend=lean, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids)
+    quantize_model(model, quantization)
     backend = TorchCausalLM(model, name=name, max_context=max_context)
-    return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=_eos_ids(model, tokenizer))
+    return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids)
+
+
+def select_runtime(runtime: str, model, *, device: str, dtype: torch.dtype, quantization: str) -> str:
+    """``"lean"`` or ``"transformers"``: which runtime runs a loaded PyTorch model.
+
+    ``"auto"`` picks the lean decoder for the exact CPU path (int8, a supported Llama-family architecture,
+    fp32 activations on the CPU), and transformers otherwise; ``"lean"`` insists on it.
+
+    Raises:
+        ValueError: an unknown runtime, or ``"lean"`` for a model or setting it does not cover.
+    """
+    if runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
+    if runtime == "transformers":
+        return "transformers"
+    from draftwise.backends.lean.model import UnsupportedArchitecture, lean_config_from_hf
+
+    reasons = []
+    if not str(device).startswith("cpu"):
+        reasons.append(f"device {device!r} (the lean runtime runs on the CPU)")
+    if dtype != torch.float32:
+        reasons.append(f"dtype {dtype} (the lean runtime computes in fp32)")
+    try:
+        lean_config_from_hf(model.config)
+    except UnsupportedArchitecture as exc:
+        reasons.append(str(exc))
+    if runtime == "lean":
+        if reasons:
+            raise ValueError(f"the lean runtime cannot run this model: {'; '.join(reasons)}")
+        return "lean"
+    return "lean" if not reasons and quantization == "int8" else "transformers"
 
 
 def select_backend(backend: str, path: str, *, device: str | None = None, dtype=None,

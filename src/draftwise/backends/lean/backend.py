@@ -1,0 +1,109 @@
+"""The lean runtime as a :class:`draftwise.backends.base.CausalLM` (one sequence, slot 0).
+
+Rollback sets a length, tree compaction moves the accepted path's entries, and export/import copy a slot's
+entries (the cache is written in place, so an exported state must own its memory).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from draftwise.backends.base import CausalLM, ForwardOutput, KVState
+from draftwise.backends.lean.model import LeanLlama
+from draftwise.backends.lean.rows import chain_rows, tree_rows
+from draftwise.tree import check_parents
+
+__all__ = ["LeanCausalLM"]
+
+logger = logging.getLogger(__name__)
+
+
+class LeanCausalLM(CausalLM):
+    """A :class:`LeanLlama` driving one sequence.
+
+    Args:
+        model: the lean decoder (its cache needs at least one slot).
+        name: identity used in messages and calibration keys.
+    """
+
+    supports_tree = True
+    supports_hidden_states = True
+    supports_cache_export = True
+
+    def __init__(self, model: LeanLlama, name: str = "model") -> None:
+        self.model = model
+        self.name = name
+        self.vocab_size = model.config.vocab_size
+        self.max_context = model.config.max_context
+        self.hidden_size = model.config.hidden_size
+        self.device = torch.device("cpu")
+        self._slot = 0
+
+    @property
+    def num_cached(self) -> int:
+        return self.model.cache.lengths[self._slot]
+
+    def _set_length(self, length: int) -> None:
+        self.model.cache.lengths[self._slot] = length
+
+    def forward(self, token_ids: Sequence[int], *, num_logits: int | None = None, return_hidden: bool = False,
+                hidden_rows: int | None = None) -> ForwardOutput:
+        token_ids = [int(t) for t in token_ids]
+        self._check_forward_args(token_ids)
+        n = len(token_ids)
+        keep = n if num_logits is None else max(1, min(num_logits, n))
+        rows_hidden = keep if hidden_rows is None else max(1, min(hidden_rows, n))
+        rows = chain_rows(token_ids, self.num_cached, self._slot)
+        logits, hidden = self.model.forward_rows(
+            rows, logit_rows=None if keep == n else torch.arange(n - keep, n),
+            hidden_rows=torch.arange(n - rows_hidden, n) if return_hidden else None)
+        self._set_length(self.num_cached + n)
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], *, return_hidden: bool = False) -> ForwardOutput:
+        token_ids = [int(t) for t in token_ids]
+        self._check_forward_args(token_ids)
+        if len(parents) != len(token_ids) - 1:
+            raise ValueError(f"{len(token_ids)} tree tokens (root included) need {len(token_ids) - 1} parents, got {len(parents)}")
+        check_parents(parents)
+        n = len(token_ids)
+        rows = tree_rows(token_ids, list(parents), self.num_cached, self._slot)
+        logits, hidden = self.model.forward_rows(rows, hidden_rows=torch.arange(n) if return_hidden else None)
+        self._set_length(self.num_cached + n)
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+    def compact(self, base: int, keep: Sequence[int]) -> None:
+        keep = [int(j) for j in keep]
+        if not 0 <= base <= self.num_cached or any(b <= a for a, b in zip(keep, keep[1:])) or \
+                (keep and (keep[0] < 0 or base + keep[-1] >= self.num_cached)):
+            raise ValueError(f"compact({base}, {keep}) outside a cache of {self.num_cached} entries")
+        if keep != list(range(len(keep))):
+            self.model.cache.move_entries(self._slot, torch.tensor([base + j for j in keep]), base)
+        self._set_length(base + len(keep))
+
+    def rollback(self, length: int) -> None:
+        self._check_rollback_args(length)
+        self._set_length(length)
+
+    def export_cache(self) -> KVState:
+        """Copies of the slot's first ``num_cached`` entries: per layer ``(keys, values)`` ``[kv_heads, length,
+        head_dim]``."""
+        length = self.num_cached
+        if length == 0:
+            return KVState(payload=(), length=0, nbytes=0)
+        payload = self.model.cache.export_slot(self._slot, length)
+        return KVState(payload=payload, length=length, nbytes=sum(k.nbytes + v.nbytes for k, v in payload))
+
+    def import_cache(self, state: KVState, length: int) -> None:
+        if not 0 <= length <= state.length:
+            raise ValueError(f"import length {length} outside [0, {state.length}]")
+        if length == 0:
+            self.reset()
+            return
+        if len(state.payload) != self.model.config.num_layers:
+            raise ValueError(f"{self.name}: a KV state of {len(state.payload)} layers for a "
+                             f"{self.model.config.num_layers}-layer model")
+        self.model.cache.import_slot(self._slot, state.payload, length)

@@ -1,0 +1,82 @@
+"""Row-invariant linear layers for the lean runtime, by quantization mode.
+
+``int8``: :class:`draftwise.backends.quantization.Int8Linear` (exact by construction). ``none``: float32 weights
+through the BLAS GEMM, with the input rows zero-padded to a multiple R for which the GEMM gives a row the same
+bits whatever the row count (measured per shape at first use: R = 4 on MKL / AMD Zen3; R = 1 where the GEMM is
+already invariant).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from draftwise.backends.quantization import Int8Linear, parse_quantization
+
+__all__ = ["PaddedLinear", "linear_factory", "gemm_row_multiple"]
+
+logger = logging.getLogger(__name__)
+
+_MULTIPLES = (1, 2, 4, 8, 16)
+_TEST_ROWS = (1, 2, 3, 5, 6, 7, 9, 13, 17, 33)
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_row_multiple(in_features: int, out_features: int, threads: int) -> int:
+    """The smallest row padding (of 1, 2, 4, 8, 16) making ``F.linear`` row-invariant for this shape here.
+
+    Raises:
+        RuntimeError: none is.
+    """
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(max(_TEST_ROWS), in_features, generator=generator)
+    for multiple in _MULTIPLES:
+        alone = [_padded(x[i:i + 1], weight, None, multiple) for i in range(max(_TEST_ROWS))]
+        if all(torch.equal(_padded(x[:m], weight, None, multiple)[i], alone[i][0]) for m in _TEST_ROWS for i in range(m)):
+            return multiple
+    raise RuntimeError(f"no row padding makes a {in_features}x{out_features} float GEMM row-invariant on this CPU")
+
+
+def _padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, multiple: int) -> torch.Tensor:
+    m = x.shape[0]
+    target = -(-m // multiple) * multiple
+    if target != m:
+        x = torch.cat([x, x.new_zeros(target - m, x.shape[1])])
+    return F.linear(x, weight, bias)[:m]
+
+
+class PaddedLinear(nn.Module):
+    """``y = x W^T + b`` in float32 with rows zero-padded to a multiple of :func:`gemm_row_multiple`.
+
+    Args:
+        weight: ``[out, in]``; bias: ``[out]`` or None.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().float().contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.multiple = gemm_row_multiple(weight.shape[1], weight.shape[0], torch.get_num_threads())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[m, in] -> [m, out]``."""
+        return _padded(x, self.weight, self.bias, self.multiple)
+
+    def nbytes(self) -> int:
+        """Bytes stored (float32 weight and bias)."""
+        return 4 * (self.weight.numel() + (0 if self.bias is None else self.bias.numel()))
+
+
+def linear_factory(quantization: str | None):
+    """The row-invariant linear layer class for a quantization mode (``"none"`` or ``"int8"``).
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    mode = parse_quantization(quantization)
+    return Int8Linear if mode == "int8" else PaddedLinear

@@ -1,0 +1,305 @@
+"""A compact Llama-family decoder (Llama, Qwen2 with q/k/v biases and tied heads, SmolLM2, stories260K) for
+the CPU path, in the style of gpt-fast: fused projections, a preallocated slot KV cache, one forward over rows.
+
+Built from a loaded ``transformers`` model's weights (the same files as the transformers backend), which it then
+no longer needs. Every per-row computation is independent of the other rows of the pass, bit for bit:
+
+- linear layers: :class:`draftwise.backends.quantization.Int8Linear` (int8, per-row activation scales, int32
+  accumulation: exact) or float weights with rows zero-padded to the GEMM's invariant multiple;
+- attention: :func:`draftwise.backends.lean.attention.block_attention` (fixed key blocks);
+- rotary embeddings: one table of cos/sin for every position, computed once at load and gathered by position;
+- norms, SiLU, residual adds: per-row reductions of fixed width and elementwise arithmetic (checked by the
+  load-time self-test of :meth:`LeanLlama.check_row_invariance`).
+
+Shapes: n rows per pass, H hidden size, h query heads, kv KV heads, d head dim, I intermediate size, V vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from draftwise.backends.lean.attention import block_attention, row_multiple, tree_block_attention
+from draftwise.backends.lean.kv_cache import SlotKVCache
+from draftwise.backends.lean.rows import RowBatch
+
+__all__ = ["LeanConfig", "LeanLlama", "UnsupportedArchitecture", "lean_config_from_hf"]
+
+logger = logging.getLogger(__name__)
+
+#: transformers ``model_type`` values this implementation covers (decoder-only, RMSNorm, SwiGLU, RoPE).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+class UnsupportedArchitecture(ValueError):
+    """The model is not a plain Llama-family decoder this runtime implements (the transformers backend runs it)."""
+
+
+@dataclass(frozen=True)
+class LeanConfig:
+    """Architecture of a Llama-family decoder.
+
+    Attributes:
+        vocab_size: logits width V; hidden_size: H; intermediate_size: I; num_layers; num_heads: h;
+        num_kv_heads: kv; head_dim: d; rms_norm_eps; max_context (tokens); tie_word_embeddings;
+        attention_bias: q/k/v projections carry biases (Qwen2).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_context: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+
+def lean_config_from_hf(config, max_context: int | None = None) -> LeanConfig:
+    """Read a transformers config.
+
+    Raises:
+        UnsupportedArchitecture: another model type, an active sliding window, a non-SiLU activation, MLP biases.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedArchitecture(f"model type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        raise UnsupportedArchitecture(f"sliding-window attention ({window} tokens) is not implemented")
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+        raise UnsupportedArchitecture("only SiLU-gated MLPs without biases are implemented")
+    heads = int(config.num_attention_heads)
+    return LeanConfig(
+        vocab_size=int(config.vocab_size), hidden_size=int(config.hidden_size),
+        intermediate_size=int(config.intermediate_size), num_layers=int(config.num_hidden_layers),
+        num_heads=heads, num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+        rms_norm_eps=float(config.rms_norm_eps),
+        max_context=int(max_context or getattr(config, "max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+    )
+
+
+#: builds a linear layer from a float weight ``[out, in]`` and bias ``[out]`` (or None); forward ``[m, in] ->
+#: [m, out]`` float32, row-invariant.
+LinearFactory = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``[n, H] -> [n, H]``: x / rms(x) * weight (as transformers' LlamaRMSNorm in fp32)."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """What the rows of one slot attend to in a pass.
+
+    Attributes:
+        slot: the cache slot.
+        rows: ``[g]`` indexes of the pass's rows in this slot.
+        visible: ``[g, S]`` bool over the slot's keys ``[0, S)`` (S a multiple of the key block).
+        tail_index, tail_visible: trees only: ``[g, T]`` cache indexes of each row's further keys in logical
+            order (committed keys from S, then ancestors and itself) and their validity; None for chains.
+    """
+
+    slot: int
+    rows: torch.Tensor
+    visible: torch.Tensor
+    tail_index: torch.Tensor | None = None
+    tail_visible: torch.Tensor | None = None
+
+
+class LeanLayer(nn.Module):
+    """One decoder layer: RMSNorm, fused QKV, RoPE, block attention, output projection, RMSNorm, fused gate/up,
+    SiLU, down projection, two residual adds."""
+
+    def __init__(self, hf_layer, config: LeanConfig, linear: LinearFactory) -> None:
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.config = config
+        self.input_norm = hf_layer.input_layernorm.weight.detach().float().clone()  # [H]
+        self.post_norm = hf_layer.post_attention_layernorm.weight.detach().float().clone()  # [H]
+        qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach().float()
+        qkv_b = None
+        if attn.q_proj.bias is not None:
+            qkv_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach().float()
+        self.qkv = linear(qkv_w, qkv_b)  # [n, H] -> [n, (h + 2 kv) d]
+        self.o = linear(attn.o_proj.weight.detach().float(), None if attn.o_proj.bias is None else attn.o_proj.bias.detach().float())
+        self.gate_up = linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().float(), None)  # -> [n, 2I]
+        self.down = linear(mlp.down_proj.weight.detach().float(), None)  # [n, I] -> [n, H]
+
+    def forward(self, x: torch.Tensor, index: int, rows: RowBatch, cos: torch.Tensor, sin: torch.Tensor,
+                cache: SlotKVCache, visibility: list[SlotView], block: int, multiple: int) -> torch.Tensor:
+        """``x [n, H] -> [n, H]``; writes the rows' keys/values into ``cache`` (layer ``index``)."""
+        c = self.config
+        n = x.shape[0]
+        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        qkv = self.qkv(h)
+        q = qkv[:, : c.num_heads * c.head_dim].view(n, c.num_heads, c.head_dim)
+        k = qkv[:, c.num_heads * c.head_dim : (c.num_heads + c.num_kv_heads) * c.head_dim].view(n, c.num_kv_heads, c.head_dim)
+        v = qkv[:, (c.num_heads + c.num_kv_heads) * c.head_dim :].view(n, c.num_kv_heads, c.head_dim)
+        q = _rotate(q, cos, sin)
+        k = _rotate(k, cos, sin)
+        cache.write(index, rows.slots, rows.cache_index, k, v)
+        attended = torch.empty(n, c.num_heads, c.head_dim)
+        scale = c.head_dim ** -0.5
+        for view in visibility:
+            keys, values = cache.keys[index][view.slot], cache.values[index][view.slot]  # [kv, capacity, d]
+            if view.tail_index is None:
+                length = view.visible.shape[1]
+                attended[view.rows] = block_attention(q[view.rows], keys[:, :length], values[:, :length], view.visible,
+                                                      scale=scale, block=block, multiple=multiple)
+            else:
+                attended[view.rows] = tree_block_attention(
+                    q[view.rows], keys, values, view.visible, view.tail_index, view.tail_visible, scale=scale,
+                    block=block, multiple=multiple)
+        x = x + self.o(attended.view(n, c.num_heads * c.head_dim))
+        h = rms_norm(x, self.post_norm, c.rms_norm_eps)
+        gate, up = self.gate_up(h).split(c.intermediate_size, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate-half convention): ``x [n, heads, d]``, ``cos``/``sin`` ``[n, 1, d]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class LeanLlama(nn.Module):
+    """The decoder over rows of one or several sequences (see :mod:`draftwise.backends.lean.rows`).
+
+    Args:
+        hf_model: a loaded transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ... on the CPU (read, not kept).
+        linear: the linear-layer factory (int8 or float, row-invariant).
+        max_context: context length (tokens); default the config's.
+        num_slots: sequences the KV cache holds.
+        block: attention key block (tokens).
+
+    Raises:
+        UnsupportedArchitecture: see :func:`lean_config_from_hf`.
+    """
+
+    def __init__(self, hf_model, linear: LinearFactory, *, max_context: int | None = None, num_slots: int = 1,
+                 block: int = 64) -> None:
+        super().__init__()
+        config = lean_config_from_hf(hf_model.config, max_context)
+        self.config = config
+        self.block = block
+        decoder = hf_model.model
+        self.embed = decoder.embed_tokens.weight.detach().float().clone()  # [V, H]
+        self.layers = nn.ModuleList(LeanLayer(layer, config, linear) for layer in decoder.layers)
+        self.final_norm = decoder.norm.weight.detach().float().clone()  # [H]
+        head = hf_model.get_output_embeddings()
+        head_weight = self.embed if config.tie_word_embeddings else head.weight.detach().float()
+        self.head_weight = head_weight  # [V, H] float: FR-Spec restricts the head from it
+        self.lm_head = linear(head_weight, None if getattr(head, "bias", None) is None else head.bias.detach().float())
+        self.cos, self.sin = _rotary_tables(decoder.rotary_emb, config)  # [max_context, d] each
+        self.cache = SlotKVCache(config.num_layers, num_slots, config.num_kv_heads, config.head_dim,
+                                 config.max_context, block=block)
+        self.multiple = row_multiple(config.num_heads, config.num_kv_heads, config.head_dim, block,
+                                     torch.get_num_threads())
+
+    @torch.inference_mode()
+    def forward_rows(self, rows: RowBatch, *, logit_rows: torch.Tensor | None = None,
+                     hidden_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the rows through the decoder, writing their keys/values into the slot cache.
+
+        Args:
+            rows: the pass (tokens, slots, positions, cache entries, visibility).
+            logit_rows: indexes of the rows whose logits are wanted (``[m]``; default all).
+            hidden_rows: indexes of the rows whose final hidden states are wanted (default none).
+
+        Returns:
+            ``(logits [m, V] float32, hidden [k, H] or None)``.
+
+        Raises:
+            ValueError: a cache entry at or past the context length.
+        """
+        top = int(rows.cache_index.max()) + 1
+        if top > self.config.max_context:
+            raise ValueError(f"cache entry {top - 1} outside a context of {self.config.max_context}")
+        self.cache.ensure(top)
+        x = F.embedding(rows.tokens, self.embed)  # [n, H]
+        cos = self.cos[rows.positions].unsqueeze(1)  # [n, 1, d]
+        sin = self.sin[rows.positions].unsqueeze(1)
+        visibility = self._visibility(rows)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, index, rows, cos, sin, self.cache, visibility, self.block, self.multiple)
+        x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        hidden = None if hidden_rows is None else x[hidden_rows]
+        selected = x if logit_rows is None else x[logit_rows]
+        return self.lm_head(selected), hidden
+
+    def _visibility(self, rows: RowBatch) -> list[SlotView]:
+        """Per slot in the pass, the rows and the keys they attend to (see :class:`SlotView`)."""
+        views = []
+        for slot in torch.unique(rows.slots).tolist():
+            row_index = (rows.slots == slot).nonzero().flatten()
+            context = rows.context_len[row_index]
+            if rows.tree_mask is None:
+                length = _round_up(int(context.max()), self.block)
+                visible = torch.arange(length)[None, :] < context[:, None]  # [g, L]
+                views.append(SlotView(slot, row_index, visible))
+            else:
+                views.append(self._tree_view(slot, row_index, rows))
+        return views
+
+    def _tree_view(self, slot: int, row_index: torch.Tensor, rows: RowBatch) -> SlotView:
+        """Tree rows: shared blocks below the committed length's block edge, then per-row logical tails."""
+        base = int(rows.context_len[row_index].min())
+        shared = base // self.block * self.block
+        entries = rows.cache_index[row_index]
+        tree = rows.tree_mask[row_index][:, row_index]  # [g, g] ancestor-or-self
+        tails = []
+        for r in range(len(row_index)):
+            own = torch.arange(shared, int(rows.context_len[row_index[r]]))
+            tails.append(torch.cat([own, entries[tree[r]]]))
+        width = _round_up(max(len(t) for t in tails), self.block)
+        tail_index = torch.zeros(len(tails), width, dtype=torch.long)
+        tail_visible = torch.zeros(len(tails), width, dtype=torch.bool)
+        for r, tail in enumerate(tails):
+            tail_index[r, : len(tail)] = tail
+            tail_visible[r, : len(tail)] = True
+        visible = torch.ones(len(tails), shared, dtype=torch.bool)
+        return SlotView(slot, row_index, visible, tail_index, tail_visible)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights a one-token pass reads: linear layers (as stored by their kernel), norms, and
+        one embedding row (the table is a lookup)."""
+        total = 0
+        for module in self.modules():
+            if module is self:
+                continue
+            nbytes = getattr(module, "nbytes", None)
+            if callable(nbytes):
+                total += int(nbytes())
+            elif isinstance(module, nn.Linear):
+                total += module.weight.numel() * module.weight.element_size()
+        norms = sum(layer.input_norm.numel() + layer.post_norm.numel() for layer in self.layers)
+        return total + 4 * (norms + self.final_norm.numel() + self.config.hidden_size)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _rotary_tables(rotary: nn.Module, config: LeanConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[max_context, d]`` for every position, computed once in one call (as transformers'
+    rotary embedding computes them), so a position's values never depend on the pass it appears in."""
+    positions = torch.arange(config.max_context, dtype=torch.long)[None]  # [1, P]
+    probe = torch.zeros(1, dtype=torch.float32)
+    with torch.no_grad():
+        cos, sin = rotary(probe, positions)
+    return cos[0].float().contiguous(), sin[0].float().contiguous()

@@ -1,0 +1,260 @@
+"""The lean Llama-family runtime (draftwise.backends.lean): exact k-token, tree and multi-sequence passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from draftwise.backends.lean import LeanLlama, UnsupportedArchitecture, build_lean
+from draftwise.backends.lean.attention import block_attention, row_multiple, rows_invariant
+from draftwise.backends.lean.linear import PaddedLinear, gemm_row_multiple, linear_factory
+from draftwise.backends.lean.rows import RowBatch, chain_rows
+from draftwise.backends.quantization import int8_kernels_available
+from draftwise.config import SamplingParams
+from draftwise.engine import SpeculativeEngine
+from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.proposers.ngram import NgramProposer
+from test_quantization import tiny_qwen2
+
+MODES = ["none", "int8"] if int8_kernels_available() else ["none"]
+
+
+def hf(kind: str, seed: int = 0):
+    return (tiny_llama(seed) if kind == "llama" else tiny_qwen2(seed)).model
+
+
+@pytest.fixture(scope="module", params=[(kind, mode) for kind in ("llama", "qwen2") for mode in MODES],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def lean(request):
+    kind, mode = request.param
+    return build_lean(hf(kind), quantization=mode, name=f"tiny-{kind}-{mode}")
+
+
+def tokens(n: int, seed: int = 0, vocab: int = 96) -> list[int]:
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_float_lean_matches_transformers(kind):
+    model = hf(kind)
+    ids = tokens(40)
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0]
+    lean = build_lean(model, quantization="none")
+    out = lean.forward(ids).logits
+    assert out.shape == reference.shape
+    assert torch.allclose(out, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("start", [0, 5, 60, 63, 64, 130])
+def test_k_token_pass_equals_one_token_decoding(lean, start):
+    """Chains of k = 1..16 starting at various cache lengths (crossing 64-key block edges) give every row the
+    same bits as one-token decoding."""
+    ids = tokens(start + 16, seed=start)
+    lean.reset()
+    if start:
+        lean.forward(ids[:start])
+    one = [lean.forward([t]).logits[0] for t in ids[start:]]
+    for k in range(1, 17):
+        lean.rollback(start)
+        many = lean.forward(ids[start:start + k]).logits
+        assert all(torch.equal(many[i], one[i]) for i in range(k)), k
+
+
+def test_prefill_then_decode_equals_token_by_token(lean):
+    ids = tokens(90, seed=3)
+    lean.reset()
+    whole = lean.forward(ids).logits
+    lean.reset()
+    single = torch.stack([lean.forward([t]).logits[0] for t in ids])
+    assert torch.equal(whole, single)
+
+
+def test_num_logits_and_hidden_rows(lean):
+    ids = tokens(12, seed=4)
+    lean.reset()
+    full = lean.forward(ids, return_hidden=True, hidden_rows=12)
+    lean.reset()
+    last = lean.forward(ids, num_logits=3, return_hidden=True)
+    assert last.logits.shape == (3, lean.vocab_size) and torch.equal(last.logits, full.logits[-3:])
+    assert last.hidden.shape == (3, lean.hidden_size) and torch.equal(last.hidden, full.hidden[-3:])
+
+
+@pytest.mark.parametrize("base", [20, 62, 64, 127])
+def test_tree_pass_equals_chains_and_compact_keeps_the_path(lean, base):
+    """Tree nodes sit at other cache entries than in a chain (also across a 64-key block edge), yet each node's
+    logits equal the chain's bit for bit."""
+    ids = tokens(base + 10, seed=5)
+    lean.reset()
+    lean.forward(ids[:base])
+    root, a, b, c, d = ids[base:base + 5]
+    tree, parents = [root, a, b, c, d], [-1, -1, 0, 2]  # root -> a -> c -> d ; root -> b
+    out = lean.forward_tree(tree, parents).logits
+    lean.rollback(base)
+    chain = lean.forward([root, a, c, d]).logits
+    lean.rollback(base)
+    branch = lean.forward([root, b]).logits
+    assert torch.equal(out[0], chain[0]) and torch.equal(out[1], chain[1])
+    assert torch.equal(out[3], chain[2]) and torch.equal(out[4], chain[3]) and torch.equal(out[2], branch[1])
+    lean.rollback(base)
+    lean.forward_tree(tree, parents)
+    lean.compact(base, [0, 1, 3])  # keep root, a, c
+    assert lean.num_cached == base + 3
+    after_compact = lean.forward([d]).logits
+    lean.rollback(base)
+    lean.forward([root, a, c])
+    assert torch.equal(after_compact, lean.forward([d]).logits)
+
+
+def test_rollback_then_refeed_equals_fresh(lean):
+    ids = tokens(50, seed=6)
+    lean.reset()
+    first = lean.forward(ids).logits
+    lean.rollback(17)
+    lean.forward(tokens(9, seed=7))  # overwrite entries past 17 with other tokens
+    lean.rollback(17)
+    assert torch.equal(lean.forward(ids[17:]).logits, first[17:])
+
+
+def test_export_import_is_bit_identical(lean):
+    ids = tokens(40, seed=8)
+    lean.reset()
+    lean.forward(ids[:30])
+    state = lean.export_cache()
+    assert state.length == 30 and state.nbytes > 0
+    expected = lean.forward(ids[30:]).logits
+    lean.reset()
+    lean.forward(tokens(70, seed=9))  # anything in between
+    lean.import_cache(state, 30)
+    assert lean.num_cached == 30
+    assert torch.equal(lean.forward(ids[30:]).logits, expected)
+    lean.import_cache(state, 12)
+    lean.rollback(12)
+    assert torch.equal(lean.forward(ids[12:30]).logits[-1], lean_fresh_last(lean, ids[:30]))
+    with pytest.raises(ValueError):
+        lean.import_cache(state, 31)
+
+
+def lean_fresh_last(lean, ids):
+    lean.reset()
+    return lean.forward(ids).logits[-1]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_of_several_sequences_equal_each_alone(mode):
+    """One pass over rows of two slots (a 3-token chain on one, a 1-token step on the other) gives each
+    row the bits it gets alone: batching across sequences keeps exactness."""
+    model = LeanLlama(hf("qwen2"), linear_factory(mode), num_slots=2)
+    a, b = tokens(40, seed=10, vocab=128), tokens(25, seed=11, vocab=128)
+    model.forward_rows(chain_rows(a[:37], 0, slot=0))
+    model.forward_rows(chain_rows(b[:24], 0, slot=1))
+    alone_a, _ = model.forward_rows(chain_rows(a[37:], 37, slot=0))
+    alone_b, _ = model.forward_rows(chain_rows(b[24:], 24, slot=1))
+    first, second = chain_rows(a[37:], 37, slot=0), chain_rows(b[24:], 24, slot=1)
+    mixed = RowBatch(*(torch.cat([getattr(first, f), getattr(second, f)])
+                       for f in ("tokens", "slots", "positions", "cache_index", "context_len")))
+    together, _ = model.forward_rows(mixed)
+    assert torch.equal(together[:3], alone_a) and torch.equal(together[3:], alone_b)
+
+
+def test_context_overflow_and_bad_ids(lean):
+    lean.reset()
+    with pytest.raises(ValueError):
+        lean.forward([])
+    with pytest.raises(ValueError):
+        lean.forward([lean.vocab_size])
+    with pytest.raises(ValueError):
+        lean.forward(tokens(lean.max_context + 1))
+
+
+def test_block_attention_self_test_finds_an_invariant_padding():
+    multiple = row_multiple(8, 4, 8, 64, torch.get_num_threads())
+    assert rows_invariant(8, 4, 8, 64, multiple)
+
+
+def test_self_test_catches_a_row_dependent_kernel(monkeypatch):
+    import draftwise.backends.lean.attention as attention
+
+    real = attention.block_attention
+
+    def leaky(query, *args, **kwargs):  # every row shifted by an amount depending on the row count
+        return real(query, *args, **kwargs) + 1e-6 * query.shape[0]
+
+    monkeypatch.setattr(attention, "block_attention", leaky)
+    assert not attention.rows_invariant(8, 4, 8, 64, 1)
+
+
+def test_padded_float_linear_is_row_invariant():
+    torch.manual_seed(0)
+    layer = PaddedLinear(torch.randn(48, 40), torch.randn(48))
+    assert layer.multiple == gemm_row_multiple(40, 48, torch.get_num_threads())
+    x = torch.randn(13, 40)
+    together = layer(x)
+    assert all(torch.equal(together[i], layer(x[i:i + 1])[0]) for i in range(13))
+
+
+def test_block_attention_matches_softmax_attention():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(5, 4, 16), torch.randn(2, 128, 16), torch.randn(2, 128, 16)
+    visible = torch.arange(128)[None] < torch.tensor([70, 71, 72, 73, 74])[:, None]
+    out = block_attention(q, k, v, visible, scale=0.25, block=64, multiple=1)
+    kk, vv = k.repeat_interleave(2, 0), v.repeat_interleave(2, 0)  # [heads, L, d]
+    scores = torch.einsum("nhd,hld->nhl", q, kk) * 0.25
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    expected = torch.einsum("nhl,hld->nhd", scores.softmax(-1), vv)
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_unsupported_architecture_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
+    with pytest.raises(UnsupportedArchitecture):
+        build_lean(model, quantization="none")
+
+
+# --------------------------------------------------------------------------------------- through the engine
+@pytest.fixture(scope="module")
+def stories_lean(draftwise_home, stories_path):
+    from draftwise.models.loading import load_model
+
+    mode = "int8" if int8_kernels_available() else "none"
+    return load_model(str(stories_path), quantization=mode, runtime="lean")
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+def test_engine_greedy_output_equals_plain_on_stories(stories_lean, k):
+    from draftwise.models.loading import derive_layer_draft, load_model
+
+    target = stories_lean.backend
+    draft = derive_layer_draft(load_model(str(stories_lean_path()), device="cpu"), num_layers=2).backend
+    params = SamplingParams(max_tokens=40)
+    for text in ["Once upon a time", "Lily and Ben went to the park. They saw"]:
+        prompt = stories_lean.encode(text)
+        oracle = SpeculativeEngine(target, eos_token_ids=stories_lean.eos_token_ids).generate(prompt, params)
+        for proposer in (DraftModelProposer(draft, target.vocab_size), NgramProposer()):
+            result = SpeculativeEngine(target, proposer, k, eos_token_ids=stories_lean.eos_token_ids).generate(prompt, params)
+            assert result.token_ids == oracle.token_ids, (text, k, type(proposer).__name__)
+
+
+def stories_lean_path():
+    from conftest import STORIES
+
+    return STORIES
+
+
+def test_runtime_selection(stories_path, draftwise_home):
+    from draftwise.backends.lean import LeanCausalLM
+    from draftwise.backends.torch_backend import TorchCausalLM
+    from draftwise.models.loading import load_model
+
+    assert isinstance(load_model(str(stories_path)).backend, TorchCausalLM)  # fp32: transformers by default
+    lean = load_model(str(stories_path), runtime="lean")
+    assert isinstance(lean.backend, LeanCausalLM) and lean.backend.name.endswith("+lean")
+    if int8_kernels_available():
+        assert isinstance(load_model(str(stories_path), quantization="int8").backend, LeanCausalLM)
+    assert isinstance(load_model(str(stories_path), quantization="int8" if int8_kernels_available() else "none",
+                                 runtime="transformers").backend, TorchCausalLM)
+    with pytest.raises(ValueError, match="runtime"):
+        load_model(str(stories_path), runtime="fast")
