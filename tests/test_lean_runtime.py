@@ -71,6 +71,20 @@ def test_prefill_then_decode_equals_token_by_token(lean):
     assert torch.equal(whole, single)
 
 
+def test_chunked_prefill_equals_one_pass(lean):
+    ids = tokens(75, seed=12)
+    lean.reset()
+    whole = lean.forward(ids, num_logits=9, return_hidden=True, hidden_rows=20)
+    lean.reset()
+    lean.prefill_chunk = 7
+    try:
+        chunked = lean.forward(ids, num_logits=9, return_hidden=True, hidden_rows=20)
+    finally:
+        lean.prefill_chunk = 512
+    assert lean.num_cached == 75
+    assert torch.equal(whole.logits, chunked.logits) and torch.equal(whole.hidden, chunked.hidden)
+
+
 def test_num_logits_and_hidden_rows(lean):
     ids = tokens(12, seed=4)
     lean.reset()

@@ -21,20 +21,27 @@ __all__ = ["LeanCausalLM"]
 logger = logging.getLogger(__name__)
 
 
+def _tail_rows(first: int, last: int, start: int) -> torch.Tensor:
+    """Indexes (relative to ``first``) of the rows ``>= start`` within ``[first, last)``."""
+    return torch.arange(min(max(first, start), last), last) - first
+
+
 class LeanCausalLM(CausalLM):
     """A :class:`LeanLlama` driving one sequence.
 
     Args:
         model: the lean decoder (its cache needs at least one slot).
         name: identity used in messages and calibration keys.
+        prefill_chunk: rows per pass when a forward feeds more tokens than this (tokens).
     """
 
     supports_tree = True
     supports_hidden_states = True
     supports_cache_export = True
 
-    def __init__(self, model: LeanLlama, name: str = "model") -> None:
+    def __init__(self, model: LeanLlama, name: str = "model", prefill_chunk: int = 512) -> None:
         self.model = model
+        self.prefill_chunk = prefill_chunk
         self.name = name
         self.vocab_size = model.config.vocab_size
         self.max_context = model.config.max_context
@@ -56,12 +63,22 @@ class LeanCausalLM(CausalLM):
         n = len(token_ids)
         keep = n if num_logits is None else max(1, min(num_logits, n))
         rows_hidden = keep if hidden_rows is None else max(1, min(hidden_rows, n))
-        rows = chain_rows(token_ids, self.num_cached, self._slot)
-        logits, hidden = self.model.forward_rows(
-            rows, logit_rows=None if keep == n else torch.arange(n - keep, n),
-            hidden_rows=torch.arange(n - rows_hidden, n) if return_hidden else None)
-        self._set_length(self.num_cached + n)
-        return ForwardOutput(logits=logits, hidden=hidden)
+        start = self.num_cached
+        logits, hidden = [], []
+        for first in range(0, n, self.prefill_chunk):  # chunks bound the attention's memory on long prompts
+            last = min(n, first + self.prefill_chunk)
+            rows = chain_rows(token_ids[first:last], start + first, self._slot)
+            want_logits = _tail_rows(first, last, n - keep)
+            want_hidden = _tail_rows(first, last, n - rows_hidden) if return_hidden else None
+            chunk_logits, chunk_hidden = self.model.forward_rows(
+                rows, logit_rows=want_logits, hidden_rows=want_hidden if want_hidden is not None and len(want_hidden) else None)
+            self._set_length(start + last)
+            if len(want_logits):
+                logits.append(chunk_logits)
+            if chunk_hidden is not None:
+                hidden.append(chunk_hidden)
+        return ForwardOutput(logits=torch.cat(logits) if len(logits) > 1 else logits[0],
+                             hidden=(torch.cat(hidden) if len(hidden) > 1 else hidden[0]) if return_hidden else None)
 
     def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int], *, return_hidden: bool = False) -> ForwardOutput:
         token_ids = [int(t) for t in token_ids]

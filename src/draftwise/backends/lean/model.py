@@ -96,9 +96,9 @@ LinearFactory = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``[n, H] -> [n, H]``: x / rms(x) * weight (as transformers' LlamaRMSNorm in fp32)."""
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    """``[n, H] -> [n, H]``: x / rms(x) * weight (transformers' LlamaRMSNorm in fp32, as one fused op; a
+    per-row reduction of fixed width, so row-invariant)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 @dataclass(frozen=True)
@@ -146,11 +146,10 @@ class LeanLayer(nn.Module):
         n = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
         qkv = self.qkv(h)
-        q = qkv[:, : c.num_heads * c.head_dim].view(n, c.num_heads, c.head_dim)
-        k = qkv[:, c.num_heads * c.head_dim : (c.num_heads + c.num_kv_heads) * c.head_dim].view(n, c.num_kv_heads, c.head_dim)
-        v = qkv[:, (c.num_heads + c.num_kv_heads) * c.head_dim :].view(n, c.num_kv_heads, c.head_dim)
-        q = _rotate(q, cos, sin)
-        k = _rotate(k, cos, sin)
+        rotary_heads = c.num_heads + c.num_kv_heads
+        qk = _rotate(qkv[:, : rotary_heads * c.head_dim].view(n, rotary_heads, c.head_dim), cos, sin)  # q and k
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        v = qkv[:, rotary_heads * c.head_dim :].view(n, c.num_kv_heads, c.head_dim)
         cache.write(index, rows.slots, rows.cache_index, k, v)
         attended = torch.empty(n, c.num_heads, c.head_dim)
         scale = c.head_dim ** -0.5
@@ -240,6 +239,8 @@ class LeanLlama(nn.Module):
         x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         hidden = None if hidden_rows is None else x[hidden_rows]
         selected = x if logit_rows is None else x[logit_rows]
+        if selected.shape[0] == 0:
+            return x.new_empty(0, self.config.vocab_size), hidden
         return self.lm_head(selected), hidden
 
     def _visibility(self, rows: RowBatch) -> list[SlotView]:
