@@ -145,7 +145,7 @@ def test_load_model_int8_on_stories(draftwise_home, stories_path, stories):
     from draftwise.models.loading import load_model
 
     loaded = load_model(str(stories_path), device="cpu", quantization="int8")
-    assert loaded.backend.name.endswith("+int8") and loaded.name == str(stories_path)
+    assert "+int8" in loaded.backend.name and loaded.name == str(stories_path)
     assert isinstance(loaded.backend.model.lm_head, Int8Linear)
     tokens = stories.encode("Once upon a time, there was a little girl named Lily. She loved to play")
     stories.backend.reset()

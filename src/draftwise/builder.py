@@ -71,9 +71,10 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
 
 def backend_kind(model: LoadedModel) -> str:
     """``"llama.cpp"`` or ``"torch"``: which backend runs a loaded model."""
+    from draftwise.backends.lean import LeanCausalLM
     from draftwise.backends.torch_backend import TorchCausalLM
 
-    return "torch" if isinstance(model.backend, TorchCausalLM) else "llama.cpp"
+    return "torch" if isinstance(model.backend, (TorchCausalLM, LeanCausalLM)) else "llama.cpp"
 
 
 def _require_identical_tables_across_backends(target: LoadedModel, draft: LoadedModel, report) -> None:
@@ -102,18 +103,20 @@ def build_proposer(
     quantization: str | None = None,
     backend: str = "torch",
     threads: int | None = None,
+    runtime: str = "auto",
 ) -> tuple[Proposer, LoadedModel | None]:
     """Create the proposer a speculative config names (through :mod:`draftwise.proposers.registry`); returns
     it and its draft model (if any).
 
-    ``quantization``, ``backend`` and ``threads`` apply to a draft model as to the target (see
+    ``quantization``, ``backend``, ``threads`` and ``runtime`` apply to a draft model as to the target (see
     :func:`load_model`). With ``backend="auto"`` the draft may land on another backend than the target (a
     ``.gguf`` draft for a Hugging Face target); that is allowed only with identical token tables.
 
     Raises:
         ModelLoadError, TokenizerMismatchError, HeadsMismatchError, ValueError: bad draft model, heads or method.
     """
-    options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend, threads=threads)
+    options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend, threads=threads,
+                           runtime=runtime)
     built = get_method(config.method).builder()(config, target, options)
     return built.proposer, built.draft
 
@@ -128,7 +131,7 @@ def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: Bu
     assert config.model is not None
     draft = load_model(config.model, device=options.device, dtype=options.dtype,
                        max_context=target.backend.max_context, quantization=options.quantization,
-                       backend=options.backend, threads=options.threads)
+                       backend=options.backend, threads=options.threads, runtime=options.runtime)
     check_same_tokenizer(target, draft)
     relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
     return draft
@@ -152,7 +155,7 @@ def load_target_heads(config: SpeculativeConfig, target: LoadedModel):
     backend = target.backend
     if not isinstance(backend, TorchCausalLM):
         raise ValueError(f"method {config.method!r} runs heads on the target's hidden states and needs the PyTorch "
-                         "backend (--backend torch)")
+                         "backend with the transformers runtime (--backend torch --runtime transformers)")
     model = backend.model
     dtype = model.get_input_embeddings().weight.dtype
     heads, heads_config = load_heads(config.model, fingerprint=base_model_identity(model), base_name=target.name,
@@ -185,6 +188,7 @@ def build_engine(
     backend: str = "torch",
     threads: int | None = None,
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
+    runtime: str = "auto",
 ) -> EngineBundle:
     """Load the target (and draft) and build the engine. Without a speculative config: plain decoding.
 
@@ -199,17 +203,23 @@ def build_engine(
         backend: ``"torch"``, ``"llama.cpp"`` or ``"auto"`` for the target and a draft model (see
             :func:`draftwise.models.loading.select_backend`).
         threads: llama.cpp CPU threads (default: all available).
+        runtime: ``"lean"``, ``"transformers"`` or ``"auto"`` for PyTorch models (see
+            :func:`draftwise.models.loading.select_runtime`); the heads methods (Medusa, EAGLE) run their heads on
+            the transformers model, so ``"auto"`` gives their target the transformers runtime.
         kv_cache_memory: memory budget (bytes) of the prefix cache that keeps finished sequences' KV states for
             reuse by later requests sharing a prefix (:mod:`draftwise.prefix_cache`); 0 turns reuse off.
     """
+    target_runtime = runtime
+    if runtime == "auto" and speculative_config is not None and get_method(speculative_config.method).model == "heads":
+        target_runtime = "transformers"
     target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
-                              quantization=quantization, backend=backend, threads=threads)
+                              quantization=quantization, backend=backend, threads=threads, runtime=target_runtime)
     if speculative_config is None:
         engine = SpeculativeEngine(target_model.backend, eos_token_ids=target_model.eos_token_ids,
                                    prefix_cache=PrefixCache(kv_cache_memory))
         return EngineBundle(target=target_model, engine=engine)
     proposer, draft = build_proposer(speculative_config, target_model, device=device, dtype=dtype,
-                                     quantization=quantization, backend=backend, threads=threads)
+                                     quantization=quantization, backend=backend, threads=threads, runtime=runtime)
     from draftwise.calibration import calibrate_cost_model
     from draftwise.controller import k_controller_factory
 

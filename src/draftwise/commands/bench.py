@@ -142,9 +142,10 @@ def method_label(kind: str, k: int, policy: str = "fixed", tree_width: int = 1) 
 
 def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[str], ks: list[int],
                   policies: list[str], calibrated: dict, heads: dict[str, str] | None = None,
-                  tree_widths: list[int] = (1,)) -> list[MethodSpec]:
+                  tree_widths: list[int] = (1,), anchors: tuple | None = None) -> list[MethodSpec]:
     """Plain first, then each requested method x policy x K (x tree width for Medusa / EAGLE, fixed K only),
-    sharing the target backend. ``heads`` maps ``"medusa"`` / ``"eagle"`` to heads directories."""
+    sharing the target backend. ``heads`` maps ``"medusa"`` / ``"eagle"`` to heads directories; ``anchors`` is
+    ``(target, draft)`` on the transformers runtime for the ``hf`` methods (default: ``target`` and ``draft``)."""
     from draftwise.anchors import hf_runner
     from draftwise.proposers.draft_model import DraftModelProposer
     from draftwise.proposers.ngram import NgramProposer
@@ -167,13 +168,32 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
         if kind in methods:
             specs.extend(_head_methods(target, kind, (heads or {})[kind], ks, tree_widths))
     if "hf" in methods:
+        hf_target, hf_draft = anchors or (target, draft)
         for k in ks:
-            if draft is not None:
+            if hf_draft is not None:
                 specs.append(MethodSpec(f"hf-assisted K={k}", "hf-assisted", k, runner=hf_runner(
-                    target.backend, eos, assistant=draft.backend, num_assistant_tokens=k)))
+                    hf_target.backend, eos, assistant=hf_draft.backend, num_assistant_tokens=k)))
             specs.append(MethodSpec(f"hf-lookup K={k}", "hf-lookup", k, runner=hf_runner(
-                target.backend, eos, prompt_lookup_tokens=k)))
+                hf_target.backend, eos, prompt_lookup_tokens=k)))
     return specs
+
+
+def _anchor_models(args, methods: list[str], target: LoadedModel, draft: LoadedModel | None,
+                   options: dict) -> tuple | None:
+    """The transformers-runtime models the ``hf`` anchors run (``transformers.generate`` needs a transformers
+    model): the target and draft themselves when they already are, else copies loaded with the same
+    quantization (so the anchor and draftwise run the same weights)."""
+    from draftwise.backends.torch_backend import TorchCausalLM
+
+    if "hf" not in methods:
+        return None
+    if isinstance(target.backend, TorchCausalLM) and (draft is None or isinstance(draft.backend, TorchCausalLM)):
+        return target, draft
+    hf_target = load_model(args.model, runtime="transformers", **options)
+    hf_draft = None
+    if draft is not None:
+        hf_draft = load_model(args.draft, max_context=hf_target.backend.max_context, runtime="transformers", **options)
+    return hf_target, hf_draft
 
 
 def _head_methods(target: LoadedModel, kind: str, heads_dir: str, ks: list[int], widths) -> list[MethodSpec]:
@@ -234,14 +254,15 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"loading target {args.model}" + (f" and draft {args.draft}" if needs_draft else "") + " ...")
     options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization, backend=args.backend,
                    threads=args.threads)
-    target = load_model(args.model, **options)
+    target = load_model(args.model, runtime=args.runtime, **options)
     draft = None
     if needs_draft:
-        draft = load_model(args.draft, max_context=target.backend.max_context, **options)
+        draft = load_model(args.draft, max_context=target.backend.max_context, runtime=args.runtime, **options)
         check_same_tokenizer(target, draft)
         relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
+    anchors = _anchor_models(args, methods, target, draft, options)
     calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
-    specs = build_methods(target, draft, methods, ks, policies, {}, heads, tree_widths)
+    specs = build_methods(target, draft, methods, ks, policies, {}, heads, tree_widths, anchors=anchors)
     config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
               "ks": ks, "k_policies": policies, "prompts": str(prompts_path), "categories": categories,
               "limit": args.limit, "turns": args.turns, "quantization": args.quantization, "backend": args.backend,
@@ -467,7 +488,7 @@ def _engine_method(label, kind, k, spec_config, args, params, chat_template):
         memory = DEFAULT_KV_CACHE_MEMORY if args.kv_cache_memory is None else args.kv_cache_memory
         bundle = build_engine(args.model, spec_config, device=args.device, dtype=args.dtype,
                               quantization=args.quantization, backend=args.backend, threads=args.threads,
-                              kv_cache_memory=0 if kind == "plain-nocache" else memory)
+                              runtime=args.runtime, kv_cache_memory=0 if kind == "plain-nocache" else memory)
         yield EngineTurnRunner(bundle, params, chat_template)
 
     return AgentMethod(label, open_runner, kind, k, concurrent=False)

@@ -53,6 +53,12 @@ def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default="none",
                         help="int8: batch-invariant int8 linear layers on the CPU, so a k-token verify pass gives "
                         "the same logits as one-token decoding and costs about one token (default: none)")
+    from draftwise.models.loading import RUNTIMES
+
+    parser.add_argument("--runtime", choices=RUNTIMES, default="auto",
+                        help="how PyTorch runs the models: lean (draftwise's own Llama-family decoder: preallocated KV "
+                        "cache, batch-invariant by construction), transformers, or auto (default: lean for int8 on "
+                        "the CPU when the architecture is supported, else transformers)")
 
 
 def add_backend_arg(parser: argparse.ArgumentParser) -> None:

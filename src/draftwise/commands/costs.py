@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--repeats and --context must be >= 1")
     ks = parse_token_counts(args.ks, args.max_k)
     console = Console(stderr=args.json)
-    options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization)
+    options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization, runtime=args.runtime)
     console.print(f"loading {args.model} (quantization {args.quantization}) ...")
     target = load_model(args.model, **options)
     context = _fit_context(args.context, target.backend.max_context, ks[-1])

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("the prompt is empty")
     bundle = build_engine(default_target(args.model), spec, device=args.device, dtype=args.dtype,
                           max_context=args.max_model_len, quantization=args.quantization,
-                          backend=args.backend, threads=args.threads)
+                          backend=args.backend, threads=args.threads, runtime=args.runtime)
     target = bundle.target
     use_chat = args.chat == "on" or (args.chat == "auto" and target.has_chat_template)
     prompt_ids = target.encode_chat([{"role": "user", "content": prompt}]) if use_chat else target.encode(prompt)

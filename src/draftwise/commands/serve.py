@@ -158,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
                 f"K={plan.speculative_config.num_speculative_tokens}" if plan.speculative_config else "plain decoding")
     bundle = build_engine(plan.target, plan.speculative_config, device=args.device, dtype=args.dtype,
                           max_context=args.max_model_len, quantization=args.quantization,
-                          backend=args.backend, threads=args.threads, kv_cache_memory=args.kv_cache_memory)
+                          backend=args.backend, threads=args.threads, kv_cache_memory=args.kv_cache_memory,
+                          runtime=args.runtime)
     app = create_app(bundle, plan.settings)
     logger.info("OpenAI-compatible API at http://%s:%d/v1", args.host, args.port)
     serve(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -41,6 +41,7 @@ class BuildOptions:
     quantization: str | None = None
     backend: str = "torch"
     threads: int | None = None
+    runtime: str = "auto"
 
 
 @dataclass
