@@ -403,7 +403,12 @@ def derive_layer_draft(loaded: LoadedModel, num_layers: int) -> LoadedModel:
     """
     import copy
 
+    from draftwise.backends.lean import LeanCausalLM
+
     backend = loaded.backend
+    if isinstance(backend, LeanCausalLM):
+        draft = LeanCausalLM(backend.model.truncated(num_layers), name=f"{loaded.name}[:{num_layers} layers]")
+        return LoadedModel(backend=draft, tokenizer=loaded.tokenizer, name=draft.name, eos_token_ids=loaded.eos_token_ids)
     if not isinstance(backend, TorchCausalLM):
         raise ValueError("derive_layer_draft needs a PyTorch backend")
     layers = backend.model.model.layers

@@ -276,6 +276,28 @@ class LeanLlama(nn.Module):
         visible = torch.ones(len(tails), shared, dtype=torch.bool)
         return SlotView(slot, row_index, visible, tail_index, tail_visible)
 
+    def truncated(self, num_layers: int) -> LeanLlama:
+        """A decoder made of this one's first ``num_layers`` layers (weights shared, not copied) with its own
+        single-slot cache: a layer-skipping self-draft.
+
+        Raises:
+            ValueError: ``num_layers`` not in ``[1, num_layers)``.
+        """
+        import copy
+        import dataclasses
+
+        if not 1 <= num_layers < self.config.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.config.num_layers}), got {num_layers}")
+        draft = copy.copy(self)
+        nn.Module.__init__(draft)
+        draft.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_modules", "_parameters", "_buffers")})
+        draft.layers = nn.ModuleList(list(self.layers)[:num_layers])
+        draft.lm_head = self.lm_head
+        draft.config = dataclasses.replace(self.config, num_layers=num_layers)
+        draft.cache = SlotKVCache(num_layers, 1, self.config.num_kv_heads, self.config.head_dim,
+                                  self.config.max_context, block=self.block)
+        return draft
+
     def weight_bytes(self) -> int:
         """Bytes of the weights a one-token pass reads: linear layers (as stored by their kernel), norms, and
         one embedding row (the table is a lookup)."""
