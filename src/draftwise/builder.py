@@ -123,15 +123,24 @@ def build_proposer(
 
 def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> LoadedModel:
     """Load the draft model ``config.model`` for ``target`` (same context length, checked tokenizer, drafting
-    settings) for the methods that run one.
+    settings) for the methods that run one. With ``draft_vocab_size`` / ``token_map`` set, the draft's LM
+    head covers that frequency-ranked subset only (FR-Spec, :mod:`draftwise.frspec`).
 
     Raises:
         ModelLoadError, TokenizerMismatchError: see :func:`load_model` and :func:`check_same_tokenizer`.
+        FileNotFoundError, ValueError: a missing or unfitting token map; a vocabulary subset for a llama.cpp
+            draft.
     """
     assert config.model is not None
+    head_subset = None
+    if config.draft_vocab_size is not None or config.token_map is not None:
+        from draftwise.frspec import HeadSubset
+
+        head_subset = HeadSubset(size=config.draft_vocab_size, token_map=config.token_map)
     draft = load_model(config.model, device=options.device, dtype=options.dtype,
                        max_context=target.backend.max_context, quantization=options.quantization,
-                       backend=options.backend, threads=options.threads, runtime=options.runtime)
+                       backend=options.backend, threads=options.threads, runtime=options.runtime,
+                       head_subset=head_subset)
     check_same_tokenizer(target, draft)
     relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
     return draft

@@ -126,6 +126,14 @@ class SpeculativeConfig:
         suffix_decoding_tree_width: ``suffix`` / ``hybrid``: 1 drafts one chain (the most frequent path); w > 1
             drafts a tree of up to w children per node and w * (chain length) nodes, verified in one pass
             when the target backend runs trees (a chain otherwise). Not a vLLM field.
+        draft_vocab_size: ``draft_model`` / ``hybrid``: FR-Spec (Zhao et al. 2025): the draft's LM head computes
+            only the logits of this many most frequent tokens (plus EOS and special tokens); the others are
+            never proposed. The target's verification is unchanged, so the output is too. None (default): the
+            full vocabulary. PyTorch draft backend only. See :mod:`draftwise.frspec`. Not a vLLM field.
+        token_map: ``draft_model`` / ``hybrid``: a ranked token map (``.npy`` or text of ids, most frequent
+            first; ``scripts/build_token_map.py``; SGLang's ``--speculative-token-map``). With
+            ``draft_vocab_size`` its top ids are kept, alone all of its ids. None: a map shipped for the
+            tokenizer (``data/token_maps/``), else a ranking counted over local files at load time.
 
     Raises:
         ValueError: on an unknown method, a missing draft model or heads directory, a field the method does
@@ -147,6 +155,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_cached_tokens: int = 50_000
     suffix_decoding_tree_width: int = 1
+    draft_vocab_size: int | None = None
+    token_map: str | None = None
 
     def __post_init__(self) -> None:
         # imported here: the proposers package imports this module

@@ -66,6 +66,9 @@ def register(subparsers) -> None:
     parser.add_argument("--tree-widths", default="1",
                         help="medusa/eagle: comma-separated draft-tree widths (1 = a chain; default 1)")
     parser.add_argument("--k-policies", default="fixed", help="fixed, auto or fixed,auto (auto: K_max = max(ks))")
+    parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
+                        help="FR-Spec: the draft's LM head over the N most frequent tokens only (docs/frspec.md)")
+    parser.add_argument("--token-map", default=None, help="FR-Spec: ranked token map file for --draft-vocab-size")
     parser.add_argument("--prompts", default=None, help="JSONL prompt file(s), comma-separated (default: Spec-Bench questions)")
     parser.add_argument("--category", default=None, help="comma-separated categories (default: all)")
     parser.add_argument("--limit", type=int, default=None, help="prompts per category")
@@ -114,6 +117,22 @@ def _add_agent_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template", default=None,
                        help="in process: a Jinja chat template (file or inline) for models without one")
     group.add_argument("--request-timeout", type=float, default=600.0, help="seconds per --url request (default 600)")
+
+
+def _head_subset(args: argparse.Namespace):
+    """The draft's FR-Spec head subset from ``--draft-vocab-size`` / ``--token-map`` (None: the full head).
+
+    Raises:
+        CliError: a size below 1.
+    """
+    if args.draft_vocab_size is None and args.token_map is None:
+        return None
+    from draftwise.frspec import HeadSubset
+
+    try:
+        return HeadSubset(size=args.draft_vocab_size, token_map=args.token_map)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
 
 
 def _csv(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -257,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
     target = load_model(args.model, runtime=args.runtime, **options)
     draft = None
     if needs_draft:
-        draft = load_model(args.draft, max_context=target.backend.max_context, runtime=args.runtime, **options)
+        draft = load_model(args.draft, max_context=target.backend.max_context, runtime=args.runtime,
+                           head_subset=_head_subset(args), **options)
         check_same_tokenizer(target, draft)
         relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
     anchors = _anchor_models(args, methods, target, draft, options)
@@ -267,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
               "ks": ks, "k_policies": policies, "prompts": str(prompts_path), "categories": categories,
               "limit": args.limit, "turns": args.turns, "quantization": args.quantization, "backend": args.backend,
               "threads": args.threads, "dtype": args.dtype, "max_tokens": params.max_tokens, "greedy": params.greedy,
-              "temperature": params.temperature}
+              "temperature": params.temperature, "draft_vocab_size": args.draft_vocab_size, "token_map": args.token_map}
 
     def save(runs: list[PromptRun], complete: bool = False) -> None:
         write_json(output, config, runs, summarize(runs, target_costs, draft_cost), calibration, complete=complete)
@@ -439,8 +459,10 @@ def _agent_methods(args: argparse.Namespace, params):
     methods = _csv(args.methods, AGENT_METHODS, "--methods")
     if "hf" in methods:
         raise CliError("--methods hf (transformers' generate) is not available with --workload agent")
+    _head_subset(args)  # a bad size is a CLI error before any model loads
     plan = agent_method_plan(methods, parse_ks(args.ks), _csv(args.k_policies, ("fixed", "auto"), "--k-policies"),
-                             _tree_widths(args.tree_widths), _heads_dirs(args, methods), args.draft)
+                             _tree_widths(args.tree_widths), _heads_dirs(args, methods), args.draft,
+                             draft_vocab={"draft_vocab_size": args.draft_vocab_size, "token_map": args.token_map})
     chat_template = _chat_template(args.chat_template)
     specs = [_engine_method(label, kind, k, spec_config, args, params, chat_template)
              for label, kind, k, spec_config in plan]
@@ -451,9 +473,10 @@ def _agent_methods(args: argparse.Namespace, params):
 
 
 def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tree_widths: list[int],
-                      heads: dict[str, str | None], draft: str | None) -> list[tuple]:
+                      heads: dict[str, str | None], draft: str | None, draft_vocab: dict | None = None) -> list[tuple]:
     """``(label, kind, k, SpeculativeConfig | None)`` per in-process method, plain first, in the order and with
-    the labels of the prompts workload (draft and ngram per policy and K; Medusa / EAGLE per K and tree width)."""
+    the labels of the prompts workload (draft and ngram per policy and K; Medusa / EAGLE per K and tree width).
+    ``draft_vocab`` (``draft_vocab_size`` / ``token_map``) goes to the methods that run the draft model."""
     from draftwise.config import SpeculativeConfig
 
     plan: list[tuple] = [("plain", "plain", None, None)]
@@ -464,8 +487,10 @@ def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tr
             continue
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                config = SpeculativeConfig(method=method, model=draft if kind in ("draft", "hybrid") else None,
-                                           num_speculative_tokens=k, k_policy=policy)
+                uses_draft = kind in ("draft", "hybrid")
+                config = SpeculativeConfig(method=method, model=draft if uses_draft else None,
+                                           num_speculative_tokens=k, k_policy=policy,
+                                           **((draft_vocab or {}) if uses_draft else {}))
                 plan.append((method_label(kind, k, policy), kind, k, config))
     for kind in ("medusa", "eagle"):
         if kind in methods:

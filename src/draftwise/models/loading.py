@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,7 +26,11 @@ from draftwise.models.gguf_tokenizer import gguf_metadata, tokenizer_from_gguf_v
 from draftwise.models.pull import MODEL_REGISTRY, draftwise_home, is_pulled, model_path
 from draftwise.backends.quantization import parse_quantization, quantize_model
 
-__all__ = ["RANDOM_PREFIX", "randomize_weights", "LoadedModel", "ModelLoadError", "load_model", "resolve_model", "select_backend", "select_runtime", "BACKENDS", "RUNTIMES"]
+if TYPE_CHECKING:
+    from draftwise.frspec import HeadSubset
+
+__all__ = ["RANDOM_PREFIX", "randomize_weights", "LoadedModel", "ModelLoadError", "load_model", "load_tokenizer",
+           "resolve_model", "select_backend", "select_runtime", "BACKENDS", "RUNTIMES"]
 
 #: ``load_model("random:SPEC")``: SPEC's architecture and tokenizer with random weights.
 RANDOM_PREFIX = "random:"
@@ -127,6 +132,7 @@ def load_model(
     backend: str = "torch",
     threads: int | None = None,
     runtime: str = "auto",
+    head_subset: HeadSubset | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, for the PyTorch backend or (GGUF files) the llama.cpp backend.
 
@@ -147,14 +153,24 @@ def load_model(
             :mod:`draftwise.backends.lean`: preallocated KV cache, batch-invariant by construction),
             ``"transformers"`` (the model as transformers runs it) or ``"auto"`` (default; see
             :func:`select_runtime`). The lean backend's name ends in ``+lean``.
+        head_subset: PyTorch backend only: compute the LM head over a frequency-ranked subset of the
+            vocabulary (FR-Spec, for draft models; :mod:`draftwise.frspec`), applied before quantization;
+            the backend's name then ends in ``+fr<kept ids>``. With ``backend="auto"`` it selects PyTorch.
 
     Raises:
         ModelLoadError: missing file, unreadable model, a registry model that is not pulled, or the llama.cpp
             backend asked for a non-GGUF model or without llama-cpp-python installed.
-        ValueError: an unknown quantization mode or backend, int8 off the CPU / without fbgemm kernels, or a
-            PyTorch-only option (CUDA device, dtype, int8) given to the llama.cpp backend.
+        ValueError: an unknown quantization mode or backend, int8 off the CPU / without fbgemm kernels, a
+            PyTorch-only option (CUDA device, dtype, int8, a head subset) given to the llama.cpp backend, or a
+            token map that does not fit the model.
+        FileNotFoundError: a head subset's token map file is missing.
     """
     quantization = parse_quantization(quantization)
+    if head_subset is not None and backend == "llama.cpp":
+        raise ValueError(f"{spec!r}: a draft vocabulary subset (draft_vocab_size / token_map) needs the PyTorch "
+                         "backend (--backend torch); llama.cpp computes its LM head itself")
+    if head_subset is not None and backend == "auto":
+        backend = "torch"  # the subset head is a PyTorch module
     randomize = spec.startswith(RANDOM_PREFIX)
     path = resolve_model(spec[len(RANDOM_PREFIX):] if randomize else spec)
     if randomize and backend == "llama.cpp":
@@ -183,11 +199,17 @@ def load_model(
         randomize_weights(model)
     eos_ids = _eos_ids(model, tokenizer)
     name = spec if quantization == "none" else f"{spec}+{quantization}"
+    head_ids = None
+    if head_subset is not None:
+        head_ids = _head_subset_ids(model, head_subset, tokenizer, eos_ids, name)
+        if head_ids is not None:
+            name = f"{name}+fr{len(head_ids)}"
     if select_runtime(runtime, model, device=device, dtype=torch_dtype, quantization=quantization) == "lean":
         from draftwise.backends.lean import NotExactError, build_lean
 
         try:
-            lean = build_lean(model, quantization=quantization, name=f"{name}+lean", max_context=max_context)
+            lean = build_lean(model, quantization=quantization, name=f"{name}+lean", max_context=max_context,
+                              head_ids=head_ids)
         except NotExactError:
             if runtime == "lean":
                 raise
@@ -195,6 +217,8 @@ def load_model(
         else:
             del model  # the lean decoder holds its own copies of the weights
             return LoadedModel(backend=lean, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids)
+    if head_ids is not None:
+        _restrict_head(model, head_ids, quantization, name)
     quantize_model(model, quantization)
     backend = TorchCausalLM(model, name=name, max_context=max_context)
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids)
@@ -229,6 +253,27 @@ def select_runtime(runtime: str, model, *, device: str, dtype: torch.dtype, quan
             raise ValueError(f"the lean runtime cannot run this model: {'; '.join(reasons)}")
         return "lean"
     return "lean" if not reasons and quantization == "int8" else "transformers"
+
+
+def _head_subset_ids(model, head_subset: HeadSubset, tokenizer, eos_ids, name: str) -> list[int] | None:
+    """FR-Spec: the LM head rows a head subset keeps, or None when it covers the whole vocabulary."""
+    ids = head_subset.resolve(tokenizer, eos_ids, int(model.get_output_embeddings().weight.shape[0]))
+    if ids is None:
+        logger.info("FR-Spec: the requested subset covers %s's whole vocabulary; the LM head is left full", name)
+    return ids
+
+
+def _restrict_head(model, ids: list[int], quantization: str, name: str) -> None:
+    """FR-Spec on a transformers model: restrict the float LM head to ``ids`` (quantized afterwards like any
+    linear layer)."""
+    from draftwise.frspec import head_nbytes, log_restriction, restrict_lm_head
+
+    full_head = model.get_output_embeddings()
+    rows, hidden = (int(d) for d in full_head.weight.shape)
+    # the full head's bytes as it would be stored: int8 weights plus a float32 scale per row, or float
+    before = rows * (hidden + 4) if quantization == "int8" else head_nbytes(full_head)
+    subset = restrict_lm_head(model, ids)
+    log_restriction(name, subset, before)
 
 
 def select_backend(backend: str, path: str, *, device: str | None = None, dtype=None,
@@ -356,7 +401,7 @@ def _forget_gguf_quantization(model) -> None:
 
 def _load_gguf(path: Path):
     """Dequantize a GGUF file with transformers (fp32) and build its tokenizer with its chat template."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     meta = gguf_metadata(
         path, ("tokenizer.ggml.padding_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.chat_template",
@@ -370,17 +415,51 @@ def _load_gguf(path: Path):
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32, **overrides
     )
+    return model.eval(), _gguf_tokenizer(path, meta.get("tokenizer.chat_template"))
+
+
+def _gguf_tokenizer(path: Path, template: str | None):
+    """A GGUF file's tokenizer (transformers' conversion, else built from the token table) with its chat
+    template."""
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:  # transformers' GGUF tokenizer conversion fails on some vocabularies
         logger.info("transformers could not convert the GGUF tokenizer (%s); building it from the token table", exc)
         tokenizer = tokenizer_from_gguf_vocab(path)
-    template = meta.get("tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = str(template)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer
+    return tokenizer
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer :func:`load_model` would load for ``spec`` (registry name, ``.gguf`` file, Hugging Face
+    directory or hub id), without loading the weights: a GGUF file's dequantized copy when it exists, else
+    the tokenizer converted from the file.
+
+    Raises:
+        ModelLoadError: a missing file, a registry model not pulled, or an unreadable tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    path = resolve_model(spec)
+    try:
+        if path.endswith(".gguf"):
+            gguf = Path(path)
+            if not gguf.is_file():
+                raise ModelLoadError(f"GGUF file not found: {gguf}")
+            copy = draftwise_home() / "dequantized" / _cache_key(gguf)
+            if (copy / "config.json").is_file():
+                return AutoTokenizer.from_pretrained(str(copy))
+            return _gguf_tokenizer(gguf, gguf_metadata(gguf, ("tokenizer.chat_template",)).get("tokenizer.chat_template"))
+        if _looks_local(path) and not Path(path).is_dir():
+            raise ModelLoadError(f"model not found: {path}")
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load the tokenizer of {spec!r}: {exc}") from exc
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from draftwise.proposers.base import Proposer
 
 __all__ = ["BuildOptions", "BuiltProposer", "MethodSpec", "METHODS", "K_POLICIES", "method_names", "get_method",
-           "validate_config", "SUFFIX_FIELDS"]
+           "validate_config", "SUFFIX_FIELDS", "DRAFT_VOCAB_FIELDS"]
 
 K_POLICIES = ("fixed", "auto")
 
@@ -121,6 +121,23 @@ def _check_suffix(config: SpeculativeConfig) -> None:
     _in_range("suffix_decoding_tree_width", config.suffix_decoding_tree_width, 1, 16)
 
 
+def _check_draft_vocab(config: SpeculativeConfig) -> None:
+    """FR-Spec fields: ``draft_vocab_size`` >= 1, ``token_map`` a non-empty path (the file is read when the draft
+    loads)."""
+    if config.draft_vocab_size is not None and config.draft_vocab_size < 1:
+        raise ValueError(f"draft_vocab_size must be >= 1 (or null for the full vocabulary), got {config.draft_vocab_size}")
+    if config.token_map is not None and not config.token_map.strip():
+        raise ValueError("token_map must be a path to a ranked token map file (or null)")
+
+
+def _check_hybrid(config: SpeculativeConfig) -> None:
+    _check_suffix(config)
+    _check_draft_vocab(config)
+
+
+#: The FR-Spec fields (methods running a draft model): the draft's LM head over a frequency-ranked subset.
+DRAFT_VOCAB_FIELDS = ("draft_vocab_size", "token_map")
+
 #: The suffix-decoding fields (method ``suffix``, and ``hybrid``'s suffix side).
 SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
                  "suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens",
@@ -128,7 +145,7 @@ SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_fac
 
 METHODS: Mapping[str, MethodSpec] = MappingProxyType({spec.name: spec for spec in (
     MethodSpec("draft_model", "a smaller causal LM with the target's tokenizer", "draftwise.proposers.draft_model",
-               model="draft"),
+               model="draft", fields=DRAFT_VOCAB_FIELDS, validate=_check_draft_vocab),
     MethodSpec("ngram", "prompt lookup: copy what followed the latest match of the context's suffix",
                "draftwise.proposers.ngram", fields=("prompt_lookup_min", "prompt_lookup_max"), validate=_check_ngram),
     MethodSpec("suffix", "SuffixDecoding: a frequency-scored suffix index over the request and earlier outputs",
@@ -140,8 +157,8 @@ METHODS: Mapping[str, MethodSpec] = MappingProxyType({spec.name: spec for spec i
                "draftwise.proposers.eagle", model="heads", fields=("tree_width", "tree_budget"),
                k_policies=("fixed",), validate=_check_heads),
     MethodSpec("hybrid", "suffix decoding when its match is confident, the draft model otherwise (per step, by "
-               "expected tokens per second)", "draftwise.proposers.hybrid", model="draft", fields=SUFFIX_FIELDS,
-               validate=_check_suffix),
+               "expected tokens per second)", "draftwise.proposers.hybrid", model="draft",
+               fields=SUFFIX_FIELDS + DRAFT_VOCAB_FIELDS, validate=_check_hybrid),
 )})
 
 

@@ -14,9 +14,10 @@ __all__ = ["LeanCausalLM", "LeanConfig", "LeanLlama", "NotExactError", "Unsuppor
 
 
 def build_lean(hf_model, *, quantization: str | None = "int8", name: str = "model", max_context: int | None = None,
-               num_slots: int = 1) -> LeanCausalLM:
+               num_slots: int = 1, head_ids=None) -> LeanCausalLM:
     """A :class:`LeanCausalLM` from a loaded transformers Llama-family model (CPU), after a self-test on the real
     weights (:meth:`LeanLlama.check_row_invariance`: k-token passes equal one-token decoding bit for bit).
+    ``head_ids``: compute the LM head over these vocabulary ids only (FR-Spec, :mod:`draftwise.frspec`).
 
     Raises:
         UnsupportedArchitecture: not a plain Llama-family decoder.
@@ -25,7 +26,8 @@ def build_lean(hf_model, *, quantization: str | None = "int8", name: str = "mode
     """
     from draftwise.backends.lean.linear import linear_factory
 
-    model = LeanLlama(hf_model, linear_factory(quantization), max_context=max_context, num_slots=num_slots)
+    model = LeanLlama(hf_model, linear_factory(quantization), max_context=max_context, num_slots=num_slots,
+                      head_ids=head_ids)
     if not model.check_row_invariance():
         raise NotExactError(f"{name}: a k-token pass does not reproduce one-token decoding bit for bit on this CPU "
                             f"with {torch.get_num_threads()} threads; use --runtime transformers")

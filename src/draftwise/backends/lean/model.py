@@ -186,13 +186,15 @@ class LeanLlama(nn.Module):
         max_context: context length (tokens); default the config's.
         num_slots: sequences the KV cache holds.
         block: attention key block (tokens).
+        head_ids: compute the LM head over these vocabulary ids only, the others' logits being -inf (FR-Spec,
+            Zhao et al. 2025, for draft models; :class:`draftwise.frspec.SubsetLMHead`); None = every id.
 
     Raises:
         UnsupportedArchitecture: see :func:`lean_config_from_hf`.
     """
 
     def __init__(self, hf_model, linear: LinearFactory, *, max_context: int | None = None, num_slots: int = 1,
-                 block: int = 64) -> None:
+                 block: int = 64, head_ids=None) -> None:
         super().__init__()
         config = lean_config_from_hf(hf_model.config, max_context)
         self.config = config
@@ -204,7 +206,13 @@ class LeanLlama(nn.Module):
         head = hf_model.get_output_embeddings()
         head_weight = self.embed if config.tie_word_embeddings else head.weight.detach().float()
         self.head_weight = head_weight  # [V, H] float: FR-Spec restricts the head from it
-        self.lm_head = linear(head_weight, None if getattr(head, "bias", None) is None else head.bias.detach().float())
+        head_bias = None if getattr(head, "bias", None) is None else head.bias.detach().float()
+        if head_ids is None:
+            self.lm_head = linear(head_weight, head_bias)  # [n, H] -> [n, V]
+        else:
+            from draftwise.frspec import SubsetLMHead
+
+            self.lm_head = SubsetLMHead(head_weight, head_ids, vocab_size=config.vocab_size, bias=head_bias, kernel=linear)
         self.cos, self.sin = _rotary_tables(decoder.rotary_emb, config)  # [max_context, d] each
         self.cache = SlotKVCache(config.num_layers, num_slots, config.num_kv_heads, config.head_dim,
                                  config.max_context, block=block)
