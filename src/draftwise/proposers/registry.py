@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from draftwise.proposers.base import Proposer
 
 __all__ = ["BuildOptions", "BuiltProposer", "MethodSpec", "METHODS", "K_POLICIES", "method_names", "get_method",
-           "validate_config", "SUFFIX_FIELDS"]
+           "validate_config", "SUFFIX_FIELDS", "DRAFT_FIELDS"]
 
 K_POLICIES = ("fixed", "auto")
 
@@ -34,7 +34,9 @@ MODEL_KINDS = ("draft", "heads")
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """How to load a draft model, as for the target (see :func:`draftwise.models.loading.load_model`)."""
+    """How the target was loaded (see :func:`draftwise.models.loading.load_model`): a draft model is loaded the
+    same way, unless its config names a backend of its own (:attr:`draftwise.config.SpeculativeConfig.backend`;
+    see :func:`draftwise.builder.load_draft_model`)."""
 
     device: str | None = None
     dtype: str | None = None
@@ -111,6 +113,20 @@ def _check_heads(config: SpeculativeConfig) -> None:
         object.__setattr__(config, "tree", paths)
 
 
+def _check_draft_backend(config: SpeculativeConfig) -> None:
+    """``backend`` (the draft model's own backend) must be a known backend or None."""
+    from draftwise.config import BACKENDS
+
+    if config.backend is not None and config.backend not in BACKENDS:
+        raise ValueError(f"unknown speculative backend {config.backend!r}; choose one of {', '.join(BACKENDS)} "
+                         "(or leave it unset to load the draft like the target)")
+
+
+def _check_hybrid(config: SpeculativeConfig) -> None:
+    _check_suffix(config)
+    _check_draft_backend(config)
+
+
 def _check_suffix(config: SpeculativeConfig) -> None:
     _in_range("suffix_decoding_max_tree_depth", config.suffix_decoding_max_tree_depth, 2, 1024)
     _in_range("suffix_decoding_max_spec_factor", config.suffix_decoding_max_spec_factor, 1e-6, 1024.0)
@@ -120,6 +136,8 @@ def _check_suffix(config: SpeculativeConfig) -> None:
     _in_range("suffix_decoding_tree_width", config.suffix_decoding_tree_width, 1, 16)
 
 
+#: The draft model's own backend (methods that run a draft model).
+DRAFT_FIELDS = ("backend",)
 #: The suffix-decoding fields (method ``suffix``, and ``hybrid``'s suffix side).
 SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
                  "suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens",
@@ -127,7 +145,7 @@ SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_fac
 
 METHODS: Mapping[str, MethodSpec] = MappingProxyType({spec.name: spec for spec in (
     MethodSpec("draft_model", "a smaller causal LM with the target's tokenizer", "draftwise.proposers.draft_model",
-               model="draft"),
+               model="draft", fields=DRAFT_FIELDS, validate=_check_draft_backend),
     MethodSpec("ngram", "prompt lookup: copy what followed the latest match of the context's suffix",
                "draftwise.proposers.ngram", fields=("prompt_lookup_min", "prompt_lookup_max"), validate=_check_ngram),
     MethodSpec("suffix", "SuffixDecoding: a frequency-scored suffix index over the request and earlier outputs",
@@ -139,8 +157,8 @@ METHODS: Mapping[str, MethodSpec] = MappingProxyType({spec.name: spec for spec i
                "draftwise.proposers.eagle", model="heads", fields=("tree_width", "tree_budget"),
                k_policies=("fixed",), validate=_check_heads),
     MethodSpec("hybrid", "suffix decoding when its match is confident, the draft model otherwise (per step, by "
-               "expected tokens per second)", "draftwise.proposers.hybrid", model="draft", fields=SUFFIX_FIELDS,
-               validate=_check_suffix),
+               "expected tokens per second)", "draftwise.proposers.hybrid", model="draft",
+               fields=SUFFIX_FIELDS + DRAFT_FIELDS, validate=_check_hybrid),
 )})
 
 
