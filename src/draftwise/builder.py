@@ -8,8 +8,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from draftwise.backends.llama_cpp_backend import relax_for_drafting
 from draftwise.check.tokenizer import (
+    TokenizerInfo,
     TokenizerMismatchError,
     compare_tokenizers,
     require_compatible,
@@ -23,7 +26,8 @@ from draftwise.proposers.base import Proposer
 from draftwise.proposers.registry import BuildOptions, get_method
 
 __all__ = ["EngineBundle", "TokenizerMismatchError", "backend_kind", "build_engine", "build_proposer",
-           "build_head_proposer", "check_same_tokenizer", "load_draft_model", "load_target_heads"]
+           "build_head_proposer", "check_same_tokenizer", "draft_load_options", "load_draft_model",
+           "load_target_heads", "require_target_ids_across_backends"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,24 +53,27 @@ class EngineBundle:
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
-    """Require identical id -> token tables over the ids both tokenizers have (see
-    :mod:`draftwise.check.tokenizer` for the rules).
+    """Require the draft's id -> token table to agree with the target's (see :mod:`draftwise.check.tokenizer`
+    for the rules).
 
-    A padded vocabulary (embeddings of different widths over the same real tokens) passes; the proposer cuts
-    or pads the draft's logits to the target's width. Differing special tokens or chat templates are logged.
-    A draft on another backend than the target needs an identical table (no extra tokens on either side).
+    On one backend, the tables must be identical over the ids both have; extra tokens on either side are
+    logged. A draft on another backend than the target (a llama.cpp draft for a PyTorch target) must moreover
+    hold every id of the target's table (:func:`require_target_ids_across_backends`). A padded vocabulary
+    (embeddings of different widths over the same real tokens) passes; the proposer cuts or pads the draft's
+    logits to the target's width. Differing special tokens or chat templates are logged.
 
     Raises:
-        TokenizerMismatchError: naming the first differing ids and tokens, or a draft embedding too narrow to
-            read the target's tokens.
+        TokenizerMismatchError: naming the first differing ids and tokens, the first target ids a draft on
+            another backend lacks, or a draft embedding too narrow to read the target's tokens.
     """
+    target_info, draft_info = tokenizer_info_from_hf(target.tokenizer), tokenizer_info_from_hf(draft.tokenizer)
     report = compare_tokenizers(
-        tokenizer_info_from_hf(target.tokenizer), tokenizer_info_from_hf(draft.tokenizer),
+        target_info, draft_info,
         target_vocab_width=target.backend.vocab_size, draft_vocab_width=draft.backend.vocab_size,
         target_name=target.name, draft_name=draft.name,
     )
     require_compatible(report)
-    _require_identical_tables_across_backends(target, draft, report)
+    require_target_ids_across_backends(target, draft, target_info, draft_info)
 
 
 def backend_kind(model: LoadedModel) -> str:
@@ -77,21 +84,36 @@ def backend_kind(model: LoadedModel) -> str:
     return "torch" if isinstance(model.backend, (TorchCausalLM, LeanCausalLM)) else "llama.cpp"
 
 
-def _require_identical_tables_across_backends(target: LoadedModel, draft: LoadedModel, report) -> None:
-    """A draft on another backend than the target (PyTorch and llama.cpp) must have exactly the target's token
-    table: each side has its own tokenizer implementation, so only an identical id -> token table guarantees
-    that the ids handed across mean the same text.
+def require_target_ids_across_backends(target: LoadedModel, draft: LoadedModel, target_info: TokenizerInfo,
+                                       draft_info: TokenizerInfo) -> None:
+    """A draft on another backend than the target must give every id of the target's table the target's token.
+
+    Each backend brings its own tokenizer (llama.cpp's :class:`~draftwise.backends.llama_cpp_backend.
+    LlamaCppTokenizer`, or a ``transformers`` one), but only the target's ever runs: it encodes prompts and
+    decodes output, and the draft reads and proposes ids. So the draft's table must agree with the target's over
+    the target's ids (the shared ids were checked by :func:`compare_tokenizers`) and may hold more tokens (the
+    proposer cuts its logits to the target's width, so ids the target cannot produce are never proposed). On one
+    backend a shorter draft table stays a warning, as before.
+
+    Args:
+        target, draft: the loaded pair.
+        target_info, draft_info: their token tables (:func:`tokenizer_info_from_hf`).
 
     Raises:
-        TokenizerMismatchError: the tables differ in size (the shared ids were already checked).
+        TokenizerMismatchError: the draft's table lacks target ids (the message names the first of them).
     """
     target_kind, draft_kind = backend_kind(target), backend_kind(draft)
-    if target_kind == draft_kind or report.target_tokens == report.draft_tokens:
+    if target_kind == draft_kind:
         return
-    raise TokenizerMismatchError(
-        f"target {target.name!r} ({target_kind}) and draft {draft.name!r} ({draft_kind}) run on different backends, "
-        f"which needs identical token tables; they have {report.target_tokens} and {report.draft_tokens} tokens. "
-        "Load both with the same --backend")
+    first_missing, target_size = len(draft_info.tokens), len(target_info.tokens)
+    if first_missing < target_size:
+        raise TokenizerMismatchError(
+            f"draft {draft.name!r} ({draft_kind}) lacks {target_size - first_missing} of the {target_size} token ids "
+            f"of target {target.name!r} ({target_kind}): ids {first_missing}..{target_size - 1} (first "
+            f"{target_info.tokens[first_missing]!r}); a draft on another backend must hold every target id with the "
+            "target's token. Load both on the same backend, or pick a draft with the target's full vocabulary")
+    logger.info("draft %s (%s) and target %s (%s): token tables agree on all %d target ids", draft.name, draft_kind,
+                target.name, target_kind, target_size)
 
 
 def build_proposer(
@@ -108,9 +130,11 @@ def build_proposer(
     """Create the proposer a speculative config names (through :mod:`draftwise.proposers.registry`); returns
     it and its draft model (if any).
 
-    ``quantization``, ``backend``, ``threads`` and ``runtime`` apply to a draft model as to the target (see
-    :func:`load_model`). With ``backend="auto"`` the draft may land on another backend than the target (a
-    ``.gguf`` draft for a Hugging Face target); that is allowed only with identical token tables.
+    ``device``, ``dtype``, ``quantization``, ``backend``, ``threads`` and ``runtime`` describe how the target was loaded;
+    a draft model is loaded the same way unless ``config.backend`` names its own backend (see
+    :func:`draft_load_options`). A draft may so land on another backend than the target (a llama.cpp draft
+    for a PyTorch target, or a ``.gguf`` draft for a Hugging Face target with ``backend="auto"``); its token
+    table must then agree with the target's over every target id (:func:`check_same_tokenizer`).
 
     Raises:
         ModelLoadError, TokenizerMismatchError, HeadsMismatchError, ValueError: bad draft model, heads or method.
@@ -123,11 +147,13 @@ def build_proposer(
 
 def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> LoadedModel:
     """Load the draft model ``config.model`` for ``target`` (same context length, checked tokenizer, drafting
-    settings) for the methods that run one. With ``draft_vocab_size`` / ``token_map`` set, the draft's LM
-    head covers that frequency-ranked subset only (FR-Spec, :mod:`draftwise.frspec`).
+    settings) for the methods that run one, on the backend :func:`draft_load_options` picks. With
+    ``draft_vocab_size`` / ``token_map`` set, the draft's LM head covers that frequency-ranked subset only
+    (FR-Spec, :mod:`draftwise.frspec`).
 
     Raises:
-        ModelLoadError, TokenizerMismatchError: see :func:`load_model` and :func:`check_same_tokenizer`.
+        ModelLoadError, ValueError, TokenizerMismatchError: see :func:`load_model`, :func:`draft_load_options`
+            and :func:`check_same_tokenizer`.
         FileNotFoundError, ValueError: a missing or unfitting token map; a vocabulary subset for a llama.cpp
             draft.
     """
@@ -137,13 +163,47 @@ def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: Bu
         from draftwise.frspec import HeadSubset
 
         head_subset = HeadSubset(size=config.draft_vocab_size, token_map=config.token_map)
-    draft = load_model(config.model, device=options.device, dtype=options.dtype,
-                       max_context=target.backend.max_context, quantization=options.quantization,
-                       backend=options.backend, threads=options.threads, runtime=options.runtime,
-                       head_subset=head_subset)
+    where = getattr(target.backend, "device", None)
+    target_device = where.type if isinstance(where, torch.device) else "cpu"
+    draft = load_model(config.model, max_context=target.backend.max_context, head_subset=head_subset,
+                       **draft_load_options(config, options, target_device=target_device))
     check_same_tokenizer(target, draft)
     relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
     return draft
+
+
+def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, target_device: str = "cpu") -> dict:
+    """The :func:`load_model` keyword arguments (besides ``max_context``) of ``config``'s draft model.
+
+    Without ``config.backend`` the draft is loaded like the target (``options``). With it, the draft's backend
+    is chosen for the draft alone (:func:`draftwise.models.loading.select_backend` on ``config.model`` and
+    ``target_device``, the device type the loaded target runs on: ``"cpu"`` or ``"cuda"``). On llama.cpp the
+    draft gets the target's ``threads`` and none of the PyTorch-only options (dtype, int8 quantization), which
+    are the target's; on PyTorch it gets the target's device, dtype and quantization. So ``--quantization int8
+    --speculative-backend llama.cpp`` runs an exact int8 target with a Q4_K_M draft.
+
+    Raises:
+        ValueError: ``config.backend`` is ``"llama.cpp"`` while the target runs on a device other than the CPU
+            (``"auto"`` then picks PyTorch).
+        ModelLoadError: see :func:`draftwise.models.loading.select_backend` (``"llama.cpp"`` for a model that
+            is not a GGUF file, llama-cpp-python missing, a registry draft not pulled).
+    """
+    from draftwise.models.loading import RANDOM_PREFIX, resolve_model, select_backend
+
+    torch_options = dict(device=options.device, dtype=options.dtype, quantization=options.quantization,
+                         threads=options.threads, runtime=options.runtime)
+    if config.backend is None:
+        return dict(torch_options, backend=options.backend)
+    spec = config.model or ""
+    if spec.startswith(RANDOM_PREFIX):  # random weights: PyTorch only (load_model says so for "llama.cpp")
+        return dict(torch_options, backend=config.backend)
+    if config.backend == "llama.cpp" and target_device != "cpu":
+        raise ValueError(f"a llama.cpp draft runs on the CPU; the target runs on {target_device!r}: use "
+                         "--speculative-backend torch (or auto) with a GPU target")
+    kind = select_backend(config.backend, resolve_model(spec), device=target_device)
+    if kind == "llama.cpp":
+        return dict(backend="llama.cpp", threads=options.threads)
+    return dict(torch_options, backend="torch")
 
 
 def load_target_heads(config: SpeculativeConfig, target: LoadedModel):
@@ -209,9 +269,10 @@ def build_engine(
         max_context: context length in tokens (default: the target config's).
         quantization: ``"none"`` or ``"int8"`` for the target and a draft model (see
             :mod:`draftwise.backends.quantization`).
-        backend: ``"torch"``, ``"llama.cpp"`` or ``"auto"`` for the target and a draft model (see
-            :func:`draftwise.models.loading.select_backend`).
-        threads: llama.cpp CPU threads (default: all available).
+        backend: ``"torch"``, ``"llama.cpp"`` or ``"auto"`` for the target, and for a draft model unless
+            ``speculative_config.backend`` names the draft's own (see
+            :func:`draftwise.models.loading.select_backend` and :func:`draft_load_options`).
+        threads: llama.cpp CPU threads of the target and a llama.cpp draft (default: all available).
         runtime: ``"lean"``, ``"transformers"`` or ``"auto"`` for PyTorch models (see
             :func:`draftwise.models.loading.select_runtime`); the heads methods (Medusa, EAGLE) run their heads on
             the transformers model, so ``"auto"`` gives their target the transformers runtime.

@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingParams", "SpeculativeConfig", "GREEDY_TEMPERATURE", "SAMPLING_RULES"]
+__all__ = ["SamplingParams", "SpeculativeConfig", "GREEDY_TEMPERATURE", "SAMPLING_RULES", "BACKENDS"]
 
 #: Temperatures below this are greedy decoding (as vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE = 1e-5
 #: How temperature > 0 draws tokens and verifies drafts (:attr:`SamplingParams.sampling`).
 SAMPLING_RULES = ("coupled", "rejection")
+#: Backends a model may run on (``load_model(backend=...)``, ``--backend``, and a draft's own
+#: :attr:`SpeculativeConfig.backend`); see :func:`draftwise.models.loading.select_backend`.
+BACKENDS = ("torch", "llama.cpp", "auto")
 
 
 @dataclass(frozen=True)
@@ -134,10 +137,16 @@ class SpeculativeConfig:
             first; ``scripts/build_token_map.py``; SGLang's ``--speculative-token-map``). With
             ``draft_vocab_size`` its top ids are kept, alone all of its ids. None: a map shipped for the
             tokenizer (``data/token_maps/``), else a ranking counted over local files at load time.
+        backend: ``draft_model`` / ``hybrid``: the backend of the draft model alone, one of :data:`BACKENDS`
+            (``"torch"``, ``"llama.cpp"`` or ``"auto"``); None (default) loads it like the target. A draft on
+            llama.cpp beside a PyTorch target (``--quantization int8``) runs llama.cpp's quantized kernels, gets
+            the target's ``threads``, and ignores the PyTorch-only options (dtype, int8), which then apply to
+            the target only. Its token table must agree with the target's on every target id (see
+            :func:`draftwise.builder.check_same_tokenizer`). Not a vLLM field.
 
     Raises:
         ValueError: on an unknown method, a missing draft model or heads directory, a field the method does
-            not read, or out-of-range sizes.
+            not read (``backend`` on a method without a draft model), an unknown backend, or out-of-range sizes.
     """
 
     method: str = "draft_model"
@@ -157,6 +166,7 @@ class SpeculativeConfig:
     suffix_decoding_tree_width: int = 1
     draft_vocab_size: int | None = None
     token_map: str | None = None
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         # imported here: the proposers package imports this module

@@ -20,7 +20,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from draftwise.backends.llama_cpp_backend import relax_for_drafting
 from draftwise.benchmark import (
     MethodSpec,
     PromptRun,
@@ -31,13 +30,14 @@ from draftwise.benchmark import (
     summarize,
     write_json,
 )
-from draftwise.builder import DEFAULT_KV_CACHE_MEMORY, DEMO_DRAFT, DEMO_TARGET, check_same_tokenizer
+from draftwise.builder import DEFAULT_KV_CACHE_MEMORY, DEMO_DRAFT, DEMO_TARGET, backend_kind, load_draft_model
 from draftwise.calibration import ForwardCosts, measure_forward_costs
 from draftwise.commands.common import (
     CliError,
     add_backend_arg,
     add_quantization_arg,
     add_sampling_args,
+    add_speculative_backend_arg,
     memory_size,
     print_table,
     sampling_params_from_args,
@@ -58,6 +58,7 @@ def register(subparsers) -> None:
     parser.add_argument("--model", "--target", dest="model", default=DEMO_TARGET, help=f"target (default {DEMO_TARGET})")
     parser.add_argument("--speculative-model", "--draft", dest="draft", default=DEMO_DRAFT,
                         help=f"draft model for the draft and hf methods (default {DEMO_DRAFT})")
+    add_speculative_backend_arg(parser)
     parser.add_argument("--methods", default="plain,draft",
                         help=f"comma-separated, from {','.join(METHODS)} (default plain,draft; plain is always run)")
     parser.add_argument("--ks", default="4", help="comma-separated fixed K values (default 4)")
@@ -274,18 +275,14 @@ def run(args: argparse.Namespace) -> int:
     options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization, backend=args.backend,
                    threads=args.threads)
     target = load_model(args.model, runtime=args.runtime, **options)
-    draft = None
-    if needs_draft:
-        draft = load_model(args.draft, max_context=target.backend.max_context, runtime=args.runtime,
-                           head_subset=_head_subset(args), **options)
-        check_same_tokenizer(target, draft)
-        relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
+    draft = _load_draft(args, target, options) if needs_draft else None
     anchors = _anchor_models(args, methods, target, draft, options)
     calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
     specs = build_methods(target, draft, methods, ks, policies, {}, heads, tree_widths, anchors=anchors)
     config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
               "ks": ks, "k_policies": policies, "prompts": str(prompts_path), "categories": categories,
               "limit": args.limit, "turns": args.turns, "quantization": args.quantization, "backend": args.backend,
+              "draft_backend": backend_kind(draft) if draft is not None else None,
               "threads": args.threads, "dtype": args.dtype, "max_tokens": params.max_tokens, "greedy": params.greedy,
               "temperature": params.temperature, "draft_vocab_size": args.draft_vocab_size, "token_map": args.token_map}
 
@@ -302,6 +299,25 @@ def run(args: argparse.Namespace) -> int:
     if mismatches:
         console.print(f"[red]{len(mismatches)} run(s) differ from plain decoding[/red]")
     return 1 if mismatches else 0
+
+
+def _load_draft(args: argparse.Namespace, target: LoadedModel, options: dict) -> LoadedModel:
+    """The draft model ``--speculative-model``, loaded as :func:`draftwise.builder.build_engine` loads one: like the
+    target, or on ``--speculative-backend``; tokenizer checked, llama.cpp's native one-token passes.
+
+    Raises:
+        CliError: an invalid draft backend choice; ModelLoadError, TokenizerMismatchError: see
+            :func:`draftwise.builder.load_draft_model`.
+    """
+    from draftwise.config import SpeculativeConfig
+    from draftwise.proposers.registry import BuildOptions
+
+    try:
+        config = SpeculativeConfig(method="draft_model", model=args.draft, backend=args.speculative_backend,
+                                   draft_vocab_size=args.draft_vocab_size, token_map=args.token_map)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    return load_draft_model(config, target, BuildOptions(runtime=args.runtime, **options))
 
 
 def _heads_dirs(args: argparse.Namespace, methods: list[str]) -> dict[str, str | None]:
@@ -462,21 +478,29 @@ def _agent_methods(args: argparse.Namespace, params):
     _head_subset(args)  # a bad size is a CLI error before any model loads
     plan = agent_method_plan(methods, parse_ks(args.ks), _csv(args.k_policies, ("fixed", "auto"), "--k-policies"),
                              _tree_widths(args.tree_widths), _heads_dirs(args, methods), args.draft,
-                             draft_vocab={"draft_vocab_size": args.draft_vocab_size, "token_map": args.token_map})
+                             draft_vocab={"draft_vocab_size": args.draft_vocab_size, "token_map": args.token_map},
+                             draft_backend=args.speculative_backend)
     chat_template = _chat_template(args.chat_template)
     specs = [_engine_method(label, kind, k, spec_config, args, params, chat_template)
              for label, kind, k, spec_config in plan]
     config = {"mode": "in-process", "target": args.model, "draft": args.draft if "draft" in methods else None,
               "methods": [label for label, *_ in plan], "quantization": args.quantization, "backend": args.backend,
-              "threads": args.threads, "dtype": args.dtype, "chat_template": "given" if chat_template else "model's"}
+              "draft_backend": args.speculative_backend, "threads": args.threads, "dtype": args.dtype,
+              "chat_template": "given" if chat_template else "model's"}
     return specs, config
 
 
 def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tree_widths: list[int],
-                      heads: dict[str, str | None], draft: str | None, draft_vocab: dict | None = None) -> list[tuple]:
+                      heads: dict[str, str | None], draft: str | None, draft_vocab: dict | None = None, *,
+                      draft_backend: str | None = None) -> list[tuple]:
     """``(label, kind, k, SpeculativeConfig | None)`` per in-process method, plain first, in the order and with
     the labels of the prompts workload (draft and ngram per policy and K; Medusa / EAGLE per K and tree width).
-    ``draft_vocab`` (``draft_vocab_size`` / ``token_map``) goes to the methods that run the draft model."""
+    ``draft_vocab`` (``draft_vocab_size`` / ``token_map``) and ``draft_backend`` (the draft model's own backend,
+    ``--speculative-backend``) go to the methods that run the draft model.
+
+    Raises:
+        CliError: an invalid configuration (e.g. an unknown ``draft_backend``).
+    """
     from draftwise.config import SpeculativeConfig
 
     plan: list[tuple] = [("plain", "plain", None, None)]
@@ -487,10 +511,14 @@ def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tr
             continue
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                uses_draft = kind in ("draft", "hybrid")
-                config = SpeculativeConfig(method=method, model=draft if uses_draft else None,
-                                           num_speculative_tokens=k, k_policy=policy,
-                                           **((draft_vocab or {}) if uses_draft else {}))
+                with_draft = kind in ("draft", "hybrid")
+                try:
+                    config = SpeculativeConfig(method=method, model=draft if with_draft else None,
+                                               num_speculative_tokens=k, k_policy=policy,
+                                               backend=draft_backend if with_draft else None,
+                                               **((draft_vocab or {}) if with_draft else {}))
+                except ValueError as exc:
+                    raise CliError(str(exc)) from exc
                 plan.append((method_label(kind, k, policy), kind, k, config))
     for kind in ("medusa", "eagle"):
         if kind in methods:

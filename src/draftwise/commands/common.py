@@ -8,11 +8,12 @@ import json
 from collections.abc import Sequence
 
 from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
-from draftwise.config import SAMPLING_RULES, SamplingParams, SpeculativeConfig
+from draftwise.config import BACKENDS, SAMPLING_RULES, SamplingParams, SpeculativeConfig
 from draftwise.proposers.registry import method_names
 
 __all__ = ["add_model_args", "add_sampling_args", "speculative_config_from_args", "sampling_params_from_args",
-           "CliError", "add_quantization_arg", "add_backend_arg", "memory_size", "print_table"]
+           "CliError", "add_quantization_arg", "add_backend_arg", "add_speculative_backend_arg", "memory_size",
+           "print_table"]
 
 
 class CliError(Exception):
@@ -30,11 +31,13 @@ def memory_size(text: str) -> int:
 
 
 def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = False) -> None:
-    """--speculative-model, --num-speculative-tokens, --speculative-config, --device, --dtype, --max-model-len."""
+    """--speculative-model, --speculative-backend, --num-speculative-tokens, --speculative-config, --device,
+    --dtype, --max-model-len."""
     parser.add_argument("--speculative-model", "--draft", dest="speculative_model",
                         default=DEMO_DRAFT if demo_default else None,
                         help="draft model: registry name, .gguf file, HF directory or hub id"
                         + (f" (default: {DEMO_DRAFT}; 'none' for plain decoding)" if demo_default else ""))
+    add_speculative_backend_arg(parser)
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="K, the maximum number of draft tokens per verification (default 5)")
     parser.add_argument("--speculative-config", default=None,
@@ -74,6 +77,17 @@ def add_backend_arg(parser: argparse.ArgumentParser) -> None:
                         help="llama.cpp CPU threads (default: every CPU this process may use)")
 
 
+def add_speculative_backend_arg(parser: argparse.ArgumentParser) -> None:
+    """--speculative-backend {torch,llama.cpp,auto}: the draft model's own backend (``args.speculative_backend``,
+    the ``backend`` field of :class:`~draftwise.config.SpeculativeConfig`); default: the target's."""
+    parser.add_argument("--speculative-backend", choices=BACKENDS, default=None,
+                        help="backend of the draft model alone (methods draft_model and hybrid): llama.cpp runs a "
+                        ".gguf draft with llama.cpp's quantized kernels beside a PyTorch target (e.g. --quantization "
+                        "int8), with the same --threads; auto picks llama.cpp for a .gguf draft when llama-cpp-python "
+                        "is installed. The draft's token table must agree with the target's. Default: the target's "
+                        "--backend")
+
+
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 128) -> None:
     """--temperature, --top-p, --top-k, --seed, --sampling, --max-tokens, --ignore-eos."""
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -99,9 +113,11 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """Merge --speculative-config JSON with --speculative-model / --num-speculative-tokens (flags win).
+    """Merge --speculative-config JSON with --speculative-model / --speculative-backend /
+    --num-speculative-tokens (flags win).
 
-    Returns None for plain decoding. Raises CliError on invalid JSON or an invalid configuration.
+    Returns None for plain decoding. Raises CliError on invalid JSON, an invalid configuration, or
+    --speculative-backend without a draft model.
     """
     fields: dict = {}
     if args.speculative_config:
@@ -120,9 +136,15 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         fields.setdefault("method", "draft_model")
     if args.num_speculative_tokens is not None:
         fields["num_speculative_tokens"] = args.num_speculative_tokens
+    draft_backend = getattr(args, "speculative_backend", None)
+    if draft_backend is not None:
+        fields["backend"] = draft_backend
     method_given = "method" in fields
     if not fields.get("model") and fields.get("method", "draft_model") in ("draft_model", None) and \
             (not method_given or (model and model.lower() == "none")):
+        if fields.get("backend") is not None:
+            raise CliError("--speculative-backend (speculative config 'backend') sets the draft model's backend: "
+                           "name a draft with --speculative-model")
         return None  # no draft named: plain decoding (an explicit draft_model without a model is an error below)
     if fields.get("method") in ("draft", "draft_model", None):
         fields["method"] = "draft_model"

@@ -22,6 +22,7 @@ import torch
 
 from draftwise.backends.base import CausalLM
 from draftwise.backends.torch_backend import TorchCausalLM, default_attention, default_device, default_dtype
+from draftwise.config import BACKENDS  # values of ``load_model(backend=...)`` and ``--backend``
 from draftwise.models.gguf_tokenizer import gguf_metadata, tokenizer_from_gguf_vocab
 from draftwise.models.pull import MODEL_REGISTRY, draftwise_home, is_pulled, model_path
 from draftwise.backends.quantization import parse_quantization, quantize_model
@@ -35,8 +36,6 @@ __all__ = ["RANDOM_PREFIX", "randomize_weights", "LoadedModel", "ModelLoadError"
 #: ``load_model("random:SPEC")``: SPEC's architecture and tokenizer with random weights.
 RANDOM_PREFIX = "random:"
 
-#: Values of ``load_model(backend=...)`` and ``--backend``.
-BACKENDS = ("torch", "llama.cpp", "auto")
 #: Values of ``load_model(runtime=...)`` and ``--runtime``: how the PyTorch backend runs a model.
 RUNTIMES = ("lean", "transformers", "auto")
 

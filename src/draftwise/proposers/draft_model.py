@@ -75,8 +75,14 @@ class DraftModelProposer(Proposer):
         return _DraftState(tokens=tuple(self._cached), kv=kv)
 
     def import_state(self, state: _DraftState | None) -> None:
-        """Load a kept draft state; None empties the draft's cache. A state without KV (a backend that cannot
-        export) keeps only the part of the live cache that equals the state's tokens."""
+        """Load a kept draft state; None empties the draft's cache.
+
+        A state without KV comes from a draft backend that cannot export its cache (llama.cpp): the draft then
+        keeps only the part of its live cache that equals the state's tokens, and the next :meth:`propose`
+        prefills the rest of the context (the target's reuse is unaffected). When the live cache no longer
+        holds what this proposer fed it (another user of the draft backend changed it), it is emptied and the
+        next :meth:`propose` prefills the whole context.
+        """
         if state is None:
             self.draft.reset()
             self._cached = []
@@ -84,9 +90,19 @@ class DraftModelProposer(Proposer):
             self.draft.import_cache(state.kv, len(state.tokens))
             self._cached = list(state.tokens)
         else:
+            self._forget_if_changed()
             common = common_prefix_length(self._cached, state.tokens)
             self.draft.rollback(common)
             del self._cached[common:]
+
+    def _forget_if_changed(self) -> None:
+        """Empty the draft's cache when it no longer holds as many tokens as this proposer fed it (another user
+        of the draft backend, e.g. a calibration, changed it): the next call then prefills the whole context."""
+        if self.draft.num_cached != len(self._cached):
+            logger.debug("draft cache holds %d tokens, not the %d fed here: starting it afresh",
+                         self.draft.num_cached, len(self._cached))
+            self.draft.reset()
+            self._cached = []
 
     def propose(
         self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler
@@ -111,6 +127,7 @@ class DraftModelProposer(Proposer):
     def _sync_cache(self, context_ids: Sequence[int]) -> torch.Tensor:
         """Roll the draft cache back to the longest common prefix with ``context_ids`` and feed the rest;
         returns the draft's logits ``[vocab]`` for the token after the context."""
+        self._forget_if_changed()
         common = common_prefix_length(self._cached, context_ids)
         common = min(common, len(context_ids) - 1)  # at least one token must be fed to get logits
         self.draft.rollback(common)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from draftwise.proposers.base import Proposer
 
 __all__ = ["BuildOptions", "BuiltProposer", "MethodSpec", "METHODS", "K_POLICIES", "method_names", "get_method",
-           "validate_config", "SUFFIX_FIELDS", "DRAFT_VOCAB_FIELDS"]
+           "validate_config", "SUFFIX_FIELDS", "DRAFT_FIELDS", "DRAFT_VOCAB_FIELDS"]
 
 K_POLICIES = ("fixed", "auto")
 
@@ -34,7 +34,9 @@ MODEL_KINDS = ("draft", "heads")
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """How to load a draft model, as for the target (see :func:`draftwise.models.loading.load_model`)."""
+    """How the target was loaded (see :func:`draftwise.models.loading.load_model`): a draft model is loaded the
+    same way, unless its config names a backend of its own (:attr:`draftwise.config.SpeculativeConfig.backend`;
+    see :func:`draftwise.builder.load_draft_model`)."""
 
     device: str | None = None
     dtype: str | None = None
@@ -112,6 +114,20 @@ def _check_heads(config: SpeculativeConfig) -> None:
         object.__setattr__(config, "tree", paths)
 
 
+def _check_draft_backend(config: SpeculativeConfig) -> None:
+    """``backend`` (the draft model's own backend) must be a known backend or None."""
+    from draftwise.config import BACKENDS
+
+    if config.backend is not None and config.backend not in BACKENDS:
+        raise ValueError(f"unknown speculative backend {config.backend!r}; choose one of {', '.join(BACKENDS)} "
+                         "(or leave it unset to load the draft like the target)")
+
+
+def _check_hybrid(config: SpeculativeConfig) -> None:
+    _check_suffix(config)
+    _check_draft(config)
+
+
 def _check_suffix(config: SpeculativeConfig) -> None:
     _in_range("suffix_decoding_max_tree_depth", config.suffix_decoding_max_tree_depth, 2, 1024)
     _in_range("suffix_decoding_max_spec_factor", config.suffix_decoding_max_spec_factor, 1e-6, 1024.0)
@@ -130,14 +146,17 @@ def _check_draft_vocab(config: SpeculativeConfig) -> None:
         raise ValueError("token_map must be a path to a ranked token map file (or null)")
 
 
-def _check_hybrid(config: SpeculativeConfig) -> None:
-    _check_suffix(config)
+def _check_draft(config: SpeculativeConfig) -> None:
+    """Fields of a method running a draft model: its own backend and FR-Spec."""
+    _check_draft_backend(config)
     _check_draft_vocab(config)
 
 
 #: The FR-Spec fields (methods running a draft model): the draft's LM head over a frequency-ranked subset.
 DRAFT_VOCAB_FIELDS = ("draft_vocab_size", "token_map")
 
+#: The draft model's own backend (methods that run a draft model).
+DRAFT_FIELDS = ("backend",)
 #: The suffix-decoding fields (method ``suffix``, and ``hybrid``'s suffix side).
 SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
                  "suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens",
@@ -145,7 +164,7 @@ SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_fac
 
 METHODS: Mapping[str, MethodSpec] = MappingProxyType({spec.name: spec for spec in (
     MethodSpec("draft_model", "a smaller causal LM with the target's tokenizer", "draftwise.proposers.draft_model",
-               model="draft", fields=DRAFT_VOCAB_FIELDS, validate=_check_draft_vocab),
+               model="draft", fields=DRAFT_FIELDS + DRAFT_VOCAB_FIELDS, validate=_check_draft),
     MethodSpec("ngram", "prompt lookup: copy what followed the latest match of the context's suffix",
                "draftwise.proposers.ngram", fields=("prompt_lookup_min", "prompt_lookup_max"), validate=_check_ngram),
     MethodSpec("suffix", "SuffixDecoding: a frequency-scored suffix index over the request and earlier outputs",
@@ -158,7 +177,7 @@ METHODS: Mapping[str, MethodSpec] = MappingProxyType({spec.name: spec for spec i
                k_policies=("fixed",), validate=_check_heads),
     MethodSpec("hybrid", "suffix decoding when its match is confident, the draft model otherwise (per step, by "
                "expected tokens per second)", "draftwise.proposers.hybrid", model="draft",
-               fields=SUFFIX_FIELDS + DRAFT_VOCAB_FIELDS, validate=_check_hybrid),
+               fields=SUFFIX_FIELDS + DRAFT_FIELDS + DRAFT_VOCAB_FIELDS, validate=_check_hybrid),
 )})
 
 
