@@ -36,11 +36,16 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from draftwise.backends.attention import make_batch_invariant
+
+if TYPE_CHECKING:
+    from draftwise.backends.kernels import KernelChoice
 
 __all__ = ["QUANTIZATION_MODES", "Int8Linear", "QuantizationError", "int8_kernels_available", "quantize_model",
            "parse_quantization"]
@@ -174,48 +179,63 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
 
 
-def _replace_linears(module: nn.Module) -> int:
-    """Replace every ``nn.Linear`` below ``module`` with :class:`Int8Linear`; returns how many."""
+def _replace_linears(module: nn.Module, build: Callable[[nn.Linear], nn.Module] = Int8Linear.from_linear) -> int:
+    """Replace every ``nn.Linear`` below ``module`` with ``build(linear)``; returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear.from_linear(child))
+            setattr(module, name, build(child))
             count += 1
         else:
-            count += _replace_linears(child)
+            count += _replace_linears(child, build)
     return count
 
 
-def quantize_model(model: nn.Module, mode: str | None = "int8") -> nn.Module:
+def quantize_model(model: nn.Module, mode: str | None = "int8", *, kernel: KernelChoice | None = None) -> nn.Module:
     """Apply a quantization mode to a loaded ``transformers`` causal LM, in place.
 
     ``"int8"``: every ``nn.Linear`` (attention and MLP projections, the LM head) becomes an
     :class:`Int8Linear`; the input embedding stays float (a tied LM head gets its own int8 copy, the
     embedding table is not modified); attention, MLP activations and rotary embeddings are computed one
     position at a time (:func:`draftwise.backends.attention.make_batch_invariant`).
-    ``"none"``: the model is returned unchanged.
+    ``"none"``: the model is returned unchanged, unless a ``kernel`` of mode ``"none"`` is given.
+
+    ``kernel``: a :class:`draftwise.backends.kernels.KernelChoice` of the same mode, from
+    :func:`draftwise.backends.kernels.select_linear_kernel` run on this model's
+    :func:`~draftwise.backends.kernels.model_linear_shapes`: every ``nn.Linear`` is then built by it instead
+    (``onednn-int8`` gives the same bits as the default :class:`Int8Linear`; ``fp32-mkl-pad`` makes the fp32
+    linear layers row-invariant on CPUs where padding does), and the per-position pieces are made
+    batch-invariant as for int8.
 
     Args:
         model: a ``*ForCausalLM`` on the CPU, in eval mode.
         mode: one of :data:`QUANTIZATION_MODES` (None means ``"none"``).
+        kernel: the linear kernel to use (default: :class:`Int8Linear` for int8, nothing for none).
 
     Returns:
         ``model`` itself.
 
     Raises:
-        ValueError: unknown mode, or a model whose attention cannot be swapped.
+        ValueError: unknown mode, a kernel of another mode, or a model whose attention cannot be swapped.
         QuantizationError: the model is not on the CPU, or the int8 kernels are missing.
+        draftwise.backends.kernels.KernelError: a layer shape the kernel's self-test did not cover.
     """
     mode = parse_quantization(mode)
-    if mode == "none":
+    if kernel is not None and kernel.mode != mode:
+        raise ValueError(f"kernel {kernel.name} serves mode {kernel.mode!r}, not {mode!r}")
+    if mode == "none" and kernel is None:
         return model
-    _require_int8_kernels()
+    if kernel is None:
+        _require_int8_kernels()
     devices = {p.device.type for p in model.parameters()}
     if devices != {"cpu"}:
-        raise QuantizationError(f"int8 quantization runs on the CPU only; the model is on {sorted(devices)}")
+        raise QuantizationError(f"{mode} linear kernels run on the CPU only; the model is on {sorted(devices)}")
     make_batch_invariant(model)
     with torch.no_grad():
-        count = _replace_linears(model)
-    logger.info("quantized %d linear layers of %s to int8 (per-channel weights, per-token activations)",
-                count, type(model).__name__)
+        if kernel is None:
+            count = _replace_linears(model)
+        else:
+            count = _replace_linears(model, lambda linear: kernel.build(linear.weight, linear.bias))
+    logger.info("replaced %d linear layers of %s with %s", count, type(model).__name__,
+                "int8 (per-channel weights, per-token activations)" if kernel is None else kernel.name)
     return model

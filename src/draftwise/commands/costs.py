@@ -3,6 +3,12 @@
 For k new tokens on top of a ``--context``-token cache it prints the median forward time, ``v_k`` (that time
 over one token's) and the time per token. Speculation with K draft tokens pays only where ``v_(K+1)`` stays
 well below K + 1; with ``--draft`` it also prints the draft/target cost ratio c of one-token passes.
+
+It also prints the machine (CPU model and flags, :func:`draftwise.backends.kernels.cpu_description`), its
+measured DRAM read bandwidth, the bytes of the model's linear-layer weights and the weight-streaming lower
+bound of one token (bytes / bandwidth) next to the measured one-token time; ``--kernels`` runs (or reads
+from its cache) the linear-kernel self-test for the model's layer shapes and prints its table
+(:func:`draftwise.backends.kernels.select_linear_kernel`).
 """
 
 from __future__ import annotations
@@ -11,9 +17,21 @@ import argparse
 import json
 import logging
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
+from draftwise.backends.kernels import (
+    KERNEL_MODES,
+    TIMED_ROWS,
+    KernelChoice,
+    KernelError,
+    cpu_description,
+    linear_weight_bytes,
+    measure_dram_bandwidth,
+    model_linear_shapes,
+    select_linear_kernel,
+)
 from draftwise.builder import DEMO_TARGET
 from draftwise.calibration import ForwardCosts, measure_forward_costs
 from draftwise.commands.common import CliError, add_quantization_arg
@@ -36,8 +54,30 @@ def register(subparsers) -> None:
                         help="also time this draft model's one-token pass and print the cost ratio c")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on GPU)")
+    parser.add_argument("--kernels", nargs="?", const="", default=None, metavar="MODES",
+                        help="also run the linear-kernel self-test for the model's layer shapes (cached per machine) "
+                        "and print its table; MODES: comma-separated of " + ", ".join(KERNEL_MODES)
+                        + " (default: the --quantization mode)")
+    parser.add_argument("--bandwidth-mib", type=int, default=512,
+                        help="buffer size of the DRAM bandwidth measurement, MiB (default 512; keep it far above "
+                        "the last-level cache)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(func=run)
+
+
+def parse_kernel_modes(value: str | None, quantization: str) -> list[str]:
+    """``--kernels`` -> the modes to self-test ([] when absent; the quantization mode when given bare).
+
+    Raises:
+        CliError: an unknown mode.
+    """
+    if value is None:
+        return []
+    modes = [m.strip() for m in value.split(",") if m.strip()] or [quantization]
+    unknown = [m for m in modes if m not in KERNEL_MODES]
+    if unknown:
+        raise CliError(f"--kernels: unknown mode {unknown[0]!r}; choose from {', '.join(KERNEL_MODES)}")
+    return list(dict.fromkeys(modes))
 
 
 def parse_token_counts(ks: str | None, max_k: int) -> list[int]:
@@ -63,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.context < 1:
         raise CliError("--repeats and --context must be >= 1")
     ks = parse_token_counts(args.ks, args.max_k)
+    kernel_modes = parse_kernel_modes(args.kernels, args.quantization)
+    if args.bandwidth_mib < 1:
+        raise CliError("--bandwidth-mib must be >= 1")
     console = Console(stderr=args.json)
     options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization, runtime=args.runtime)
     console.print(f"loading {args.model} (quantization {args.quantization}) ...")
@@ -75,11 +118,58 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"loading draft {args.draft} ...")
         draft = load_model(args.draft, **options)
         draft_s = measure_forward_costs(draft.backend, [1], context_len=context, repeats=args.repeats).seconds[1]
+    machine = _machine_figures(target.backend, costs, args.bandwidth_mib)
+    choices = _kernel_choices(console, target.backend, kernel_modes)
     if args.json:
-        print(json.dumps(_result_dict(args, costs, draft_s), indent=2))
+        result = _result_dict(args, costs, draft_s)
+        result["machine"] = machine
+        if kernel_modes:
+            result["kernels"] = {mode: c.to_dict() if isinstance(c, KernelChoice) else {"error": c}
+                                 for mode, c in choices.items()}
+        print(json.dumps(result, indent=2))
     else:
         _print_curve(console, args, costs, draft_s)
+        _print_machine(console, machine)
+        for mode, choice in choices.items():
+            _print_kernels(console, mode, choice)
     return 0
+
+
+def _machine_figures(backend, costs: ForwardCosts, bandwidth_mib: int) -> dict:
+    """CPU, threads, DRAM read bandwidth, linear weight bytes and the weight-streaming bound per token
+    (bytes / bandwidth) against the measured one-token time. Weight bytes are None for a backend without a
+    PyTorch module (llama.cpp)."""
+    bandwidth = measure_dram_bandwidth(bandwidth_mib << 20)
+    model = getattr(backend, "model", None)
+    weight_bytes = linear_weight_bytes(model) if isinstance(model, torch.nn.Module) else None
+    bound = None if weight_bytes is None else weight_bytes / bandwidth
+    one = costs.seconds[1]
+    return {"cpu": cpu_description(), "torch_threads": torch.get_num_threads(), "dram_read_bytes_per_s": bandwidth,
+            "linear_weight_bytes": weight_bytes, "weight_bound_s": bound, "one_token_s": one,
+            "one_token_over_bound": None if bound is None else one / bound}
+
+
+def _kernel_choices(console: Console, backend, modes: list[str]) -> dict[str, KernelChoice | str]:
+    """The kernel self-test per mode for the model's linear shapes (an error message for a mode where no
+    kernel is usable).
+
+    Raises:
+        CliError: modes requested for a backend without a PyTorch module.
+    """
+    if not modes:
+        return {}
+    model = getattr(backend, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        raise CliError("--kernels needs the PyTorch backend (the model's linear layer shapes)")
+    shapes = model_linear_shapes(model)
+    choices: dict[str, KernelChoice | str] = {}
+    for mode in modes:
+        console.print(f"kernel self-test, mode {mode}, {len(shapes)} layer shapes (cached after the first run) ...")
+        try:
+            choices[mode] = select_linear_kernel(mode, shapes)
+        except KernelError as exc:
+            choices[mode] = str(exc)
+    return choices
 
 
 def _fit_context(context: int, max_context: int, max_k: int) -> int:
@@ -110,3 +200,38 @@ def _print_curve(console: Console, args: argparse.Namespace, costs: ForwardCosts
     if draft_s is not None:
         line += f"; draft {args.draft}: {draft_s * 1e3:.1f} ms per token, c = {draft_s / one:.3f}"
     console.print(line)
+
+
+def _print_machine(console: Console, machine: dict) -> None:
+    console.print(f"CPU: {machine['cpu']}; torch threads {machine['torch_threads']}")
+    line = f"DRAM read bandwidth: {machine['dram_read_bytes_per_s'] / 1e9:.1f} GB/s"
+    if machine["linear_weight_bytes"] is not None:
+        line += (f"; linear weights {machine['linear_weight_bytes'] / 1e9:.3f} GB -> weight-streaming bound "
+                 f"{machine['weight_bound_s'] * 1e3:.1f} ms per token; measured one token "
+                 f"{machine['one_token_s'] * 1e3:.1f} ms ({machine['one_token_over_bound']:.2f}x the bound)")
+    console.print(line)
+
+
+def _print_kernels(console: Console, mode: str, choice: KernelChoice | str) -> None:
+    if isinstance(choice, str):
+        console.print(f"kernels, mode {mode}: {choice}")
+        return
+    source = "cached" if choice.cached else f"self-test {choice.selftest_seconds:.1f} s"
+    table = Table(title=f"linear kernels, mode {mode}: ms of one forward pass's linear layers by rows m "
+                        f"({choice.threads} threads, {source})")
+    table.add_column("kernel (* chosen)", no_wrap=True)
+    for column in ("invariant", *(f"m={m}" for m in TIMED_ROWS), "weighted", "GB"):
+        table.add_column(column, justify="right")
+    for row in choice.table_rows():
+        invariant = {True: "yes", False: "NO", None: "?"}[row["invariant"]] if row["available"] else "n/a"
+        ms = [("-" if row["ms"][m] is None else f"{row['ms'][m]:.1f}") for m in TIMED_ROWS]
+        cost = "-" if row["cost_ms"] is None else f"{row['cost_ms']:.1f}"
+        name = row["kernel"] + (" *" if row["chosen"] else "")
+        table.add_row(name, invariant, *ms, cost, f"{row['weight_bytes'] / 1e9:.3f}")
+    console.print(table)
+    console.print("invariant: ? = not checked (slower than the chosen kernel), n/a = cannot run here; "
+                  "GB: stored weight bytes of one forward pass")
+    console.print(f"chosen: {choice.reason}")
+    for row in choice.table_rows():
+        if row["invariant"] is not True:
+            console.print(f"  {row['kernel']}: {row['detail']}")
