@@ -72,7 +72,8 @@ def main() -> int:
 
 def print_table(model, mode, choice, shapes, bandwidth) -> None:
     source = "cached" if choice.cached else f"self-test {choice.selftest_seconds:.1f} s"
-    print(f"### {model}, mode {mode} ({source}, {choice.threads} threads)\n")
+    load = "?" if choice.load_average is None else ", ".join(f"{v:.1f}" for v in choice.load_average)
+    print(f"### {model}, mode {mode} ({source}, {choice.threads} threads, load average {load})\n")
     print("Linear layers of one forward pass, ms, by rows m (shapes x layer counts):\n")
     header = ["kernel", "row-invariant", *(f"m={m}" for m in TIMED_ROWS), "weighted", "GB read", "GB/s at m=1", "chosen"]
     print("| " + " | ".join(header) + " |")
@@ -90,8 +91,8 @@ def print_table(model, mode, choice, shapes, bandwidth) -> None:
     print("| kernel | " + " | ".join(f"{s.name} {s.key}" for s in shapes) + " |")
     print("|" + "---|" * (len(shapes) + 1))
     for trial in choice.trials:
-        cells = [" / ".join(f"{trial.seconds[s.key][m] * 1e3:.2f}" for m in (1, 8, 16)) if s.key in trial.seconds
-                 else "-" for s in shapes]
+        cells = [" / ".join(f"{trial.seconds[s.key][m] * 1e3:.2f}" if m in trial.seconds.get(s.key, {}) else "-"
+                            for m in (1, 8, 16)) for s in shapes]
         print(f"| {trial.name} | " + " | ".join(cells) + " |")
     print(f"\nChosen: {choice.reason}\n")
     for row in choice.table_rows():

@@ -224,6 +224,24 @@ def test_a_variant_found_by_the_check_is_timed_again(tmp_path, monkeypatch, othe
     assert trial.total_seconds(1, choice.shapes) == pytest.approx(3 * 2e-4)  # timed again with the variant
 
 
+def test_timing_stops_for_kernels_far_slower_than_an_invariant_one(tmp_path, monkeypatch):
+    """Cut-off relative to the fastest row-invariant kernel: a fast non-invariant one sets no cut-off."""
+    calls = []
+
+    def timed(module, x, repeats):
+        calls.append((type(module), x.shape[0]))
+        return {NoisyLinear: 1e-5, RowLoopLinear: 1e-4, SlowRowLoopLinear: 1e-3}[type(module)]
+
+    monkeypatch.setattr(K, "_call_seconds", timed)
+    choice = select_linear_kernel("int8", SHAPES, cache_dir=tmp_path, candidates=[NOISY, ROWLOOP, SLOW_ROWLOOP])
+    assert choice.name == "fake-rowloop"  # 10x the noisy kernel, not cut off by it
+    slow = next(t for t in choice.trials if t.name == "fake-rowloop-slow")
+    assert slow.cost(choice.shapes) is None and "timing stopped" in slow.detail and slow.invariant is None
+    assert sum(1 for kind, _ in calls if kind is SlowRowLoopLinear) == 1  # 10x slower at m=1: stopped at once
+    assert "fake-rowloop-slow (timing stopped)" in choice.reason
+    assert next(r for r in choice.table_rows() if r["kernel"] == "fake-rowloop-slow")["ms"][1] is None
+
+
 def test_draft_needs_no_invariance(tmp_path, fake_timer):
     choice = select_linear_kernel("int8", SHAPES, cache_dir=tmp_path, candidates=[NOISY, ROWLOOP],
                                   require_invariant=False)

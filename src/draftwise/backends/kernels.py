@@ -72,6 +72,10 @@ FULL_CHECK_ROWS = 17
 LARGE_CALL_SECONDS = 0.3
 #: Row counts that are timed.
 TIMED_ROWS = (1, 2, 4, 8, 16)
+#: A call whose first run (the warm-up) takes longer than this (s) is not repeated.
+SLOW_CALL_SECONDS = 0.25
+#: A kernel whose weighted cost exceeds this multiple of the fastest fully timed one is not timed further.
+SLOWER_CUTOFF = 3.0
 #: Weight of each timed row count in the cost that picks a kernel: decode passes (m = 1, target and draft)
 #: dominate; verify passes of K + 1 = 5..9 rows lie between m = 4 and m = 8.
 COST_WEIGHTS = {1: 0.55, 2: 0.05, 4: 0.15, 8: 0.2, 16: 0.05}
@@ -658,8 +662,13 @@ def _ranges(values: Sequence[int]) -> str:
 def _call_seconds(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, repeats: int) -> float:
     """Wall time (s) of ``module(x)``: the fastest of ``repeats`` calls after one untimed call. The fastest,
     not the median: on a shared machine noise only adds time (a second OpenMP thread that waits for a core
-    adds whole scheduler slices), so the minimum is the machine's figure."""
+    adds whole scheduler slices), so the minimum is the machine's figure. A first call longer than
+    :data:`SLOW_CALL_SECONDS` is the measurement (noise is small against it; repeats would cost seconds)."""
+    t0 = time.perf_counter()
     module(x)
+    best = time.perf_counter() - t0
+    if best > SLOW_CALL_SECONDS:
+        return best
     best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -756,6 +765,8 @@ class KernelChoice:
         reason: why this kernel (its cost against the others, the refused ones and why).
         cpu: :func:`cpu_description` of the machine; threads: intra-op threads of the timings.
         selftest_seconds: how long the self-test took when it ran (not on a cache hit).
+        load_average: the machine's 1/5/15-minute load average when the self-test started (timings on a
+            busy machine are inflated; pass ``refresh=True`` to measure again), None where unknown.
         cached: read from the cache rather than measured now.
     """
 
@@ -769,6 +780,7 @@ class KernelChoice:
     threads: int
     torch_version: str
     selftest_seconds: float
+    load_average: tuple[float, ...] | None = None
     cached: bool = False
 
     @property
@@ -824,7 +836,8 @@ class KernelChoice:
                 "shapes": [[s.out_features, s.in_features, s.count, s.name] for s in self.shapes],
                 "trials": [t.to_dict() for t in self.trials], "reason": self.reason, "cpu": self.cpu,
                 "threads": self.threads, "torch_version": self.torch_version,
-                "selftest_seconds": self.selftest_seconds}
+                "selftest_seconds": self.selftest_seconds,
+                "load_average": None if self.load_average is None else list(self.load_average)}
 
 
 # ----------------------------------------------------------------------------------------------- selecting
@@ -850,14 +863,15 @@ def select_linear_kernel(
 ) -> KernelChoice:
     """Choose the linear kernel of a quantization mode for this machine by a short measured self-test.
 
-    On synthetic weights of each shape: time every available candidate of ``mode`` at m = 1, 2, 4, 8, 16
-    rows (fastest of ``repeats`` calls); then check row invariance (:func:`check_row_invariance`: m = 1..17,
-    and the prefill sizes 32..512 whose predicted call time is within :data:`LARGE_CALL_SECONDS`), cheapest
-    candidate by :meth:`KernelTrial.cost` first, until the cheapest remaining one is row-invariant: that one
-    wins, and slower candidates are left unchecked (``check_all`` checks them all, for a full table). For a
-    kernel with variants, such as ``fp32-mkl-pad``'s row multiple R, the check keeps per shape the first
-    row-invariant variant, and the layer is timed again with it. The result is cached (see the module
-    docstring); a cache hit measures nothing.
+    On synthetic weights of each shape, candidate by candidate (in :data:`LINEAR_KERNELS` order): time it
+    at m = 1, 2, 4, 8, 16 rows (fastest of ``repeats`` calls; stopped once its weighted cost
+    :meth:`KernelTrial.cost` exceeds :data:`SLOWER_CUTOFF` times the fastest row-invariant one so far); if it
+    is faster than that one, check its row invariance (:func:`check_row_invariance`: m = 1..17, and the
+    prefill sizes 32..512 whose predicted call time is within :data:`LARGE_CALL_SECONDS`). The fastest
+    row-invariant candidate wins; slower ones are left unchecked (``check_all`` checks them all, for a full
+    table). For a kernel with variants, such as ``fp32-mkl-pad``'s row multiple R, the check keeps per shape
+    the first row-invariant variant, and the layer is timed again with it. The result is cached (see the
+    module docstring); a cache hit measures nothing.
 
     Args:
         mode: one of :data:`KERNEL_MODES`.
@@ -873,7 +887,7 @@ def select_linear_kernel(
         candidates: the kernels to consider instead of :data:`LINEAR_KERNELS` (tests).
         repeats: timed calls per row count (the fastest is kept).
         refresh: measure even when a cached result exists.
-        check_all: check the invariance of every candidate, not only until the fastest invariant one is found.
+        check_all: check the invariance of every fully timed candidate, not only of those that could win.
 
     Returns:
         A :class:`KernelChoice`.
@@ -960,6 +974,7 @@ class _Candidate:
     params: dict[str, dict] = field(default_factory=dict)
     seconds: dict[str, dict[int, float]] = field(default_factory=dict)
     modules: dict[str, nn.Module] = field(default_factory=dict)  # the timed layer per shape, reused by the check
+    timed_out: bool = False  # timing stopped: far slower than a kernel timed before
 
     def cost(self, shapes: Sequence[LinearShape]) -> float:
         return sum(w * sum(s.count * self.seconds[s.key][m] for s in shapes) for m, w in COST_WEIGHTS.items())
@@ -973,18 +988,26 @@ class _Candidate:
 
 def _run_selftest(mode: str, shapes: tuple[LinearShape, ...], kernels: Sequence[LinearKernel],
                   require_invariant: bool, threads: int, repeats: int, forced: bool, check_all: bool) -> KernelChoice:
-    """Time every candidate, check row invariance (of all, or cheapest first until one passes), pick
-    (see :func:`select_linear_kernel`)."""
+    """Time each candidate, check the row invariance of those faster than the fastest row-invariant one so
+    far (or of all), pick (see :func:`select_linear_kernel`)."""
     started = time.perf_counter()
+    load = _load_average()
     logger.info("kernel self-test for mode %s (%d shapes, %d threads; cached after this run) ...",
                 mode, len(shapes), threads)
     generator = torch.Generator().manual_seed(0)
     layers = {s.key: _synthetic_layer(s, generator) for s in shapes}
-    candidates = [_time_candidate(k, shapes, layers, repeats) for k in kernels]
-    if require_invariant:
-        _check_candidates(candidates, shapes, layers, repeats, check_all=check_all or forced)
-    for candidate in candidates:
+    candidates: list[_Candidate] = []
+    for kernel in kernels:
+        best = _best_cost(candidates, shapes, require_invariant)
+        candidate = _time_candidate(kernel, shapes, layers, repeats, SLOWER_CUTOFF * best)
+        candidates.append(candidate)
+        if require_invariant and candidate.available and not candidate.timed_out and (
+                check_all or forced or candidate.cost(shapes) < best):
+            _check_candidate(candidate, shapes, layers, repeats)
         candidate.modules.clear()
+    for candidate in candidates:
+        if require_invariant and candidate.available and not candidate.timed_out and candidate.invariant is None:
+            candidate.detail = "invariance not checked: slower than a row-invariant kernel"
     del layers
     trials = tuple(c.trial(shapes) for c in candidates)
     for trial in trials:
@@ -994,7 +1017,7 @@ def _run_selftest(mode: str, shapes: tuple[LinearShape, ...], kernels: Sequence[
     choice = KernelChoice(kernel=next(k for k in kernels if k.name == chosen.name), mode=mode,
                           require_invariant=require_invariant, shapes=shapes, trials=trials, reason=reason,
                           cpu=cpu_description(), threads=threads, torch_version=torch.__version__,
-                          selftest_seconds=time.perf_counter() - started)
+                          selftest_seconds=time.perf_counter() - started, load_average=load)
     logger.info("kernel for mode %s: %s (self-test %.1f s)", mode, reason, choice.selftest_seconds)
     return choice
 
@@ -1006,46 +1029,42 @@ def _time_layer(module: nn.Module, x: torch.Tensor, repeats: int) -> dict[int, f
 
 
 def _time_candidate(kernel: LinearKernel, shapes: Sequence[LinearShape], layers: Mapping[str, tuple],
-                    repeats: int) -> _Candidate:
-    """Time a kernel with its first variant on every shape (unavailable when it cannot run here or a shape)."""
+                    repeats: int, budget: float = math.inf) -> _Candidate:
+    """Time a kernel with its first variant on every shape, smallest shapes first (unavailable when it
+    cannot run here or a shape). Timing stops once the weighted cost so far exceeds ``budget`` (s): such a
+    kernel cannot be chosen, and its slowest calls are not worth waiting for."""
     missing = kernel.unavailable_reason()
     if missing is not None:
         return _Candidate(kernel, available=False, detail=f"not available: {missing}")
     candidate = _Candidate(kernel, detail="invariance not checked")
-    for shape in shapes:
+    spent = 0.0
+    for shape in sorted(shapes, key=lambda s: s.out_features * s.in_features):
         weight, bias, x = layers[shape.key]
         candidate.params[shape.key] = dict(kernel.variants[0])
         try:
-            candidate.modules[shape.key] = kernel.build(weight, bias, candidate.params[shape.key])
-            candidate.seconds[shape.key] = _time_layer(candidate.modules[shape.key], x, repeats)
+            module = candidate.modules[shape.key] = kernel.build(weight, bias, candidate.params[shape.key])
+            seconds = candidate.seconds[shape.key] = {}
+            for m in TIMED_ROWS:
+                seconds[m] = _call_seconds(module, x[:m], repeats)
+                spent += shape.count * COST_WEIGHTS.get(m, 0.0) * seconds[m]
+                if spent > budget:
+                    candidate.timed_out = True
+                    candidate.modules.clear()
+                    candidate.detail = (f"timing stopped at {shape.key}, m={m}: weighted cost already "
+                                        f"{_ms(spent)}, over {SLOWER_CUTOFF:g}x the fastest kernel's")
+                    return candidate
         except (KernelError, RuntimeError, NotImplementedError) as exc:
             first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
             return _Candidate(kernel, available=False, detail=f"{shape.key}: cannot run ({type(exc).__name__}: {first_line})")
     return candidate
 
 
-def _check_candidates(candidates: list[_Candidate], shapes: Sequence[LinearShape], layers: Mapping[str, tuple],
-                      repeats: int, *, check_all: bool) -> None:
-    """Check row invariance: of every available candidate (``check_all``), else of the cheapest unchecked
-    one until the cheapest remaining candidate is a checked, row-invariant one (a variant found by the
-    check, e.g. padding, is timed again, so its cost may rise above another's). Unchecked candidates are
-    marked as such."""
-    available = [c for c in candidates if c.available]
-    if check_all:
-        for candidate in available:
-            _check_candidate(candidate, shapes, layers, repeats)
-    while True:
-        open_ = [c for c in available if c.invariant is not False]
-        if not open_:
-            break
-        cheapest = min(open_, key=lambda c: c.cost(shapes))
-        if cheapest.invariant:
-            break
-        _check_candidate(cheapest, shapes, layers, repeats)
-    for candidate in available:
-        candidate.modules.clear()
-        if candidate.invariant is None:
-            candidate.detail = "invariance not checked: slower than the chosen kernel"
+def _best_cost(candidates: Sequence[_Candidate], shapes: Sequence[LinearShape], require_invariant: bool) -> float:
+    """The lowest weighted cost among the fully timed candidates that can be chosen (row-invariant ones
+    when required), or infinity."""
+    costs = [c.cost(shapes) for c in candidates if c.available and not c.timed_out
+             and (c.invariant or not require_invariant)]
+    return min(costs, default=math.inf)
 
 
 def _rows_to_check(seconds: Mapping[int, float]) -> tuple[int, ...]:
@@ -1111,7 +1130,7 @@ def _pick(trials: Sequence[KernelTrial], shapes: Sequence[LinearShape], require_
     """
     if forced:
         return trials[0], f"{trials[0].name} (forced; weighted cost {_ms(trials[0].cost(shapes))})"
-    usable = [t for t in trials if t.available and (t.invariant or not require_invariant)]
+    usable = [t for t in trials if t.available and (t.invariant or not require_invariant) and t.cost(shapes) is not None]
     if not usable:
         raise KernelError("no usable kernel: " + "; ".join(f"{t.name} ({t.detail})" for t in trials))
     best = min(usable, key=lambda t: t.cost(shapes))
@@ -1119,13 +1138,26 @@ def _pick(trials: Sequence[KernelTrial], shapes: Sequence[LinearShape], require_
               f"(m=1: {_ms(best.total_seconds(1, shapes))})")
     slower = [t for t in trials if t.available and t is not best and t.invariant is not False]
     if slower:
-        reason += "; beats " + ", ".join(f"{t.name} {_ms(t.cost(shapes))}" for t in slower)
+        reason += "; beats " + ", ".join(f"{t.name} {_cost_text(t, shapes)}" for t in slower)
     refused = [t for t in trials if not t.available or (require_invariant and t.invariant is False)]
     if refused:
         reason += "; refused: " + ", ".join(
             f"{t.name} ({'unavailable' if not t.available else 'not row-invariant'}"
             f"{'' if not t.available else ', ' + _ms(t.cost(shapes))})" for t in refused)
     return best, reason
+
+
+def _load_average() -> tuple[float, ...] | None:
+    """``os.getloadavg()`` rounded, or None where the OS has none."""
+    try:
+        return tuple(round(v, 2) for v in os.getloadavg())
+    except OSError:
+        return None
+
+
+def _cost_text(trial: KernelTrial, shapes: Sequence[LinearShape]) -> str:
+    cost = trial.cost(shapes)
+    return "(timing stopped)" if cost is None else _ms(cost)
 
 
 def _ms(seconds: float | None) -> str:
@@ -1159,6 +1191,7 @@ def _read_cached(path: Path, key: dict, kernels: Sequence[LinearKernel]) -> Kern
                             shapes=shapes, trials=tuple(KernelTrial.from_dict(t) for t in raw["trials"]),
                             reason=str(raw["reason"]), cpu=str(raw["cpu"]), threads=int(raw["threads"]),
                             torch_version=str(raw["torch_version"]), selftest_seconds=float(raw["selftest_seconds"]),
+                            load_average=None if raw.get("load_average") is None else tuple(raw["load_average"]),
                             cached=True)
     except FileNotFoundError:
         return None

@@ -228,8 +228,8 @@ def _print_kernels(console: Console, mode: str, choice: KernelChoice | str) -> N
         cost = "-" if row["cost_ms"] is None else f"{row['cost_ms']:.1f}"
         name = row["kernel"] + (" *" if row["chosen"] else "")
         table.add_row(name, invariant, *ms, cost, f"{row['weight_bytes'] / 1e9:.3f}")
-    console.print(table)
-    console.print("invariant: ? = not checked (slower than the chosen kernel), n/a = cannot run here; "
+    console.print(table, width=max(console.width, 110))
+    console.print("invariant: ? = not checked (slower than a row-invariant kernel), n/a = cannot run here; "
                   "GB: stored weight bytes of one forward pass")
     console.print(f"chosen: {choice.reason}")
     for row in choice.table_rows():
