@@ -208,7 +208,7 @@ def load_model(
 
         try:
             lean = build_lean(model, quantization=quantization, name=f"{name}+lean", max_context=max_context,
-                              head_ids=head_ids)
+                              head_ids=head_ids, select_kernels=True)
         except NotExactError:
             if runtime == "lean":
                 raise

@@ -14,20 +14,27 @@ __all__ = ["LeanCausalLM", "LeanConfig", "LeanLlama", "NotExactError", "Unsuppor
 
 
 def build_lean(hf_model, *, quantization: str | None = "int8", name: str = "model", max_context: int | None = None,
-               num_slots: int = 1, head_ids=None) -> LeanCausalLM:
+               num_slots: int = 1, head_ids=None, select_kernels: bool = False) -> LeanCausalLM:
     """A :class:`LeanCausalLM` from a loaded transformers Llama-family model (CPU), after a self-test on the real
     weights (:meth:`LeanLlama.check_row_invariance`: k-token passes equal one-token decoding bit for bit).
     ``head_ids``: compute the LM head over these vocabulary ids only (FR-Spec, :mod:`draftwise.frspec`).
+    ``select_kernels``: linear kernels from the machine's measured self-test
+    (:func:`draftwise.backends.lean.linear.selected_linear_factory`, cached per machine) instead of the mode's
+    default (fbgemm int8, or padded fp32 MKL).
 
     Raises:
         UnsupportedArchitecture: not a plain Llama-family decoder.
         NotExactError: the self-test failed on this machine (some kernel depends on the row count here).
         ValueError: unknown quantization mode.
     """
-    from draftwise.backends.lean.linear import linear_factory
+    from draftwise.backends.lean.linear import linear_factory, selected_linear_factory
+    from draftwise.backends.lean.model import lean_config_from_hf
 
-    model = LeanLlama(hf_model, linear_factory(quantization), max_context=max_context, num_slots=num_slots,
-                      head_ids=head_ids)
+    if select_kernels:
+        linear = selected_linear_factory(quantization, lean_config_from_hf(hf_model.config, max_context))
+    else:
+        linear = linear_factory(quantization)
+    model = LeanLlama(hf_model, linear, max_context=max_context, num_slots=num_slots, head_ids=head_ids)
     if not model.check_row_invariance():
         raise NotExactError(f"{name}: a k-token pass does not reproduce one-token decoding bit for bit on this CPU "
                             f"with {torch.get_num_threads()} threads; use --runtime transformers")

@@ -17,11 +17,13 @@ from torch.nn import functional as F
 
 from draftwise.backends.quantization import Int8Linear, parse_quantization
 
-__all__ = ["PaddedLinear", "linear_factory", "gemm_row_multiple"]
+__all__ = ["PaddedLinear", "linear_factory", "gemm_row_multiple", "selected_linear_factory"]
 
 logger = logging.getLogger(__name__)
 
 _MULTIPLES = (1, 2, 4, 8, 16)
+#: Kernels of :mod:`draftwise.backends.kernels` the lean runtime may pick per mode.
+_SAME_NUMERICS = {"int8": ("fbgemm-int8", "onednn-int8"), "none": ("fp32-mkl-pad", "onednn-fp32")}
 _TEST_ROWS = (1, 2, 3, 5, 6, 7, 9, 13, 17, 33)
 
 
@@ -70,6 +72,38 @@ class PaddedLinear(nn.Module):
     def nbytes(self) -> int:
         """Bytes stored (float32 weight and bias)."""
         return 4 * (self.weight.numel() + (0 if self.bias is None else self.bias.numel()))
+
+
+def selected_linear_factory(quantization: str | None, config):
+    """The linear layers the machine's kernel self-test picks for a lean model's shapes
+    (:func:`draftwise.backends.kernels.select_linear_kernel`: fastest row-invariant kernel of the mode, measured
+    once per machine and cached), falling back to :func:`linear_factory`'s layer for a shape the self-test did
+    not cover (an FR-Spec subset head).
+
+    Args:
+        quantization: ``"none"`` or ``"int8"``.
+        config: the model's :class:`draftwise.backends.lean.model.LeanConfig`.
+    """
+    from draftwise.backends.kernels import KernelError, linear_kernels, llama_linear_shapes, select_linear_kernel
+
+    mode = parse_quantization(quantization)
+    fallback = linear_factory(mode)
+    # only kernels with the mode's numerics: int8 = 8-bit weights x 7-bit per-row activations (fbgemm and oneDNN
+    # give the same bits), so a model's output does not depend on which one this machine measured faster
+    candidates = [k for k in linear_kernels(mode) if k.name in _SAME_NUMERICS[mode]]
+    choice = select_linear_kernel(mode, candidates=candidates, shapes=llama_linear_shapes(
+        hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
+        intermediate=config.intermediate_size, vocab=config.vocab_size, layers=config.num_layers,
+        head_dim=config.head_dim))
+    logger.info("lean runtime: %s linear layers through %s (%s)", mode, choice.name, choice.reason)
+
+    def build(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        try:
+            return choice.build(weight, bias)
+        except KernelError:
+            return fallback(weight, bias)
+
+    return build
 
 
 def linear_factory(quantization: str | None):

@@ -338,7 +338,7 @@ class LeanLlama(nn.Module):
         for module in self.modules():
             if module is self:
                 continue
-            nbytes = getattr(module, "nbytes", None)
+            nbytes = getattr(module, "nbytes", None) or getattr(module, "weight_bytes", None)
             if callable(nbytes):
                 total += int(nbytes())
             elif isinstance(module, nn.Linear):
