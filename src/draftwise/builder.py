@@ -15,6 +15,7 @@ from draftwise.check.tokenizer import (
     require_compatible,
     tokenizer_info_from_hf,
 )
+from draftwise.batching import BATCHED_METHODS, BatchedEngine
 from draftwise.config import SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel, load_model
@@ -38,7 +39,7 @@ class EngineBundle:
     """A target model, its optional draft model, and the engine driving them."""
 
     target: LoadedModel
-    engine: SpeculativeEngine
+    engine: SpeculativeEngine | BatchedEngine
     speculative_config: SpeculativeConfig | None = None
     draft: LoadedModel | None = None
 
@@ -121,9 +122,10 @@ def build_proposer(
     return built.proposer, built.draft
 
 
-def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> LoadedModel:
+def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions,
+                     num_slots: int = 1) -> LoadedModel:
     """Load the draft model ``config.model`` for ``target`` (same context length, checked tokenizer, drafting
-    settings) for the methods that run one.
+    settings) for the methods that run one; ``num_slots``: sequences a lean draft's cache holds (batching).
 
     Raises:
         ModelLoadError, TokenizerMismatchError: see :func:`load_model` and :func:`check_same_tokenizer`.
@@ -131,7 +133,8 @@ def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: Bu
     assert config.model is not None
     draft = load_model(config.model, device=options.device, dtype=options.dtype,
                        max_context=target.backend.max_context, quantization=options.quantization,
-                       backend=options.backend, threads=options.threads, runtime=options.runtime)
+                       backend=options.backend, threads=options.threads, runtime=options.runtime,
+                       num_slots=num_slots)
     check_same_tokenizer(target, draft)
     relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
     return draft
@@ -189,6 +192,8 @@ def build_engine(
     threads: int | None = None,
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
     runtime: str = "auto",
+    max_num_seqs: int = 1,
+    max_num_batched_tokens: int = 256,
 ) -> EngineBundle:
     """Load the target (and draft) and build the engine. Without a speculative config: plain decoding.
 
@@ -208,12 +213,38 @@ def build_engine(
             the transformers model, so ``"auto"`` gives their target the transformers runtime.
         kv_cache_memory: memory budget (bytes) of the prefix cache that keeps finished sequences' KV states for
             reuse by later requests sharing a prefix (:mod:`draftwise.prefix_cache`); 0 turns reuse off.
+        max_num_seqs: requests decoded together. Above 1, a target on the lean runtime with plain decoding or a
+            batchable method (:data:`draftwise.batching.BATCHED_METHODS`) gets a
+            :class:`~draftwise.batching.BatchedEngine` (continuous batching, one KV-cache slot per request, with
+            ``k_policy="auto"`` the load-aware K); any other target or method the one-request-at-a-time
+            :class:`SpeculativeEngine` (logged).
+        max_num_batched_tokens: the batched engine's rows per target pass (prompt chunks included).
     """
     target_runtime = runtime
     if runtime == "auto" and speculative_config is not None and get_method(speculative_config.method).model == "heads":
         target_runtime = "transformers"
+    batch = max_num_seqs > 1
+    if batch and speculative_config is not None and speculative_config.method not in BATCHED_METHODS:
+        logger.warning("method %r does not run in the batched engine (batched: %s); serving one request at a time",
+                       speculative_config.method, ", ".join(BATCHED_METHODS))
+        batch = False
     target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
-                              quantization=quantization, backend=backend, threads=threads, runtime=target_runtime)
+                              quantization=quantization, backend=backend, threads=threads, runtime=target_runtime,
+                              num_slots=max_num_seqs if batch else 1)
+    if batch:
+        from draftwise.backends.lean import LeanCausalLM
+
+        if isinstance(target_model.backend, LeanCausalLM):
+            from draftwise.batching import build_batched_engine
+
+            options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend,
+                                   threads=threads, runtime=runtime)
+            engine, draft = build_batched_engine(
+                target_model, speculative_config, options, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, prefix_cache=PrefixCache(kv_cache_memory))
+            return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
+        logger.warning("continuous batching needs the lean runtime (int8 on the CPU, a Llama-family model); "
+                       "%s runs one request at a time", target_model.name)
     if speculative_config is None:
         engine = SpeculativeEngine(target_model.backend, eos_token_ids=target_model.eos_token_ids,
                                    prefix_cache=PrefixCache(kv_cache_memory))

@@ -127,6 +127,7 @@ def load_model(
     backend: str = "torch",
     threads: int | None = None,
     runtime: str = "auto",
+    num_slots: int = 1,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, for the PyTorch backend or (GGUF files) the llama.cpp backend.
 
@@ -147,6 +148,8 @@ def load_model(
             :mod:`draftwise.backends.lean`: preallocated KV cache, batch-invariant by construction),
             ``"transformers"`` (the model as transformers runs it) or ``"auto"`` (default; see
             :func:`select_runtime`). The lean backend's name ends in ``+lean``.
+        num_slots: lean runtime only: sequences its KV cache holds (the batched engine,
+            :mod:`draftwise.batching`, runs one request per slot); other backends hold one sequence.
 
     Raises:
         ModelLoadError: missing file, unreadable model, a registry model that is not pulled, or the llama.cpp
@@ -186,7 +189,8 @@ def load_model(
     if select_runtime(runtime, model, device=device, dtype=torch_dtype, quantization=quantization) == "lean":
         from draftwise.backends.lean import build_lean
 
-        lean = build_lean(model, quantization=quantization, name=f"{name}+lean", max_context=max_context)
+        lean = build_lean(model, quantization=quantization, name=f"{name}+lean", max_context=max_context,
+                          num_slots=num_slots)
         del model  # the lean decoder holds its own copies of the weights
         return LoadedModel(backend=lean, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids)
     quantize_model(model, quantization)
