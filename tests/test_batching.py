@@ -352,3 +352,25 @@ def test_stories_batch_equals_alone(stories_batch, stories_path, method):
         assert result.token_ids == oracle.token_ids
     if method == "draft_model":
         assert sum(r.stats.num_accepted_tokens for r in results) > 0
+
+
+def test_build_engine_batches_lean_targets_only(stories_path, draftwise_home, caplog):
+    from draftwise.builder import build_engine
+
+    ngram_config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    bundle = build_engine(str(stories_path), ngram_config, quantization=MODE, runtime="lean", max_num_seqs=3,
+                          max_num_batched_tokens=100)
+    engine = bundle.engine
+    assert isinstance(engine, BatchedEngine) and engine.max_num_seqs == 3 and engine.max_num_batched_tokens == 100
+    assert engine.proposer.name == "ngram" and engine.k_policy == "fixed" and engine.prefix_cache is not None
+    plain = build_engine(str(stories_path), None, quantization=MODE, runtime="lean", max_num_seqs=2).engine
+    assert isinstance(plain, BatchedEngine) and plain.proposer is None
+    one = build_engine(str(stories_path), ngram_config, quantization=MODE, runtime="lean").engine
+    assert isinstance(one, SpeculativeEngine)  # max_num_seqs 1: the single-sequence engine
+    with caplog.at_level("WARNING"):
+        hybrid = SpeculativeConfig(method="hybrid", model=str(stories_path), num_speculative_tokens=3)
+        assert isinstance(build_engine(str(stories_path), hybrid, quantization=MODE, runtime="lean",
+                                       max_num_seqs=2).engine, SpeculativeEngine)
+        assert isinstance(build_engine(str(stories_path), ngram_config, runtime="transformers",
+                                       max_num_seqs=2).engine, SpeculativeEngine)
+    assert "does not run in the batched engine" in caplog.text and "needs the lean runtime" in caplog.text

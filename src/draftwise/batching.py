@@ -564,11 +564,11 @@ class BatchedEngine:
         counts = sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top, self.max_num_seqs})
         slots = list(range(self.max_num_seqs))
         t0 = time.perf_counter()
-        curve = calibrate_pass_costs(self.model, counts, slots, curve=self.pass_costs)
+        curve = calibrate_pass_costs(self.model, counts, slots, curve=self.pass_costs, repeats=2)
         if isinstance(self.proposer, BatchedDraftModel):
             calibrate_pass_costs(self.proposer.model, sorted({1 << i for i in range(self.max_num_seqs.bit_length())}
                                                              | {self.max_num_seqs}), slots,
-                                 curve=self.proposer.pass_costs)
+                                 curve=self.proposer.pass_costs, repeats=2)
         logger.info("batched engine: pass costs measured in %.1f s: %s", time.perf_counter() - t0,
                     ", ".join(f"{n} rows {s * 1e3:.1f} ms" for n, s in sorted(curve.points.items())))
         return curve

@@ -140,9 +140,10 @@ def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> dict:
-        """Liveness: 200 while the server runs, with the queue state."""
+        """Liveness: 200 while the server runs, with the queue state and how many requests run at once."""
         return {"status": "ok", "model": state.model_name, "method": state.bundle.method,
-                "requests_running": state.scheduler.num_running, "requests_waiting": state.scheduler.num_waiting}
+                "requests_running": state.scheduler.num_running, "requests_waiting": state.scheduler.num_waiting,
+                "max_num_seqs": getattr(state.bundle.engine, "max_num_seqs", 1)}
 
     @app.get("/metrics")
     async def metrics() -> Response:
