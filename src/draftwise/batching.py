@@ -416,9 +416,14 @@ def concat_rows(batches: Sequence[RowBatch]) -> RowBatch:
 
 # ---------------------------------------------------------------------------------------------- calibration
 def calibrate_pass_costs(model: LeanLlama, counts: Iterable[int], slots: Sequence[int], *, repeats: int = 1,
-                         curve: PassCostCurve | None = None) -> PassCostCurve:
-    """Time forward passes over ``n`` rows for each ``n`` in ``counts`` (seconds), rows spread one chain per slot
-    over ``slots`` (which must be free: their lengths are reset to 0 afterwards), the best of ``repeats``.
+                         curve: PassCostCurve | None = None, per_sequence: bool = False) -> PassCostCurve:
+    """Time forward passes over ``n`` rows for each ``n`` in ``counts`` (seconds, the best of ``repeats``) on
+    ``slots`` (which must be free: their lengths are reset to 0 afterwards).
+
+    Without ``per_sequence``: the rows are spread one chain per slot (a draft model's passes look like this:
+    one row per drafting sequence). With it: the rows are one chain in one slot, which times the per-row part,
+    and one pass over ``len(slots)`` rows spread over every slot, whose extra time over the same rows in one slot
+    gives the curve's ``per_sequence`` seconds (attention runs once per sequence and layer).
 
     A short start for :class:`~draftwise.cost_model.PassCostCurve`, which the engine then refines with every pass
     it runs. Returns ``curve`` (a new one by default) with the points added.
@@ -431,18 +436,30 @@ def calibrate_pass_costs(model: LeanLlama, counts: Iterable[int], slots: Sequenc
     curve = curve or PassCostCurve()
     vocab = model.config.vocab_size
     model.forward_rows(chain_rows([1 % vocab], 0, slots[0]))  # warm-up (first-use kernel setup)
-    for n in sorted(set(int(c) for c in counts)):
-        if n < 1:
-            raise ValueError(f"row counts must be >= 1, got {n}")
-        per_slot = [n // len(slots) + (1 if i < n % len(slots) else 0) for i in range(len(slots))]
+
+    def timed(n: int, spread: list[int]) -> float:
+        per_slot = [n // len(spread) + (1 if i < n % len(spread) else 0) for i in range(len(spread))]
         rows = concat_rows([chain_rows([(7 * j + 3) % vocab for j in range(m)], 0, slot)
-                            for slot, m in zip(slots, per_slot) if m > 0])
+                            for slot, m in zip(spread, per_slot) if m > 0])
         best = float("inf")
         for _ in range(max(1, repeats)):
             t0 = time.perf_counter()
-            model.forward_rows(rows, logit_rows=torch.arange(min(n, len(slots))))
+            model.forward_rows(rows, logit_rows=torch.arange(min(n, len(spread))))
             best = min(best, time.perf_counter() - t0)
-        curve.observe(n, max(best, 1e-9))
+        return max(best, 1e-9)
+
+    counts = sorted(set(int(c) for c in counts))
+    if counts and counts[0] < 1:
+        raise ValueError(f"row counts must be >= 1, got {counts[0]}")
+    if per_sequence and len(slots) > 1:
+        n = len(slots)
+        extra = timed(n, list(slots)) - timed(n, [slots[0]])
+        curve.per_sequence = max(0.0, extra / (n - 1))
+    for n in counts:
+        if per_sequence:
+            curve.observe(n, timed(n, [slots[0]]), sequences=1)
+        else:
+            curve.observe(n, timed(n, list(slots)))
     for slot in slots:
         model.cache.lengths[slot] = 0
     return curve
@@ -564,13 +581,15 @@ class BatchedEngine:
         counts = sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top, self.max_num_seqs})
         slots = list(range(self.max_num_seqs))
         t0 = time.perf_counter()
-        curve = calibrate_pass_costs(self.model, counts, slots, curve=self.pass_costs, repeats=2)
+        curve = calibrate_pass_costs(self.model, counts, slots, curve=self.pass_costs, repeats=2, per_sequence=True)
         if isinstance(self.proposer, BatchedDraftModel):
             calibrate_pass_costs(self.proposer.model, sorted({1 << i for i in range(self.max_num_seqs.bit_length())}
                                                              | {self.max_num_seqs}), slots,
                                  curve=self.proposer.pass_costs, repeats=2)
-        logger.info("batched engine: pass costs measured in %.1f s: %s", time.perf_counter() - t0,
-                    ", ".join(f"{n} rows {s * 1e3:.1f} ms" for n, s in sorted(curve.points.items())))
+        logger.info("batched engine: pass costs measured in %.1f s: %s; %.2f ms per sequence in a pass",
+                    time.perf_counter() - t0,
+                    ", ".join(f"{n} rows {s * 1e3:.1f} ms" for n, s in sorted(curve.points.items())),
+                    curve.per_sequence * 1e3)
         return curve
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, *, scope: str = "",
@@ -656,7 +675,8 @@ class BatchedEngine:
         reserve = min(pending_prefill, self.min_prefill_tokens)
         draft_budget = max(0, self.max_num_batched_tokens - len(decoding) - reserve)
         expected_prefill = min(pending_prefill, max(reserve, self.max_num_batched_tokens - len(decoding)))
-        proposals, ks, draft_s = self._draft(decoding, len(decoding) + expected_prefill, draft_budget)
+        in_pass = len(decoding) + min(len(prefilling), 1 if expected_prefill else 0)  # sequences in the pass
+        proposals, ks, draft_s = self._draft(decoding, len(decoding) + expected_prefill, draft_budget, in_pass)
         draft_rows = sum(ks)
         prefill_budget = max(reserve, self.max_num_batched_tokens - len(decoding) - draft_rows)
         chunks = self._prefill_chunks(prefilling, prefill_budget)
@@ -680,7 +700,7 @@ class BatchedEngine:
         logits, _ = self.model.forward_rows(rows, logit_rows=torch.tensor(logit_rows, dtype=torch.long))
         pass_s = time.perf_counter() - t0
         if self.learn_costs and self.pass_costs is not None:
-            self.pass_costs.observe(len(rows), max(pass_s, 1e-9))
+            self.pass_costs.observe(len(rows), max(pass_s, 1e-9), sequences=len(decoding) + len(chunks))
 
         outputs: list[SequenceOutput] = []
         cursor = 0
@@ -754,7 +774,7 @@ class BatchedEngine:
         room = self.model.config.max_context - len(sequence.prompt) - len(sequence.generated)
         return max(0, min(sequence.max_k, remaining - 1, room - 1))
 
-    def _draft(self, decoding: list[BatchSequence], base_rows: int, draft_budget: int,
+    def _draft(self, decoding: list[BatchSequence], base_rows: int, draft_budget: int, sequences: int,
                ) -> tuple[list[DraftProposal], list[int], float]:
         """Every decoding sequence's proposal and K for this step, and the drafting time (seconds)."""
         empty = DraftProposal(token_ids=())
@@ -768,7 +788,7 @@ class BatchedEngine:
             for (i, _), proposal in zip(wanted, self.proposer.propose([r for _, r in wanted])):
                 offered[i] = proposal
                 caps[i] = min(caps[i], len(proposal))
-        ks = self._plan(decoding, caps, base_rows, draft_budget)
+        ks = self._plan(decoding, caps, base_rows, draft_budget, sequences)
         if self.proposer.drafts_first:
             proposals = [offered[i].truncated(k) if k else empty for i, k in enumerate(ks)]
         else:
@@ -780,9 +800,10 @@ class BatchedEngine:
         draft_s = time.perf_counter() - t0
         return proposals, [len(p) for p in proposals], draft_s
 
-    def _plan(self, decoding: list[BatchSequence], caps: list[int], base_rows: int, draft_budget: int) -> list[int]:
+    def _plan(self, decoding: list[BatchSequence], caps: list[int], base_rows: int, draft_budget: int,
+              sequences: int) -> list[int]:
         """K per decoding sequence: its cap (fixed) or the load-aware plan with probes (auto), within the
-        step's draft-row budget."""
+        step's draft-row budget; ``sequences``: how many sequences the pass spans."""
         if self.k_policy == "fixed":
             ks, left = [], draft_budget
             for cap in caps:
@@ -791,12 +812,19 @@ class BatchedEngine:
             return ks
         rates = [s.estimator.rates(cap) for s, cap in zip(decoding, caps)]
         draft_curve = self.proposer.pass_costs if not self.proposer.drafts_first else None
-        draft_seconds = draft_curve.seconds if draft_curve is not None and len(draft_curve) else None
-        ks = plan_batch_k(rates, caps, base_rows, self.pass_costs.seconds, draft_seconds, draft_budget)
-        self._probe(decoding, caps, ks, rates, base_rows, draft_budget, draft_seconds)
+        draft_seconds = None
+        if draft_curve is not None and len(draft_curve):
+            def draft_seconds(rows: int) -> float:  # a draft pass per depth: one row per drafting sequence
+                return draft_curve.pass_seconds(rows, rows)
+
+        def pass_seconds(rows: int) -> float:
+            return self.pass_costs.pass_seconds(rows, sequences)
+
+        ks = plan_batch_k(rates, caps, base_rows, pass_seconds, draft_seconds, draft_budget)
+        self._probe(decoding, caps, ks, rates, base_rows, draft_budget, pass_seconds, draft_seconds)
         return ks
 
-    def _probe(self, decoding, caps, ks, rates, base_rows, draft_budget, draft_seconds) -> None:
+    def _probe(self, decoding, caps, ks, rates, base_rows, draft_budget, pass_seconds, draft_seconds) -> None:
         """A sequence kept at K = 0 (its acceptance looked too low) gets a one-token probe after its interval
         of plain steps, when one fully accepted draft token would raise the batch's rate: without it, its
         acceptance estimate would never learn that the text became predictable. The interval doubles after a
@@ -806,7 +834,7 @@ class BatchedEngine:
         draft_s = 0.0
         if draft_seconds is not None and any(ks):
             draft_s = sum(draft_seconds(sum(1 for k in ks if k > d)) for d in range(max(ks)))
-        now = batch_step_rate([expected], self.pass_costs.seconds(rows), draft_s)
+        now = batch_step_rate([expected], pass_seconds(rows), draft_s)
         for i, sequence in enumerate(decoding):
             sequence.probing = False
             if ks[i] > 0 or caps[i] == 0:
@@ -815,7 +843,7 @@ class BatchedEngine:
             if sequence.plain_streak < sequence.probe_interval or sum(ks) >= draft_budget:
                 continue
             extra = 0.0 if draft_seconds is None else draft_seconds(max(1, sum(1 for k in ks if k > 0)))
-            if batch_step_rate([expected + 1.0], self.pass_costs.seconds(rows + 1), draft_s + extra) <= now:
+            if batch_step_rate([expected + 1.0], pass_seconds(rows + 1), draft_s + extra) <= now:
                 continue
             ks[i], sequence.probing, sequence.plain_streak = 1, True, 0
 

@@ -313,7 +313,9 @@ class CostModel:
 
 # ---------------------------------------------------------------------------------------------- batches
 class PassCostCurve:
-    """Seconds of one forward pass as a function of its row count (all sequences of a batch together).
+    """Seconds of one forward pass as a function of its row count (all sequences of a batch together), plus a
+    fixed cost per sequence in the pass (``per_sequence``: a batched pass runs attention once per sequence and
+    layer, whatever its rows; 0 when not measured).
 
     Measured points are kept per row count as running averages (the first measurement of a count is taken
     as is, later ones with weight ``smoothing``); a count between measured ones is interpolated linearly, a
@@ -323,16 +325,22 @@ class PassCostCurve:
 
     Args:
         smoothing: weight of a new measurement in a count's running average, in (0, 1].
-        points: initial ``{rows: seconds}`` (e.g. a short calibration or a scripted curve).
+        points: initial ``{rows: seconds}`` (e.g. a short calibration or a scripted curve), per-row part only.
+        per_sequence: seconds each sequence in a pass adds whatever its rows (>= 0).
 
     Raises:
-        ValueError: ``smoothing`` outside (0, 1], a row count < 1 or non-positive seconds.
+        ValueError: ``smoothing`` outside (0, 1], a row count < 1, non-positive seconds or a negative
+            ``per_sequence``.
     """
 
-    def __init__(self, smoothing: float = 0.2, points: dict[int, float] | None = None) -> None:
+    def __init__(self, smoothing: float = 0.2, points: dict[int, float] | None = None,
+                 per_sequence: float = 0.0) -> None:
         if not (0.0 < smoothing <= 1.0):
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if not per_sequence >= 0:
+            raise ValueError(f"per_sequence must be >= 0, got {per_sequence}")
         self.smoothing = smoothing
+        self.per_sequence = per_sequence
         self._seconds: dict[int, float] = {}
         self._samples: dict[int, int] = {}
         self._sorted: list[tuple[int, float]] | None = None
@@ -347,14 +355,16 @@ class PassCostCurve:
         """The averaged measurements ``{rows: seconds}``."""
         return dict(self._seconds)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """Fold one measured pass (``rows`` >= 1 rows, ``seconds`` > 0) into the curve.
+    def observe(self, rows: int, seconds: float, sequences: int = 0) -> None:
+        """Fold one measured pass (``rows`` >= 1 rows of ``sequences`` sequences, ``seconds`` > 0) into the
+        curve: the per-row part is the time less ``per_sequence * sequences`` (at least a tenth of the time).
 
         Raises:
             ValueError: out-of-range arguments.
         """
-        if rows < 1 or not seconds > 0:
-            raise ValueError(f"need rows >= 1 and seconds > 0, got {rows}, {seconds}")
+        if rows < 1 or not seconds > 0 or sequences < 0:
+            raise ValueError(f"need rows >= 1, seconds > 0 and sequences >= 0, got {rows}, {seconds}, {sequences}")
+        seconds = max(0.1 * seconds, seconds - self.per_sequence * sequences)
         samples = self._samples.get(rows, 0) + 1
         self._samples[rows] = samples
         old = self._seconds.get(rows)
@@ -383,6 +393,10 @@ class PassCostCurve:
             return curve[0][1] * rows / curve[0][0]  # one point: proportional beyond it
         (n0, s0), (n1, s1) = curve[-2], curve[-1]
         return s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (rows - n1)
+
+    def pass_seconds(self, rows: int, sequences: int) -> float:
+        """Predicted seconds of a pass over ``rows`` rows of ``sequences`` sequences."""
+        return self.seconds(rows) + self.per_sequence * sequences
 
     def _curve(self) -> list[tuple[int, float]]:
         if self._sorted is None:
