@@ -269,6 +269,14 @@ def test_pass_cost_curve():
     assert curve.seconds(16) == pytest.approx(1.6) and curve.seconds(0) == 0.0
     with pytest.raises(ValueError):
         curve.observe(0, 1.0)
+    shared = PassCostCurve(per_sequence=0.25)
+    shared.observe(4, 2.0, sequences=4)  # 1 s of it is the four sequences' fixed part
+    assert shared.seconds(4) == 1.0 and shared.pass_seconds(4, 2) == 1.5
+    # the fixed part of a pass is the same whatever the K: it makes draft rows relatively cheaper
+    flat = PassCostCurve(points={1: 1.0, 16: 2.5})
+    with_fixed = PassCostCurve(points={1: 1.0, 16: 2.5}, per_sequence=1.0)
+    assert plan_batch_k([[0.6] * 4], [4], 1, flat.seconds) < \
+        plan_batch_k([[0.6] * 4], [4], 1, lambda rows: with_fixed.pass_seconds(rows, 1))
 
 
 def knee_costs() -> PassCostCurve:
