@@ -272,3 +272,20 @@ def test_runtime_selection(stories_path, draftwise_home):
                                  runtime="transformers").backend, TorchCausalLM)
     with pytest.raises(ValueError, match="runtime"):
         load_model(str(stories_path), runtime="fast")
+
+
+def test_load_time_self_test_refuses_a_row_dependent_model(monkeypatch):
+    """build_lean runs the k-token vs one-token self-test on the real weights and refuses a model whose rows
+    depend on the row count (simulated by a leaky attention)."""
+    import draftwise.backends.lean.model as model_module
+    from draftwise.backends.lean import NotExactError
+
+    real = model_module.block_attention
+
+    def leaky(query, *args, **kwargs):
+        return real(query, *args, **kwargs) * (1.0 + 1e-6 * (query.shape[0] - 1))
+
+    assert build_lean(hf("qwen2"), quantization="none").model.check_row_invariance()
+    monkeypatch.setattr(model_module, "block_attention", leaky)
+    with pytest.raises(NotExactError):
+        build_lean(hf("qwen2"), quantization="none")

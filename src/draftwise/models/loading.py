@@ -187,12 +187,18 @@ def load_model(
     eos_ids = _eos_ids(model, tokenizer)
     name = spec if quantization == "none" else f"{spec}+{quantization}"
     if select_runtime(runtime, model, device=device, dtype=torch_dtype, quantization=quantization) == "lean":
-        from draftwise.backends.lean import build_lean
+        from draftwise.backends.lean import NotExactError, build_lean
 
-        lean = build_lean(model, quantization=quantization, name=f"{name}+lean", max_context=max_context,
-                          num_slots=num_slots)
-        del model  # the lean decoder holds its own copies of the weights
-        return LoadedModel(backend=lean, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids)
+        try:
+            lean = build_lean(model, quantization=quantization, name=f"{name}+lean", max_context=max_context,
+                              num_slots=num_slots)
+        except NotExactError:
+            if runtime == "lean":
+                raise
+            logger.warning("the lean runtime is not exact on this machine; running %s with transformers", spec)
+        else:
+            del model  # the lean decoder holds its own copies of the weights
+            return LoadedModel(backend=lean, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids)
     quantize_model(model, quantization)
     backend = TorchCausalLM(model, name=name, max_context=max_context)
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids)
@@ -407,7 +413,12 @@ def derive_layer_draft(loaded: LoadedModel, num_layers: int) -> LoadedModel:
     """
     import copy
 
+    from draftwise.backends.lean import LeanCausalLM
+
     backend = loaded.backend
+    if isinstance(backend, LeanCausalLM):
+        draft = LeanCausalLM(backend.model.truncated(num_layers), name=f"{loaded.name}[:{num_layers} layers]")
+        return LoadedModel(backend=draft, tokenizer=loaded.tokenizer, name=draft.name, eos_token_ids=loaded.eos_token_ids)
     if not isinstance(backend, TorchCausalLM):
         raise ValueError("derive_layer_draft needs a PyTorch backend")
     layers = backend.model.model.layers

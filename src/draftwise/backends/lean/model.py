@@ -9,7 +9,8 @@ no longer needs. Every per-row computation is independent of the other rows of t
 - attention: :func:`draftwise.backends.lean.attention.block_attention` (fixed key blocks);
 - rotary embeddings: one table of cos/sin for every position, computed once at load and gathered by position;
 - norms, SiLU, residual adds: per-row reductions of fixed width and elementwise arithmetic (checked by the
-  load-time self-test of :meth:`LeanLlama.check_row_invariance`).
+  load-time self-test :meth:`LeanLlama.check_row_invariance`, which :func:`draftwise.backends.lean.build_lean`
+  runs on the real weights).
 
 Shapes: n rows per pass, H hidden size, h query heads, kv KV heads, d head dim, I intermediate size, V vocab.
 """
@@ -26,7 +27,7 @@ from torch.nn import functional as F
 
 from draftwise.backends.lean.attention import block_attention, row_multiple, tree_block_attention
 from draftwise.backends.lean.kv_cache import SlotKVCache
-from draftwise.backends.lean.rows import RowBatch
+from draftwise.backends.lean.rows import RowBatch, chain_rows
 
 __all__ = ["LeanConfig", "LeanLlama", "UnsupportedArchitecture", "lean_config_from_hf"]
 
@@ -275,6 +276,52 @@ class LeanLlama(nn.Module):
             tail_visible[r, : len(tail)] = True
         visible = torch.ones(len(tails), shared, dtype=torch.bool)
         return SlotView(slot, row_index, visible, tail_index, tail_visible)
+
+    @torch.inference_mode()
+    def check_row_invariance(self, *, context: int = 70, max_rows: int = 9, slot: int = 0, seed: int = 0) -> bool:
+        """Load-time self-test on the real weights: a chain of k = 1..``max_rows`` tokens on top of ``context``
+        cached ones (crossing a key-block edge) gives every row the logits one-token decoding gives, bit for bit.
+        Uses ``slot`` and leaves it empty.
+
+        Returns:
+            True when every row matched.
+        """
+        context = min(context, self.config.max_context - max_rows - 1)
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, self.config.vocab_size, (context + max_rows,), generator=generator).tolist()
+        try:
+            self.forward_rows(chain_rows(ids[:context], 0, slot))
+            alone = [self.forward_rows(chain_rows([t], context + i, slot))[0][0] for i, t in enumerate(ids[context:])]
+            for k in range(2, max_rows + 1):
+                together, _ = self.forward_rows(chain_rows(ids[context:context + k], context, slot))
+                if not all(torch.equal(together[i], alone[i]) for i in range(k)):
+                    logger.warning("row-invariance self-test failed at k=%d on %d cached tokens", k, context)
+                    return False
+            return True
+        finally:
+            self.cache.lengths[slot] = 0
+
+    def truncated(self, num_layers: int) -> LeanLlama:
+        """A decoder made of this one's first ``num_layers`` layers (weights shared, not copied) with its own
+        single-slot cache: a layer-skipping self-draft.
+
+        Raises:
+            ValueError: ``num_layers`` not in ``[1, num_layers)``.
+        """
+        import copy
+        import dataclasses
+
+        if not 1 <= num_layers < self.config.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.config.num_layers}), got {num_layers}")
+        draft = copy.copy(self)
+        nn.Module.__init__(draft)
+        draft.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_modules", "_parameters", "_buffers")})
+        draft.layers = nn.ModuleList(list(self.layers)[:num_layers])
+        draft.lm_head = self.lm_head
+        draft.config = dataclasses.replace(self.config, num_layers=num_layers)
+        draft.cache = SlotKVCache(num_layers, 1, self.config.num_kv_heads, self.config.head_dim,
+                                  self.config.max_context, block=self.block)
+        return draft
 
     def weight_bytes(self) -> int:
         """Bytes of the weights a one-token pass reads: linear layers (as stored by their kernel), norms, and
