@@ -23,7 +23,6 @@ from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.cost_model import PassCostCurve, plan_batch_k
 from draftwise.engine import SpeculativeEngine
 from draftwise.prefix_cache import PrefixCache
-from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.ngram import NgramProposer
 from draftwise.proposers.suffix import SuffixProposer
 

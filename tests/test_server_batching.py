@@ -14,7 +14,6 @@ import threading
 import httpx
 import openai
 import pytest
-import torch
 
 from conftest import tiny_llama
 from draftwise.backends.lean import build_lean

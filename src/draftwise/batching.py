@@ -65,7 +65,8 @@ if TYPE_CHECKING:
     from draftwise.proposers.registry import BuildOptions
 
 __all__ = ["BatchedEngine", "BatchSequence", "SequenceOutput", "StepInfo", "BatchProposer", "PerSequenceProposers",
-           "BatchedDraftModel", "calibrate_pass_costs", "build_batched_engine", "K_POLICIES", "BATCHED_METHODS"]
+           "BatchedDraftModel", "calibrate_pass_costs", "build_batched_engine", "concat_rows", "K_POLICIES",
+           "BATCHED_METHODS"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class BatchSequence:
         params: sampling parameters; ``sampler``: its randomness and rule (:class:`draftwise.sampling.Sampler`).
         scope: who may share cached state with it (prefix cache, suffix index).
         max_k: its largest K (the request's own, else the engine's; 0: plain decoding).
+        stop_ids: token ids that end it (its ``stop_token_ids``, and the EOS ids unless ``ignore_eos``).
+        arrival_s: ``time.perf_counter()`` when it was added; ``admitted_s``: when it got a slot.
         generated: committed output tokens (stop token excluded).
         stats: its :class:`~draftwise.stats.SpeculativeStats` (``target_time_s`` counts the whole batched passes
             it took part in, which it shared with the other sequences).
@@ -704,7 +707,7 @@ class BatchedEngine:
 
         outputs: list[SequenceOutput] = []
         cursor = 0
-        for sequence, proposal, k in zip(decoding, proposals, ks):
+        for sequence, proposal in zip(decoding, proposals):
             n = 1 + len(proposal)
             outputs.append(self._verify(sequence, proposal, logits[cursor:cursor + n], pass_s, draft_s))
             cursor += n
