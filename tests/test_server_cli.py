@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -56,7 +57,8 @@ def test_chat_template_from_file_or_inline(tmp_path):
         plan("t", "--chat-template", str(tmp_path / "missing.jinja"))
 
 
-@pytest.mark.parametrize("argv", [["a", "--model", "b"], ["t", "--default-max-tokens", "0"], ["t", "--port", "-1"]])
+@pytest.mark.parametrize("argv", [["a", "--model", "b"], ["t", "--default-max-tokens", "0"], ["t", "--port", "-1"],
+                                  ["t", "--max-num-seqs", "0"], ["t", "--max-num-batched-tokens", "0"]])
 def test_bad_flags_are_cli_errors(argv):
     with pytest.raises(CliError):
         plan(*argv)
@@ -96,6 +98,52 @@ def test_serve_command_end_to_end(draftwise_home, stories_path, monkeypatch):
         assert result.usage.completion_tokens == 12 and result.choices[0].text
         assert result.usage.speculative["acceptance_rate"] == 1.0  # the draft is the target itself
         assert result.usage.speculative["num_speculative_tokens"] == 2
+    finally:
+        if servers:
+            servers[0].should_exit = True
+        thread.join(30)
+        torch.set_num_threads(old_threads)
+    assert codes == [0]
+
+
+def test_serve_command_batches_a_lean_target(draftwise_home, stories_path, monkeypatch):
+    """``--quantization int8`` (the lean runtime) with ``--max-num-seqs 3``: the server batches, with a batched
+    draft model and the load-aware K (calibrated at start); concurrent requests get the texts they get alone."""
+    from draftwise.backends.quantization import int8_kernels_available
+
+    if not int8_kernels_available():
+        pytest.skip("torch build without fbgemm int8 kernels")
+    servers: list[DrainingServer] = []
+    original_run = DrainingServer.run
+
+    def run_and_keep(self, *args, **kwargs):
+        servers.append(self)
+        return original_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(DrainingServer, "run", run_and_keep)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    port = _free_port()
+    config = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3, "k_policy": "auto"}' % stories_path
+    argv = ["serve", str(stories_path), "--speculative-config", config, "--quantization", "int8",
+            "--max-num-seqs", "3", "--port", str(port), "--served-model-name", "tiny", "--device", "cpu",
+            "--uvicorn-log-level", "warning"]
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(main(argv)), daemon=True)
+    thread.start()
+    try:
+        _wait_healthy(thread, servers, f"http://127.0.0.1:{port}/health")
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["max_num_seqs"] == 3
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        prompts = ["Once upon a time", "The little dog", "Lily and Ben", "One day, Tom"]
+        alone = {p: client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0) for p in prompts}
+        for p in prompts:
+            assert alone[p].usage.completion_tokens == 12
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=12,
+                                                                          temperature=0), prompts))
+        assert [r.choices[0].text for r in together] == [alone[p].choices[0].text for p in prompts]
+        assert all(r.usage.speculative["num_speculative_tokens"] == 3 for r in together)
     finally:
         if servers:
             servers[0].should_exit = True

@@ -18,6 +18,7 @@ from draftwise.check.tokenizer import (
     require_compatible,
     tokenizer_info_from_hf,
 )
+from draftwise.batching import BATCHED_METHODS, BatchedEngine
 from draftwise.config import SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel, load_model
@@ -42,7 +43,7 @@ class EngineBundle:
     """A target model, its optional draft model, and the engine driving them."""
 
     target: LoadedModel
-    engine: SpeculativeEngine
+    engine: SpeculativeEngine | BatchedEngine
     speculative_config: SpeculativeConfig | None = None
     draft: LoadedModel | None = None
 
@@ -145,11 +146,12 @@ def build_proposer(
     return built.proposer, built.draft
 
 
-def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> LoadedModel:
+def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions,
+                     num_slots: int = 1) -> LoadedModel:
     """Load the draft model ``config.model`` for ``target`` (same context length, checked tokenizer, drafting
     settings) for the methods that run one, on the backend :func:`draft_load_options` picks. With
     ``draft_vocab_size`` / ``token_map`` set, the draft's LM head covers that frequency-ranked subset only
-    (FR-Spec, :mod:`draftwise.frspec`).
+    (FR-Spec, :mod:`draftwise.frspec`). ``num_slots``: sequences a lean draft's cache holds (batching).
 
     Raises:
         ModelLoadError, ValueError, TokenizerMismatchError: see :func:`load_model`, :func:`draft_load_options`
@@ -166,6 +168,7 @@ def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: Bu
     where = getattr(target.backend, "device", None)
     target_device = where.type if isinstance(where, torch.device) else "cpu"
     draft = load_model(config.model, max_context=target.backend.max_context, head_subset=head_subset,
+                       num_slots=num_slots,
                        **draft_load_options(config, options, target_device=target_device))
     check_same_tokenizer(target, draft)
     relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
@@ -258,6 +261,8 @@ def build_engine(
     threads: int | None = None,
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
     runtime: str = "auto",
+    max_num_seqs: int = 1,
+    max_num_batched_tokens: int = 256,
 ) -> EngineBundle:
     """Load the target (and draft) and build the engine. Without a speculative config: plain decoding.
 
@@ -278,12 +283,38 @@ def build_engine(
             the transformers model, so ``"auto"`` gives their target the transformers runtime.
         kv_cache_memory: memory budget (bytes) of the prefix cache that keeps finished sequences' KV states for
             reuse by later requests sharing a prefix (:mod:`draftwise.prefix_cache`); 0 turns reuse off.
+        max_num_seqs: requests decoded together. Above 1, a target on the lean runtime with plain decoding or a
+            batchable method (:data:`draftwise.batching.BATCHED_METHODS`) gets a
+            :class:`~draftwise.batching.BatchedEngine` (continuous batching, one KV-cache slot per request, with
+            ``k_policy="auto"`` the load-aware K); any other target or method the one-request-at-a-time
+            :class:`SpeculativeEngine` (logged).
+        max_num_batched_tokens: the batched engine's rows per target pass (prompt chunks included).
     """
     target_runtime = runtime
     if runtime == "auto" and speculative_config is not None and get_method(speculative_config.method).model == "heads":
         target_runtime = "transformers"
+    batch = max_num_seqs > 1
+    if batch and speculative_config is not None and speculative_config.method not in BATCHED_METHODS:
+        logger.warning("method %r does not run in the batched engine (batched: %s); serving one request at a time",
+                       speculative_config.method, ", ".join(BATCHED_METHODS))
+        batch = False
     target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
-                              quantization=quantization, backend=backend, threads=threads, runtime=target_runtime)
+                              quantization=quantization, backend=backend, threads=threads, runtime=target_runtime,
+                              num_slots=max_num_seqs if batch else 1)
+    if batch:
+        from draftwise.backends.lean import LeanCausalLM
+
+        if isinstance(target_model.backend, LeanCausalLM):
+            from draftwise.batching import build_batched_engine
+
+            options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend,
+                                   threads=threads, runtime=runtime)
+            engine, draft = build_batched_engine(
+                target_model, speculative_config, options, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, prefix_cache=PrefixCache(kv_cache_memory))
+            return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
+        logger.warning("continuous batching needs the lean runtime (int8 on the CPU, a Llama-family model); "
+                       "%s runs one request at a time", target_model.name)
     if speculative_config is None:
         engine = SpeculativeEngine(target_model.backend, eos_token_ids=target_model.eos_token_ids,
                                    prefix_cache=PrefixCache(kv_cache_memory))

@@ -26,6 +26,14 @@ to catch up on context it has not seen (the prompt, or tokens committed by plain
 target's and the draft's pass times grow with the context length. Leviathan et al. 2023, Sec. 3.4 /
 Theorem 3.8, with measured costs instead of their linear one: the speed-up of K draft tokens per step over
 plain decoding is ``E(a, K) * verify(1) / (K * draft + verify(K + 1))``.
+
+Batches. When one pass verifies the drafts of several sequences (continuous batching,
+:mod:`draftwise.batching`), a step's time is the pass over all rows: :class:`PassCostCurve` holds the measured
+seconds of a pass over n rows, and :func:`plan_batch_k` picks every sequence's K together to maximise the
+batch's expected committed tokens per second, ``sum_i E_i(K_i) / (T(rows + sum_i K_i) + draft(K))``. A draft
+row is worth ``prod_{j <= K_i + 1} a_ij`` expected tokens to its own sequence but delays every sequence in the
+batch, so at high batch sizes, where T grows with each row, K falls (to 0), and it rises again when the load
+drops.
 """
 
 from __future__ import annotations
@@ -35,12 +43,15 @@ from dataclasses import dataclass
 
 __all__ = [
     "CostModel",
+    "PassCostCurve",
     "acceptance_rate",
+    "batch_step_rate",
     "break_even_acceptance",
     "conditional_acceptance",
     "expected_tokens",
     "expected_tokens_per_step",
     "mean_accepted_length",
+    "plan_batch_k",
     "predicted_speedup",
     "rejections_from_counts",
     "token_acceptance",
@@ -298,3 +309,187 @@ class CostModel:
                    str(data.get("source", "")), float(data.get("draft_prefill_seconds_per_token", 0.0)),
                    int(data.get("context_len", 0)), float(data.get("target_context_growth", 0.0)),
                    float(data.get("draft_context_growth", 0.0)))
+
+
+# ---------------------------------------------------------------------------------------------- batches
+class PassCostCurve:
+    """Seconds of one forward pass as a function of its row count (all sequences of a batch together), plus a
+    fixed cost per sequence in the pass (``per_sequence``: a batched pass runs attention once per sequence and
+    layer, whatever its rows; 0 when not measured).
+
+    Measured points are kept per row count as running averages (the first measurement of a count is taken
+    as is, later ones with weight ``smoothing``); a count between measured ones is interpolated linearly, a
+    count beyond the largest one is extended from the last two points (never with a negative slope), and
+    one below the smallest takes the smallest's time. The curve is read non-decreasing (a running maximum over
+    the counts), so a noisy measurement never makes more rows look cheaper.
+
+    Args:
+        smoothing: weight of a new measurement in a count's running average, in (0, 1].
+        points: initial ``{rows: seconds}`` (e.g. a short calibration or a scripted curve), per-row part only.
+        per_sequence: seconds each sequence in a pass adds whatever its rows (>= 0).
+
+    Raises:
+        ValueError: ``smoothing`` outside (0, 1], a row count < 1, non-positive seconds or a negative
+            ``per_sequence``.
+    """
+
+    def __init__(self, smoothing: float = 0.2, points: dict[int, float] | None = None,
+                 per_sequence: float = 0.0) -> None:
+        if not (0.0 < smoothing <= 1.0):
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if not per_sequence >= 0:
+            raise ValueError(f"per_sequence must be >= 0, got {per_sequence}")
+        self.smoothing = smoothing
+        self.per_sequence = per_sequence
+        self._seconds: dict[int, float] = {}
+        self._samples: dict[int, int] = {}
+        self._sorted: list[tuple[int, float]] | None = None
+        for rows, seconds in (points or {}).items():
+            self.observe(rows, seconds)
+
+    def __len__(self) -> int:
+        return len(self._seconds)
+
+    @property
+    def points(self) -> dict[int, float]:
+        """The averaged measurements ``{rows: seconds}``."""
+        return dict(self._seconds)
+
+    def observe(self, rows: int, seconds: float, sequences: int = 0) -> None:
+        """Fold one measured pass (``rows`` >= 1 rows of ``sequences`` sequences, ``seconds`` > 0) into the
+        curve: the per-row part is the time less ``per_sequence * sequences`` (at least a tenth of the time).
+
+        Raises:
+            ValueError: out-of-range arguments.
+        """
+        if rows < 1 or not seconds > 0 or sequences < 0:
+            raise ValueError(f"need rows >= 1, seconds > 0 and sequences >= 0, got {rows}, {seconds}, {sequences}")
+        seconds = max(0.1 * seconds, seconds - self.per_sequence * sequences)
+        samples = self._samples.get(rows, 0) + 1
+        self._samples[rows] = samples
+        old = self._seconds.get(rows)
+        self._seconds[rows] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._sorted = None
+
+    def seconds(self, rows: int) -> float:
+        """Predicted seconds of a pass over ``rows`` rows (0 for 0 rows).
+
+        Raises:
+            ValueError: no measurement yet, or ``rows`` < 0.
+        """
+        if rows < 0:
+            raise ValueError(f"rows must be >= 0, got {rows}")
+        if not self._seconds:
+            raise ValueError("the pass cost curve has no measurement yet")
+        if rows == 0:
+            return 0.0
+        curve = self._curve()
+        if rows <= curve[0][0]:
+            return curve[0][1]
+        for (n0, s0), (n1, s1) in zip(curve, curve[1:]):
+            if rows <= n1:
+                return s0 + (s1 - s0) * (rows - n0) / (n1 - n0)
+        if len(curve) == 1:
+            return curve[0][1] * rows / curve[0][0]  # one point: proportional beyond it
+        (n0, s0), (n1, s1) = curve[-2], curve[-1]
+        return s1 + max(0.0, (s1 - s0) / (n1 - n0)) * (rows - n1)
+
+    def pass_seconds(self, rows: int, sequences: int) -> float:
+        """Predicted seconds of a pass over ``rows`` rows of ``sequences`` sequences."""
+        return self.seconds(rows) + self.per_sequence * sequences
+
+    def _curve(self) -> list[tuple[int, float]]:
+        if self._sorted is None:
+            top, points = 0.0, []
+            for rows in sorted(self._seconds):
+                top = max(top, self._seconds[rows])
+                points.append((rows, top))
+            self._sorted = points
+        return self._sorted
+
+
+def batch_step_rate(expected: Sequence[float], pass_seconds: float, draft_seconds: float = 0.0) -> float:
+    """Expected committed tokens per second of one batched step: ``sum(expected) / (pass + draft)``.
+
+    Args:
+        expected: per decoding sequence, the tokens its verification is expected to commit
+            (:func:`expected_tokens` of its conditional acceptance rates at its K; 1 for K = 0).
+        pass_seconds: the target pass over every row of the step (seconds).
+        draft_seconds: the drafting time of the step (seconds).
+    """
+    total = pass_seconds + draft_seconds
+    return sum(expected) / total if total > 0 else 0.0
+
+
+def plan_batch_k(
+    acceptance: Sequence[Sequence[float]],
+    max_k: Sequence[int],
+    base_rows: int,
+    pass_seconds,
+    draft_pass_seconds=None,
+    max_draft_rows: int | None = None,
+) -> list[int]:
+    """Choose every decoding sequence's K for one batched pass (marginal allocation).
+
+    Each sequence i starts at K_i = 0 (its one row, the last committed token, is in ``base_rows``). One more
+    draft token for sequence i adds ``prod_{j <= K_i + 1} a_ij`` expected tokens (the probability that every
+    draft token up to it is accepted; Leviathan et al. 2023, Eq. 1, position by position) and one row to the
+    pass. Draft tokens are added in order of that gain, largest first (ties: the lower sequence index), and
+    the plan kept is the prefix of those additions with the highest :func:`batch_step_rate` (so a bump in a
+    measured curve does not stop the search early). K = 0 for all is kept unless some plan beats it.
+
+    Args:
+        acceptance: per sequence, conditional acceptance rates of draft positions 1..max_k[i] (in [0, 1]).
+        max_k: per sequence, the most draft tokens it may get (>= 0; e.g. the tokens its proposer offered).
+        base_rows: rows of the pass without any draft token (one per decoding sequence, plus prefill rows).
+        pass_seconds: ``rows -> seconds`` of a target pass (e.g. :meth:`PassCostCurve.seconds`).
+        draft_pass_seconds: ``rows -> seconds`` of one draft-model pass, or None when drafting costs nothing
+            worth counting (n-gram or suffix lookup). A draft model runs one pass per draft depth, over the
+            sequences drafting that deep: ``draft(K) = sum_d draft_pass_seconds(#{i: K_i > d})``.
+        max_draft_rows: at most this many draft tokens over the whole batch (None: no limit).
+
+    Returns:
+        ``[K_i]``, one per sequence.
+
+    Raises:
+        ValueError: mismatched lengths, a negative max_k, or fewer rates than max_k.
+    """
+    if len(acceptance) != len(max_k):
+        raise ValueError(f"{len(acceptance)} acceptance lists for {len(max_k)} sequences")
+    for rates, cap in zip(acceptance, max_k):
+        if cap < 0 or len(rates) < cap:
+            raise ValueError(f"need 0 <= max_k <= len(rates), got {cap} and {len(rates)} rates")
+    n = len(max_k)
+    ks = [0] * n
+    reach = [1.0] * n  # probability that the next draft token of i is reached and accepted: prod a_ij so far
+    depth_counts: list[int] = []  # sequences drafting at least d + 1 tokens, per depth d
+
+    def draft_seconds() -> float:
+        if draft_pass_seconds is None:
+            return 0.0
+        return sum(draft_pass_seconds(count) for count in depth_counts if count)
+
+    expected = float(n)
+    rows = base_rows
+    best_rate = batch_step_rate([expected], pass_seconds(rows), draft_seconds())
+    best_plan = list(ks)
+    budget = sum(max_k) if max_draft_rows is None else min(sum(max_k), max(0, max_draft_rows))
+    for _ in range(budget):
+        candidates = [(reach[i] * acceptance[i][ks[i]], -i) for i in range(n) if ks[i] < max_k[i]]
+        if not candidates:
+            break
+        gain, negative_index = max(candidates)
+        i = -negative_index
+        if gain <= 0:
+            break
+        reach[i] *= acceptance[i][ks[i]]
+        if len(depth_counts) <= ks[i]:
+            depth_counts.append(0)
+        depth_counts[ks[i]] += 1
+        ks[i] += 1
+        expected += gain
+        rows += 1
+        rate = batch_step_rate([expected], pass_seconds(rows), draft_seconds())
+        if rate > best_rate * (1 + 1e-9):
+            best_rate, best_plan = rate, list(ks)
+    return best_plan

@@ -38,7 +38,7 @@ from draftwise.sampling import Sampler
 from draftwise.stats import SpeculativeStats
 from draftwise.verification import VerificationResult, verify
 
-__all__ = ["SpeculativeEngine", "GenerationResult", "Generation", "EngineBusyError"]
+__all__ = ["SpeculativeEngine", "GenerationResult", "Generation", "EngineBusyError", "commit_tokens"]
 
 logger = logging.getLogger(__name__)
 
@@ -342,20 +342,9 @@ class SpeculativeEngine:
 
     def _commit(self, state: _RequestState, tokens: Sequence[int]) -> tuple[list[int], int]:
         """Append tokens until a stop condition; returns (tokens appended, tokens consumed incl. a stop token)."""
-        chunk: list[int] = []
-        consumed = 0
-        for token in tokens:
-            consumed += 1
-            if token in state.stop_ids:
-                state.finish_reason = "stop"
-                break
-            chunk.append(token)
-            state.generated.append(token)
-            if len(state.generated) >= state.params.max_tokens:
-                state.finish_reason = "length"
-                break
-        if not state.finish_reason and len(state.prompt) + len(state.generated) >= self.target.max_context:
-            state.finish_reason = "length"
+        chunk, consumed, state.finish_reason = commit_tokens(
+            state.generated, tokens, stop_ids=state.stop_ids, max_tokens=state.params.max_tokens,
+            max_generated=self.target.max_context - len(state.prompt))
         return chunk, consumed
 
     def _finish(self, state: _RequestState, reason: str) -> GenerationResult:
@@ -379,6 +368,40 @@ class SpeculativeEngine:
                 f"the prompt has {len(prompt)} tokens; the context length is {self.target.max_context} tokens, "
                 "which leaves no room for new tokens"
             )
+
+
+def commit_tokens(generated: list[int], tokens: Sequence[int], *, stop_ids: frozenset[int], max_tokens: int,
+                  max_generated: int) -> tuple[list[int], int, str]:
+    """Append a step's tokens to a request's output until a stop condition (shared by
+    :class:`SpeculativeEngine` and :class:`draftwise.batching.BatchedEngine`).
+
+    Args:
+        generated: the request's output so far (appended to in place).
+        tokens: the step's tokens (accepted drafts, then the target's own token).
+        stop_ids: token ids that end the request (the stop token is consumed, not appended).
+        max_tokens: the request's ``max_tokens``.
+        max_generated: output tokens the context can hold (``max_context - len(prompt)``); reaching it ends
+            the request with ``"length"``.
+
+    Returns:
+        ``(tokens appended, tokens consumed incl. a stop token, finish reason or "")``.
+    """
+    chunk: list[int] = []
+    consumed = 0
+    reason = ""
+    for token in tokens:
+        consumed += 1
+        if token in stop_ids:
+            reason = "stop"
+            break
+        chunk.append(token)
+        generated.append(token)
+        if len(generated) >= max_tokens:
+            reason = "length"
+            break
+    if not reason and len(generated) >= max_generated:
+        reason = "length"
+    return chunk, consumed, reason
 
 
 @dataclass

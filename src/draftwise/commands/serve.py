@@ -34,6 +34,8 @@ __all__ = ["register", "run", "ServePlan", "plan_from_args"]
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "DRAFTWISE_API_KEY"
+DEFAULT_MAX_NUM_SEQS = 8
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 
 
 def register(subparsers) -> None:
@@ -66,6 +68,16 @@ def register(subparsers) -> None:
                         "0 turns prefix reuse off (default 4GiB; least recently used evicted first)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="queued requests beyond which new ones get 503 (default 256)")
+    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                        help="requests decoded together by continuous batching (one KV-cache slot each; "
+                        f"default {DEFAULT_MAX_NUM_SEQS}). Needs the lean runtime (int8 on the CPU) and plain "
+                        "decoding or the ngram, suffix or draft_model method; otherwise, or with 1, the server "
+                        "runs one request at a time. With k_policy auto, K per request falls as the batch grows. "
+                        "See docs/batching.md")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        help="continuous batching: rows per target pass (last tokens, draft tokens and prompt "
+                        f"chunks; default {DEFAULT_MAX_NUM_BATCHED_TOKENS}): a long prompt is prefilled in chunks "
+                        "so it does not stall the running requests")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help=f"largest request body accepted, in bytes; larger ones get 413 (default "
                         f"{DEFAULT_MAX_REQUEST_BYTES}, 8 MiB)")
@@ -112,6 +124,9 @@ def plan_from_args(args: argparse.Namespace) -> ServePlan:
         raise CliError(str(exc)) from exc
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
+        raise CliError(f"--max-num-seqs and --max-num-batched-tokens must be >= 1, got {args.max_num_seqs} and "
+                       f"{args.max_num_batched_tokens}")
     return ServePlan(target=target, speculative_config=spec, settings=settings)
 
 
@@ -159,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     bundle = build_engine(plan.target, plan.speculative_config, device=args.device, dtype=args.dtype,
                           max_context=args.max_model_len, quantization=args.quantization,
                           backend=args.backend, threads=args.threads, kv_cache_memory=args.kv_cache_memory,
-                          runtime=args.runtime)
+                          runtime=args.runtime, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
     app = create_app(bundle, plan.settings)
     logger.info("OpenAI-compatible API at http://%s:%d/v1", args.host, args.port)
     serve(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -132,6 +132,7 @@ def load_model(
     threads: int | None = None,
     runtime: str = "auto",
     head_subset: HeadSubset | None = None,
+    num_slots: int = 1,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, for the PyTorch backend or (GGUF files) the llama.cpp backend.
 
@@ -155,6 +156,8 @@ def load_model(
         head_subset: PyTorch backend only: compute the LM head over a frequency-ranked subset of the
             vocabulary (FR-Spec, for draft models; :mod:`draftwise.frspec`), applied before quantization;
             the backend's name then ends in ``+fr<kept ids>``. With ``backend="auto"`` it selects PyTorch.
+        num_slots: lean runtime only: sequences its KV cache holds (the batched engine,
+            :mod:`draftwise.batching`, runs one request per slot); other backends hold one sequence.
 
     Raises:
         ModelLoadError: missing file, unreadable model, a registry model that is not pulled, or the llama.cpp
@@ -208,7 +211,7 @@ def load_model(
 
         try:
             lean = build_lean(model, quantization=quantization, name=f"{name}+lean", max_context=max_context,
-                              head_ids=head_ids, select_kernels=True)
+                              head_ids=head_ids, select_kernels=True, num_slots=num_slots)
         except NotExactError:
             if runtime == "lean":
                 raise

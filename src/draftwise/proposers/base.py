@@ -99,6 +99,11 @@ class Proposer(ABC):
         that learns from earlier requests (suffix decoding) uses only the earlier requests of the same scope.
         """
 
+    def finish(self) -> None:
+        """The request that :meth:`start` began has ended. The batched engine (one proposer per sequence) calls
+        it when the sequence leaves the batch; the single-sequence engine does not (the next :meth:`start`
+        follows). Default: nothing."""
+
     def export_state(self) -> Any:
         """State worth keeping for a later request that shares a prefix with this one (a draft model's KV
         cache), for the engine's prefix cache (:mod:`draftwise.prefix_cache`); an ``nbytes`` attribute, when

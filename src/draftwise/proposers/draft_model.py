@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from draftwise.models.loading import LoadedModel
     from draftwise.proposers.registry import BuildOptions, BuiltProposer
 
-__all__ = ["DraftModelProposer"]
+__all__ = ["DraftModelProposer", "fit_vocab"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,14 +143,19 @@ class DraftModelProposer(Proposer):
         return self._fit_vocab(out.logits[-1])
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Cut or pad draft logits ``[draft_vocab]`` to ``[target_vocab]`` (padding gets -inf)."""
-        width = logits.shape[-1]
-        if width == self.target_vocab_size:
-            return logits
-        if width > self.target_vocab_size:
-            return logits[: self.target_vocab_size]
-        pad = torch.full((self.target_vocab_size - width,), float("-inf"), dtype=logits.dtype)
-        return torch.cat([logits, pad])
+        return fit_vocab(logits, self.target_vocab_size)
+
+
+def fit_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """Cut or pad draft logits ``[..., draft_vocab]`` to ``[..., width]`` (the target's logits width; padding
+    gets -inf, so ids the target cannot produce are never proposed)."""
+    current = logits.shape[-1]
+    if current == width:
+        return logits
+    if current > width:
+        return logits[..., :width]
+    pad = torch.full((*logits.shape[:-1], width - current), float("-inf"), dtype=logits.dtype)
+    return torch.cat([logits, pad], dim=-1)
 
 
 def build(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:

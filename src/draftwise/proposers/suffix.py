@@ -463,6 +463,10 @@ class SuffixProposer(Proposer):
         self._request = _Request(scope, prompt)
         self._sync(prompt)
 
+    def finish(self) -> None:
+        """Archive the request's output under its scope now (the next :meth:`start` would do it otherwise)."""
+        self._archive()
+
     def propose(
         self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler
     ) -> DraftProposal:

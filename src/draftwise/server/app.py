@@ -21,8 +21,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from draftwise import __version__
+from draftwise.batching import BatchedEngine
 from draftwise.builder import EngineBundle
 from draftwise.server.errors import APIError, ErrorBoundaryMiddleware, error_body, install_error_handlers
+from draftwise.server.batch_scheduler import BatchScheduler
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, bearer_token
 from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
@@ -60,7 +62,7 @@ class ServerState:
     bundle: EngineBundle
     settings: ServerSettings
     builder: RequestBuilder
-    scheduler: Scheduler
+    scheduler: Scheduler | BatchScheduler
     metrics: ServerMetrics
     created: int
 
@@ -100,7 +102,9 @@ def create_app(bundle: EngineBundle, settings: ServerSettings | None = None) -> 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.scheduler.start()
-        logger.info("serving %s (%s) as %s", bundle.target.name, bundle.method, ", ".join(state.builder.served_names))
+        logger.info("serving %s (%s) as %s%s", bundle.target.name, bundle.method, ", ".join(state.builder.served_names),
+                    f", up to {bundle.engine.max_num_seqs} requests at once (continuous batching)"
+                    if isinstance(state.scheduler, BatchScheduler) else ", one request at a time")
         yield
         await run_in_threadpool(state.scheduler.shutdown)
 
@@ -123,7 +127,11 @@ def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
     builder = RequestBuilder(codec, target.name, target.backend.max_context, target.backend.vocab_size, settings,
                              max_k=bundle.engine.num_speculative_tokens)
     metrics = ServerMetrics(builder.served_names[0])
-    scheduler = Scheduler(bundle.engine, codec.decode, metrics.record, settings.max_waiting_requests)
+    if isinstance(bundle.engine, BatchedEngine):  # a lean multi-slot target: continuous batching
+        scheduler = BatchScheduler(bundle.engine, codec.decode, metrics.record, settings.max_waiting_requests,
+                                   record_step=metrics.record_step)
+    else:
+        scheduler = Scheduler(bundle.engine, codec.decode, metrics.record, settings.max_waiting_requests)
     metrics.track_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
     return ServerState(bundle, settings, builder, scheduler, metrics, int(time.time()))
 
@@ -132,9 +140,10 @@ def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> dict:
-        """Liveness: 200 while the server runs, with the queue state."""
+        """Liveness: 200 while the server runs, with the queue state and how many requests run at once."""
         return {"status": "ok", "model": state.model_name, "method": state.bundle.method,
-                "requests_running": state.scheduler.num_running, "requests_waiting": state.scheduler.num_waiting}
+                "requests_running": state.scheduler.num_running, "requests_waiting": state.scheduler.num_waiting,
+                "max_num_seqs": getattr(state.bundle.engine, "max_num_seqs", 1)}
 
     @app.get("/metrics")
     async def metrics() -> Response:

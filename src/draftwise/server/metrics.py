@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from draftwise.stats import SpeculativeStats
+
+if TYPE_CHECKING:
+    from draftwise.batching import StepInfo
 
 __all__ = ["ServerMetrics", "RequestRecord", "PREFIX"]
 
@@ -23,6 +27,9 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+_STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096, 8192)
+_K_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -61,9 +68,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._labels = {"model_name": model_name, "engine": "0"}
         names = tuple(self._labels)
-        self._running = Gauge(f"{PREFIX}num_requests_running", "Requests being generated (0 or 1).", names,
-                              registry=self.registry)
-        self._waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests queued behind the running one.", names,
+        self._running = Gauge(f"{PREFIX}num_requests_running", "Requests being generated (at most 1, or "
+                              "--max-num-seqs with continuous batching).", names, registry=self.registry)
+        self._waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests queued for the engine.", names,
                               registry=self.registry)
         self._make_counters(names)
         self._make_histograms(names)
@@ -105,6 +112,15 @@ class ServerMetrics:
                                     _LATENCY_BUCKETS)
         self.tpot = histogram("time_per_output_token_seconds", "Per request: (e2e - ttft) / (tokens - 1).",
                               _TPOT_BUCKETS)
+        # continuous batching (one observation per engine step; absent from a one-request-at-a-time server)
+        self.batch_size = histogram("batch_size", "Sequences in one batched target pass (decoding and "
+                                    "prefilling).", _BATCH_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Rows (tokens) in one batched target pass: "
+                                          "last tokens, draft tokens and prompt chunks.", _STEP_TOKEN_BUCKETS)
+        self.step_generated_tokens = histogram("step_generated_tokens", "Output tokens committed by one batched "
+                                               "step (all sequences).", _STEP_TOKEN_BUCKETS)
+        self.step_k = histogram("spec_decode_batch_k", "K (draft tokens verified) per decoding sequence and "
+                                "batched step (0: a plain step; load-aware K falls at high batch sizes).", _K_BUCKETS)
 
     def record(self, record: RequestRecord) -> None:
         """Add one request's counts and latencies (thread-safe)."""
@@ -121,6 +137,15 @@ class ServerMetrics:
                 self.tpot.labels(**labels).observe(per_token)
         if record.stats is not None:
             self._record_speculation(record.stats)
+
+    def record_step(self, step: StepInfo) -> None:
+        """Add one batched engine step (:class:`draftwise.batching.StepInfo`) to the batching histograms."""
+        labels = self._labels
+        self.batch_size.labels(**labels).observe(step.num_sequences)
+        self.iteration_tokens.labels(**labels).observe(step.rows)
+        self.step_generated_tokens.labels(**labels).observe(step.committed_tokens)
+        for k in step.ks:
+            self.step_k.labels(**labels).observe(k)
 
     def _record_speculation(self, stats: SpeculativeStats) -> None:
         labels = self._labels

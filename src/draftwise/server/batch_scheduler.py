@@ -1,0 +1,322 @@
+"""Many clients, one batched engine: continuous batching behind the HTTP server.
+
+The counterpart of :class:`draftwise.server.scheduler.Scheduler` for a :class:`draftwise.batching.BatchedEngine`
+(a lean target with several KV-cache slots): up to ``engine.max_num_seqs`` requests run at once, one
+:meth:`~draftwise.batching.BatchedEngine.step` (one target pass) at a time in a dedicated thread; the others
+wait in a FIFO queue of at most ``max_waiting`` requests (beyond it :meth:`BatchScheduler.submit` raises
+:class:`~draftwise.server.scheduler.QueueFullError`, answered 503 ``queue_full``). A request joins the running
+batch at the next step after a slot frees, and leaves it the step it finishes.
+
+Cancellation: a waiting request whose client leaves leaves the queue at once (and no longer counts toward its
+limit); a running one is cancelled by the engine thread before the next step, which frees its slot.
+
+Shutdown, as the single-request scheduler's: :meth:`BatchScheduler.close` refuses new requests, fails the
+waiting ones at once, and gives the running ones (all of them) a grace period, after which their handles get
+:class:`~draftwise.server.scheduler.ServerClosingError` and the engine thread drops them at the next step.
+Every request not cancelled by its own client ends with exactly one ``Finished`` or ``Failed`` event.
+
+Text is produced in the engine thread (detokenization and stop strings, :class:`OutputText`), so a stop string
+stops the sequence at the next step. A failed pass fails every sequence that was in it (they share it) and
+the scheduler goes on with the next requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from draftwise.batching import BatchedEngine, BatchSequence, StepInfo
+from draftwise.server.metrics import RequestRecord
+from draftwise.server.requests import GenerationRequest
+from draftwise.server.scheduler import (
+    Failed,
+    Finished,
+    QueueFullError,
+    RequestHandle,
+    ServerClosingError,
+    TextDelta,
+    _Job,
+)
+from draftwise.server.text import OutputText
+
+__all__ = ["BatchScheduler"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Running:
+    """A request inside the engine: its job, sequence, text state and timings (``time.perf_counter()``)."""
+
+    job: _Job
+    sequence: BatchSequence
+    output: OutputText
+    started: float
+    first_token_at: float | None = None
+
+
+class BatchScheduler:
+    """Runs requests through one :class:`BatchedEngine`, many at once (see the module docstring).
+
+    Args:
+        engine: the batched engine (this scheduler becomes its only user; its thread runs every step).
+        decode: ids -> text, used only by the engine thread.
+        record: called with each request's :class:`RequestRecord` (thread-safe).
+        max_waiting: requests allowed to wait with no free slot for them; :meth:`submit` raises
+            :class:`QueueFullError` beyond (a request arriving while a slot is free never counts).
+        record_step: called with every step's :class:`~draftwise.batching.StepInfo` (metrics), or None.
+    """
+
+    def __init__(self, engine: BatchedEngine, decode: Callable[[list[int]], str],
+                 record: Callable[[RequestRecord], None], max_waiting: int,
+                 record_step: Callable[[StepInfo], None] | None = None) -> None:
+        self._engine = engine
+        self._decode = decode
+        self._record = record
+        self._record_step = record_step
+        self._max_waiting = max_waiting
+        self._waiting: deque[_Job] = deque()
+        self._active: dict[int, _Running] = {}  # seq_id -> running request (the engine thread writes)
+        self._num_active = 0  # what num_running reports (jobs taken from the queue and not yet ended)
+        self._wakeup = threading.Condition()  # guards _waiting, _active, _num_active, _closing, _stopped
+        self._closing = False
+        self._stopped = False
+        self._grace_timer: threading.Timer | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ control (as Scheduler)
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        with self._wakeup:
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._worker_loop, name="draftwise-batch-engine", daemon=True)
+                self._thread.start()
+
+    def close(self, grace_s: float) -> None:
+        """Begin shutting down (idempotent): refuse new requests, fail the waiting ones at once with
+        :class:`ServerClosingError`, and give the running ones ``grace_s`` seconds to finish before they fail
+        the same way."""
+        with self._wakeup:
+            if self._closing:
+                return
+            self._closing = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for job in waiting:
+            job.cancelled.set()
+            if job.end(Failed(ServerClosingError("the server is shutting down; retry on another server"))):
+                self._record_unfinished(job, "abort", "refused: the server is shutting down")
+        if grace_s <= 0:
+            self._expire_running()
+        else:
+            self._grace_timer = threading.Timer(grace_s, self._expire_running)
+            self._grace_timer.daemon = True
+            self._grace_timer.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Close at once (running requests fail now unless a grace period is under way, which is cut short) and
+        stop the engine thread (waits up to ``timeout_s``)."""
+        self.close(0.0)
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._expire_running()
+        with self._wakeup:
+            self._stopped = True
+            self._wakeup.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("the engine thread did not stop within %.0f s", timeout_s)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch, or about to join it at the next step (at most ``engine.max_num_seqs``)."""
+        with self._wakeup:
+            return min(self._engine.max_num_seqs, self._num_active + len(self._waiting))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued with no free slot for them (cancelled ones excluded)."""
+        with self._wakeup:
+            return self._num_queued()
+
+    def _num_queued(self) -> int:
+        """Queued jobs beyond the free slots (call under the lock): the ones really waiting."""
+        return max(0, len(self._waiting) - (self._engine.max_num_seqs - self._num_active))
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; call from the event loop that will read its events.
+
+        Raises:
+            QueueFullError: ``max_waiting`` requests are already waiting.
+            ServerClosingError: the server is shutting down.
+        """
+        self.start()
+        job = _Job(request, asyncio.get_running_loop())
+        with self._wakeup:
+            if self._closing:
+                raise ServerClosingError("the server is shutting down; retry on another server")
+            if self._num_queued() >= self._max_waiting:
+                raise QueueFullError(f"{self._max_waiting} requests are already waiting; retry later")
+            self._waiting.append(job)
+            self._wakeup.notify()
+        return RequestHandle(job, self._withdraw)
+
+    def _withdraw(self, job: _Job) -> None:
+        """Take a cancelled job out of the queue, if it is still there (else the engine thread drops it)."""
+        with self._wakeup:
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                return
+        self._record_unfinished(job, "abort", "abandoned by its client while waiting")
+
+    def _expire_running(self) -> None:
+        """End of the grace period: fail every running request now (the engine thread drops them before its
+        next step)."""
+        with self._wakeup:
+            active = list(self._active.values())
+        for running in active:
+            running.job.cancelled.set()
+            running.job.end(Failed(ServerClosingError("the server shut down before the request finished")))
+
+    # ------------------------------------------------------------------ engine thread
+    def _take_jobs(self) -> list[_Job] | None:
+        """Wait for work; returns the queued jobs that fit in the batch now (None: stop)."""
+        with self._wakeup:
+            while not self._stopped and not self._waiting and not self._active:
+                self._wakeup.wait()
+            if self._stopped:
+                return None
+            jobs = []
+            while self._waiting and self._num_active < self._engine.max_num_seqs:
+                jobs.append(self._waiting.popleft())
+                self._num_active += 1
+            return jobs
+
+    def _worker_loop(self) -> None:
+        try:
+            self._serve()
+        finally:  # stopped: the sequences still in the batch (their handles already failed) leave it
+            for running in list(self._active.values()):
+                self._engine.cancel(running.sequence)
+                self._finish(running, "abort")
+
+    def _serve(self) -> None:
+        while (jobs := self._take_jobs()) is not None:
+            for job in jobs:
+                self._admit(job)
+            self._drop_cancelled()
+            if not self._active:
+                continue
+            try:
+                outputs = self._engine.step()
+            except Exception as exc:  # the pass failed: every sequence in it fails; keep serving
+                logger.exception("a batched step failed; failing its %d requests", len(self._active))
+                self._fail_all(exc)
+                continue
+            if self._record_step is not None and self._engine.last_step is not None:
+                self._record_step(self._engine.last_step)
+            now = time.perf_counter()
+            for output in outputs:
+                running = self._active.get(output.sequence.seq_id)
+                if running is not None:
+                    self._deliver(running, output.token_ids, output.finished, now)
+
+    def _admit(self, job: _Job) -> None:
+        """Hand a queued job to the engine (it joins the batch at the next step)."""
+        if job.cancelled.is_set():
+            self._end_job()
+            self._record_unfinished(job, "abort", "abandoned by its client while waiting")
+            return
+        request = job.request
+        try:
+            sequence = self._engine.add(request.prompt_ids, request.params, scope=request.scope,
+                                        num_speculative_tokens=request.num_speculative_tokens,
+                                        arrival_s=request.arrival_s)
+        except Exception as exc:  # a request the engine refuses (ValueError: the client's fault -> 400)
+            self._end_job()
+            job.end(Failed(exc))
+            self._record_unfinished(job, "error", f"refused by the engine: {type(exc).__name__}: {exc}")
+            return
+        output = OutputText(self._decode, request.prompt_ids, request.stops)
+        with self._wakeup:
+            self._active[sequence.seq_id] = _Running(job, sequence, output, time.perf_counter())
+
+    def _drop_cancelled(self) -> None:
+        """Cancel the sequences whose client left (or whose request shutdown failed): frees their slots."""
+        for running in [r for r in self._active.values() if r.job.cancelled.is_set()]:
+            self._engine.cancel(running.sequence)
+            self._finish(running, "abort")
+
+    def _deliver(self, running: _Running, token_ids: list[int], finished: bool, now: float) -> None:
+        """Stream a step's tokens of one sequence; finish it when the engine or a stop string ends it."""
+        job = running.job
+        if token_ids and running.first_token_at is None:
+            running.first_token_at = now
+        text = running.output.add_tokens(token_ids)
+        if text:
+            job.post(TextDelta(text))
+        if running.output.stopped and not finished:
+            self._engine.cancel(running.sequence)  # a stop string: the sequence leaves the batch now
+            finished = True
+        if not finished:
+            return
+        if job.cancelled.is_set() and not running.output.stopped:
+            self._finish(running, "abort")
+            return
+        tail = running.output.finish()
+        if tail:
+            job.post(TextDelta(tail))
+        result = running.sequence.result
+        reason = "stop" if running.output.stopped else result.finish_reason
+        job.end(Finished(reason, running.output.num_tokens, result.stats))
+        self._finish(running, reason)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._engine.abort_all("error")
+        for running in list(self._active.values()):
+            running.job.end(Failed(error))
+            self._finish(running, "error")
+
+    def _end_job(self) -> None:
+        with self._wakeup:
+            self._num_active -= 1
+
+    def _finish(self, running: _Running, finish_reason: str) -> None:
+        """Record a request that left the batch and free its place in the count."""
+        with self._wakeup:
+            del self._active[running.sequence.seq_id]
+            self._num_active -= 1
+        request = running.job.request
+        stats = running.sequence.result.stats if running.sequence.result is not None else None
+        now = time.perf_counter()
+        self._record(RequestRecord(
+            finished_reason=finish_reason,
+            prompt_tokens=len(request.prompt_ids),
+            generation_tokens=running.output.num_tokens,
+            queue_time_s=running.started - request.arrival_s,
+            ttft_s=None if running.first_token_at is None else running.first_token_at - request.arrival_s,
+            e2e_s=now - request.arrival_s,
+            stats=stats,
+        ))
+        logger.info("%s: %s, %d prompt + %d generated tokens in %.2f s (queued %.2f s)%s",
+                    request.request_id, finish_reason, len(request.prompt_ids), running.output.num_tokens,
+                    now - running.started, running.started - request.arrival_s, _speculation(stats))
+
+    def _record_unfinished(self, job: _Job, finished_reason: str, why: str) -> None:
+        request = job.request
+        waited = time.perf_counter() - request.arrival_s
+        self._record(RequestRecord(finished_reason, len(request.prompt_ids), 0, waited, None, waited, None))
+        logger.info("%s: %s", request.request_id, why)
+
+
+def _speculation(stats) -> str:
+    if stats is None or not stats.num_draft_tokens:
+        return ""
+    return f", acceptance {stats.acceptance_rate:.2f}, tau {stats.mean_accepted_length:.2f}"
