@@ -3,9 +3,10 @@
 
 FR-Spec (Zhao et al. 2025) keeps the draft's LM head rows of the most frequent tokens only; this script makes
 the ranking (SGLang's ``--speculative-token-map``, here a ``.npy`` of int32 or a text file of ids). The corpus
-is local, with no network: by default the Python standard library's sources, the text documentation under
-/usr/share/doc and the C headers under /usr/include (see ``draftwise.frspec.DEFAULT_SOURCES``); ``--corpus DIR``
-replaces it. Never point it at a benchmark's prompts: the ranking would be fitted to what is measured.
+is local, with no network: by default the Python standard library and installed packages, the text
+documentation under /usr/share/doc, C headers and global node packages' JavaScript / HTML (see
+``draftwise.frspec.DEFAULT_SOURCES``); ``--corpus DIR`` replaces it. Never point it at a benchmark's prompts:
+the ranking would be fitted to what is measured.
 
     python scripts/build_token_map.py qwen2.5-coder-0.5b --top 65536 --output data/token_maps/qwen2.5-HASH.npy
     python scripts/build_token_map.py MODEL --output map.npy --corpus ~/src --max-bytes 64000000
@@ -40,8 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "default data/token_maps/<label>-<vocabulary hash>.npy")
     parser.add_argument("--label", default=None, help="file-name label for the default output (default: the model)")
     parser.add_argument("--top", type=int, default=None, help="keep only the N highest-ranked ids (default: all)")
-    parser.add_argument("--max-bytes", type=int, default=20_000_000, help="corpus budget in bytes (default 20 MB: all of "
-                        "the Python sources and docs found here, about 5 MB of C headers)")
+    parser.add_argument("--max-bytes", type=int, default=40_000_000, help="corpus budget in bytes (default 40 MB)")
     parser.add_argument("--per-file-bytes", type=int, default=65_536, help="at most this much of each file")
     parser.add_argument("--corpus", action="append", default=None, metavar="DIR",
                         help="read these directories instead of the default local sources (repeatable)")

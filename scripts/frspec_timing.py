@@ -3,9 +3,11 @@
 
     python scripts/frspec_timing.py qwen2.5-coder-0.5b --sizes 0,32768 --quantization none,int8 --runs 30
 
-For each (quantization, subset size) the model is loaded alone (size 0 = the full head), a 128-token context is
-prefilled, then one-token passes are timed at that context (the cache is rolled back after each): the median
-and the 10th / 90th percentiles of ``--runs`` passes after ``--warmup`` passes, in milliseconds.
+For each quantization, the model is loaded once per subset size (size 0 = the full head) and a 128-token
+context is prefilled in each; then one-token passes at that context (the cache rolled back after each) are
+timed round robin across the sizes, so that on a shared machine every size sees the same interference. Printed:
+the median and the 10th / 90th percentiles of ``--runs`` passes after ``--warmup`` passes, in milliseconds,
+and each median over the full head's.
 """
 
 from __future__ import annotations
@@ -25,20 +27,20 @@ from draftwise.models.loading import load_model
 logger = logging.getLogger("frspec_timing")
 
 
-def time_one_token(backend, context: list[int], runs: int, warmup: int) -> list[float]:
-    """Seconds of ``runs`` one-token passes after ``context`` (rolled back after each pass)."""
+def prefill(backend, context: list[int]) -> int:
+    """Fill the cache with all of ``context`` but its last token; returns the cache length."""
     backend.reset()
     backend.forward(context[:-1])
-    base = backend.num_cached
-    times = []
-    for i in range(warmup + runs):
-        started = time.perf_counter()
-        backend.forward(context[-1:], num_logits=1)
-        elapsed = time.perf_counter() - started
-        backend.rollback(base)
-        if i >= warmup:
-            times.append(elapsed)
-    return times
+    return backend.num_cached
+
+
+def one_token(backend, token: int, base: int) -> float:
+    """Seconds of one one-token pass after a cache of ``base`` tokens (rolled back to it afterwards)."""
+    started = time.perf_counter()
+    backend.forward([token], num_logits=1)
+    elapsed = time.perf_counter() - started
+    backend.rollback(base)
+    return elapsed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,25 +56,35 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
     for quantization in args.quantization.split(","):
-        for size in (int(s) for s in args.sizes.split(",")):
-            subset = HeadSubset(size=size, token_map=args.token_map) if size else None
-            loaded = load_model(args.model, device="cpu", quantization=quantization, head_subset=subset)
-            context = loaded.encode("def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n" * 8)[:128]
-            times = sorted(time_one_token(loaded.backend, context, args.runs, args.warmup))
-            head = loaded.backend.model.get_output_embeddings()
-            q = statistics.quantiles(times, n=10)
-            rows.append((quantization, size or "full", head_nbytes(head) / 2**20, 1e3 * statistics.median(times),
-                         1e3 * q[0], 1e3 * q[-1]))
-            logger.info("%s %s: head %.1f MiB, one token median %.2f ms (p10 %.2f, p90 %.2f)", *rows[-1])
-            del loaded, head
-            gc.collect()
+        models = [load_model(args.model, device="cpu", quantization=quantization,
+                             head_subset=HeadSubset(size=size, token_map=args.token_map) if size else None)
+                  for size in sizes]
+        context = models[0].encode("def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n" * 8)[:128]
+        bases = [prefill(m.backend, context) for m in models]
+        times: list[list[float]] = [[] for _ in models]
+        for i in range(args.warmup + args.runs):
+            for j, model in enumerate(models):
+                elapsed = one_token(model.backend, context[-1], bases[j])
+                if i >= args.warmup:
+                    times[j].append(elapsed)
+        full = None
+        for size, model, runs in zip(sizes, models, times):
+            median, q = statistics.median(runs), statistics.quantiles(runs, n=10)
+            full = median if size == 0 else full
+            head = head_nbytes(model.backend.model.get_output_embeddings()) / 2**20
+            rows.append((quantization, size or "full", head, 1e3 * median, 1e3 * q[0], 1e3 * q[-1],
+                         median / full if full else float("nan")))
+            logger.info("%s %s: head %.1f MiB, one token median %.2f ms (p10 %.2f, p90 %.2f), x%.2f", *rows[-1])
+        del models
+        gc.collect()
     print(f"threads {torch.get_num_threads()}")
-    print("| quantization | head rows | head MiB | one token, ms (median) | p10 | p90 |")
-    print("|---|---|---|---|---|---|")
+    print("| quantization | head rows | head MiB | one token, ms (median) | p10 | p90 | median / full head's |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
-        print("| {} | {} | {:.1f} | {:.2f} | {:.2f} | {:.2f} |".format(*row))
+        print("| {} | {} | {:.1f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |".format(*row))
     return 0
 
 
