@@ -10,7 +10,7 @@ tokens would not reproduce one-token decoding. Three sources of variation, and h
 2. Reductions over keys depend on the key count. Scores are computed over the slot's keys padded to whole
    blocks of ``block`` keys; keys a row may not see are masked to -inf (so exp gives exact zeros); softmax sums
    and the probabilities x values products are formed per block (a fixed reduction length), and the per-block
-   partial results are added in block order with ``cumsum`` (sequential, so trailing all-zero blocks of
+   partial results are added in block order (:func:`sum_blocks`, a left fold, so trailing all-zero blocks of
    shorter rows add exact zeros). A row's reduction order therefore depends on its own visible length only.
 3. The max over keys is exact whatever the order.
 
@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-__all__ = ["block_attention", "tree_block_attention", "row_multiple", "rows_invariant"]
+__all__ = ["block_attention", "tree_block_attention", "row_multiple", "rows_invariant", "sum_blocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +68,25 @@ def block_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     scores.sub_(scores.amax(dim=-1, keepdim=True))
     probs = scores.exp_()  # [kv, P, L], exact zeros where masked
     blocked = probs.view(kv_heads, padded, blocks, block)
-    denominator = blocked.sum(dim=-1).cumsum(dim=-1)[..., -1:]  # [kv, P, 1]
+    denominator = sum_blocks(blocked.sum(dim=-1), dim=-1).unsqueeze(-1)  # [kv, P, 1]
     # per-block P_b @ V_b: [kv * blocks, P, block] @ [kv * blocks, block, d] -> [kv, blocks, P, d]
     p_blocks = blocked.permute(0, 2, 1, 3).reshape(kv_heads * blocks, padded, block)
     v_blocks = values.reshape(kv_heads * blocks, block, head_dim)
     partial = torch.bmm(p_blocks, v_blocks).view(kv_heads, blocks, padded, head_dim)
-    out = partial.cumsum(dim=1)[:, -1] if blocks > 1 else partial[:, 0]  # [kv, P, d]
+    out = sum_blocks(partial, dim=1)  # [kv, P, d]
     out = out.div_(denominator)[:, :rows]  # [kv, n * g, d]
     return out.view(kv_heads, n, groups, head_dim).permute(1, 0, 2, 3).reshape(n, heads, head_dim)
+
+
+def sum_blocks(partials: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum per-block partial results along ``dim`` strictly in block order (a left fold of elementwise float
+    adds), removing ``dim``: the one reduction across key blocks, so trailing all-zero blocks add exact zeros
+    and a row's result depends on its own blocks only."""
+    blocks = partials.unbind(dim)
+    total = blocks[0].clone()
+    for block in blocks[1:]:
+        total.add_(block)
+    return total
 
 
 def tree_block_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shared_visible: torch.Tensor,
@@ -158,8 +169,8 @@ def tree_block_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.
         shared_num = shared_num.view(kv_heads, shared_blocks, n, groups, head_dim).permute(0, 2, 3, 1, 4)
         tail_den = torch.cat([shared_den, tail_den], dim=-1)
         tail_num = torch.cat([shared_num, tail_num], dim=-2)
-    denominator = tail_den.cumsum(dim=-1)[..., -1:]  # [kv, n, g, 1]
-    numerator = tail_num.cumsum(dim=-2)[..., -1, :] if tail_num.shape[-2] > 1 else tail_num[..., 0, :]
+    denominator = sum_blocks(tail_den, dim=-1).unsqueeze(-1)  # [kv, n, g, 1]
+    numerator = sum_blocks(tail_num, dim=-2)  # [kv, n, g, d]
     out = numerator / denominator  # [kv, n, g, d]
     return out.permute(1, 0, 2, 3).reshape(n, heads, head_dim)
 
