@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from conftest import REPO
+from draftwise.backends.kernels import OneDnnInt8Linear  # the self-test may pick it: same bits as Int8Linear
 from draftwise.backends.quantization import Int8Linear, int8_kernels_available, quantize_model
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
@@ -119,7 +120,7 @@ def test_int8_subset_head_is_bit_identical_to_the_full_int8_head_on_kept_ids():
     full = Int8Linear(weight, bias)
     ids = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:40]
     head = SubsetLMHead(weight, ids, bias=bias, kernel="int8")
-    assert isinstance(head.proj, Int8Linear)
+    assert isinstance(head.proj, (Int8Linear, OneDnnInt8Linear))
     x = torch.randn(7, 64)
     out, expected = head(x), full(x)
     assert torch.equal(out[:, ids], expected[:, ids])
@@ -433,7 +434,7 @@ def test_int8_subset_logits_are_bit_identical_to_the_full_int8_model(draftwise_h
     head = subset.backend.model.lm_head
     kept = kept_ids(ranked, 64, [0, 1, 2])
     assert head.token_ids.tolist() == kept
-    assert isinstance(head.proj, Int8Linear) and f"+int8+fr{len(kept)}" in subset.backend.name
+    assert isinstance(head.proj, (Int8Linear, OneDnnInt8Linear)) and f"+int8+fr{len(kept)}" in subset.backend.name
     prompt = stories.encode("Lily and Ben went to the park")
     ids = head.token_ids
     assert torch.equal(subset.backend.forward(prompt).logits[:, ids], full.backend.forward(prompt).logits[:, ids])
@@ -450,7 +451,7 @@ def test_restrict_draft_head_after_int8_quantization():
     loaded = LoadedModel(backend=quantized, tokenizer=None, name="tiny")
     ids = list(range(0, 128, 3))
     head = restrict_draft_head(loaded, ids)
-    assert isinstance(head.proj, Int8Linear) and quantized.name == "tiny-qwen2-4+fr43"
+    assert isinstance(head.proj, (Int8Linear, OneDnnInt8Linear)) and quantized.name == "tiny-qwen2-4+fr43"
     prompt = [3, 9, 27, 81]
     assert torch.equal(quantized.forward(prompt).logits[:, ids], reference.forward(prompt).logits[:, ids])
     with pytest.raises(ValueError, match="cannot restrict"):
