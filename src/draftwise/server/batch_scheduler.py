@@ -22,11 +22,8 @@ the scheduler goes on with the next requests.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,9 +33,7 @@ from draftwise.server.requests import GenerationRequest
 from draftwise.server.scheduler import (
     Failed,
     Finished,
-    QueueFullError,
-    RequestHandle,
-    ServerClosingError,
+    QueueLifecycle,
     TextDelta,
     _Job,
 )
@@ -60,7 +55,7 @@ class _Running:
     first_token_at: float | None = None
 
 
-class BatchScheduler:
+class BatchScheduler(QueueLifecycle):
     """Runs requests through one :class:`BatchedEngine`, many at once (see the module docstring).
 
     Args:
@@ -75,63 +70,11 @@ class BatchScheduler:
     def __init__(self, engine: BatchedEngine, decode: Callable[[list[int]], str],
                  record: Callable[[RequestRecord], None], max_waiting: int,
                  record_step: Callable[[StepInfo], None] | None = None) -> None:
+        super().__init__(decode, record, max_waiting, "draftwise-batch-engine")
         self._engine = engine
-        self._decode = decode
-        self._record = record
         self._record_step = record_step
-        self._max_waiting = max_waiting
-        self._waiting: deque[_Job] = deque()
         self._active: dict[int, _Running] = {}  # seq_id -> running request (the engine thread writes)
         self._num_active = 0  # what num_running reports (jobs taken from the queue and not yet ended)
-        self._wakeup = threading.Condition()  # guards _waiting, _active, _num_active, _closing, _stopped
-        self._closing = False
-        self._stopped = False
-        self._grace_timer: threading.Timer | None = None
-        self._thread: threading.Thread | None = None
-
-    # ------------------------------------------------------------------ control (as Scheduler)
-    def start(self) -> None:
-        """Start the engine thread (idempotent)."""
-        with self._wakeup:
-            if self._thread is None and not self._stopped:
-                self._thread = threading.Thread(target=self._worker_loop, name="draftwise-batch-engine", daemon=True)
-                self._thread.start()
-
-    def close(self, grace_s: float) -> None:
-        """Begin shutting down (idempotent): refuse new requests, fail the waiting ones at once with
-        :class:`ServerClosingError`, and give the running ones ``grace_s`` seconds to finish before they fail
-        the same way."""
-        with self._wakeup:
-            if self._closing:
-                return
-            self._closing = True
-            waiting = list(self._waiting)
-            self._waiting.clear()
-        for job in waiting:
-            job.cancelled.set()
-            if job.end(Failed(ServerClosingError("the server is shutting down; retry on another server"))):
-                self._record_unfinished(job, "abort", "refused: the server is shutting down")
-        if grace_s <= 0:
-            self._expire_running()
-        else:
-            self._grace_timer = threading.Timer(grace_s, self._expire_running)
-            self._grace_timer.daemon = True
-            self._grace_timer.start()
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Close at once (running requests fail now unless a grace period is under way, which is cut short) and
-        stop the engine thread (waits up to ``timeout_s``)."""
-        self.close(0.0)
-        if self._grace_timer is not None:
-            self._grace_timer.cancel()
-            self._expire_running()
-        with self._wakeup:
-            self._stopped = True
-            self._wakeup.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                logger.warning("the engine thread did not stop within %.0f s", timeout_s)
 
     @property
     def num_running(self) -> int:
@@ -149,41 +92,11 @@ class BatchScheduler:
         """Queued jobs beyond the free slots (call under the lock): the ones really waiting."""
         return max(0, len(self._waiting) - (self._engine.max_num_seqs - self._num_active))
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queue a request; call from the event loop that will read its events.
+    def _queue_full(self) -> bool:
+        return self._num_queued() >= self._max_waiting
 
-        Raises:
-            QueueFullError: ``max_waiting`` requests are already waiting.
-            ServerClosingError: the server is shutting down.
-        """
-        self.start()
-        job = _Job(request, asyncio.get_running_loop())
-        with self._wakeup:
-            if self._closing:
-                raise ServerClosingError("the server is shutting down; retry on another server")
-            if self._num_queued() >= self._max_waiting:
-                raise QueueFullError(f"{self._max_waiting} requests are already waiting; retry later")
-            self._waiting.append(job)
-            self._wakeup.notify()
-        return RequestHandle(job, self._withdraw)
-
-    def _withdraw(self, job: _Job) -> None:
-        """Take a cancelled job out of the queue, if it is still there (else the engine thread drops it)."""
-        with self._wakeup:
-            try:
-                self._waiting.remove(job)
-            except ValueError:
-                return
-        self._record_unfinished(job, "abort", "abandoned by its client while waiting")
-
-    def _expire_running(self) -> None:
-        """End of the grace period: fail every running request now (the engine thread drops them before its
-        next step)."""
-        with self._wakeup:
-            active = list(self._active.values())
-        for running in active:
-            running.job.cancelled.set()
-            running.job.end(Failed(ServerClosingError("the server shut down before the request finished")))
+    def _running_jobs(self) -> list[_Job]:
+        return [running.job for running in self._active.values()]
 
     # ------------------------------------------------------------------ engine thread
     def _take_jobs(self) -> list[_Job] | None:
@@ -309,11 +222,6 @@ class BatchScheduler:
                     request.request_id, finish_reason, len(request.prompt_ids), running.output.num_tokens,
                     now - running.started, running.started - request.arrival_s, _speculation(stats))
 
-    def _record_unfinished(self, job: _Job, finished_reason: str, why: str) -> None:
-        request = job.request
-        waited = time.perf_counter() - request.arrival_s
-        self._record(RequestRecord(finished_reason, len(request.prompt_ids), 0, waited, None, waited, None))
-        logger.info("%s: %s", request.request_id, why)
 
 
 def _speculation(stats) -> str:

@@ -30,7 +30,7 @@ from draftwise.server.requests import GenerationRequest
 from draftwise.server.text import OutputText
 from draftwise.stats import SpeculativeStats
 
-__all__ = ["Scheduler", "RequestHandle", "TextDelta", "Finished", "Failed", "Aborted", "QueueFullError",
+__all__ = ["QueueLifecycle", "Scheduler", "RequestHandle", "TextDelta", "Finished", "Failed", "Aborted", "QueueFullError",
            "ServerClosingError"]
 
 logger = logging.getLogger(__name__)
@@ -142,27 +142,30 @@ class RequestHandle:
         self._job.events.put_nowait(Aborted())
 
 
-class Scheduler:
-    """Serialises requests through one engine in FIFO order.
+class QueueLifecycle:
+    """What every scheduler shares: the waiting queue with its limit, the engine thread's start and stop,
+    graceful shutdown, cancellation of waiting requests, and the record of requests that produced nothing.
+
+    Subclasses implement ``_worker_loop`` (the engine thread) and ``_running_jobs`` (the requests the engine
+    holds now), and may refine ``_queue_full``.
 
     Args:
-        engine: the engine (one request at a time).
         decode: ids -> text, used only by the engine thread (see :class:`TextCodec`).
         record: called with each request's :class:`RequestRecord` (metrics), from the engine thread or from
             the thread that cancels or closes; must be thread-safe.
         max_waiting: requests allowed to wait (cancelled ones leave the queue at once and do not count);
             :meth:`submit` raises :class:`QueueFullError` beyond.
+        thread_name: the engine thread's name.
     """
 
-    def __init__(self, engine: SpeculativeEngine, decode: Callable[[list[int]], str],
-                 record: Callable[[RequestRecord], None], max_waiting: int) -> None:
-        self._engine = engine
+    def __init__(self, decode: Callable[[list[int]], str], record: Callable[[RequestRecord], None],
+                 max_waiting: int, thread_name: str) -> None:
         self._decode = decode
         self._record = record
         self._max_waiting = max_waiting
+        self._thread_name = thread_name
         self._waiting: deque[_Job] = deque()
-        self._wakeup = threading.Condition()  # guards _waiting, _running, _closing, _stopped
-        self._running: _Job | None = None
+        self._wakeup = threading.Condition()  # guards _waiting, _closing, _stopped and the subclass's running state
         self._closing = False
         self._stopped = False
         self._grace_timer: threading.Timer | None = None
@@ -170,16 +173,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
-        """Start the worker thread (idempotent)."""
+        """Start the engine thread (idempotent)."""
         with self._wakeup:
             if self._thread is None and not self._stopped:
-                self._thread = threading.Thread(target=self._worker_loop, name="draftwise-engine", daemon=True)
+                self._thread = threading.Thread(target=self._worker_loop, name=self._thread_name, daemon=True)
                 self._thread.start()
 
     def close(self, grace_s: float) -> None:
         """Begin shutting down (idempotent): refuse new requests, fail every waiting request at once with
-        :class:`ServerClosingError`, and give the running request ``grace_s`` seconds to finish before it is
-        stopped and fails with :class:`ServerClosingError` too. The worker thread keeps running until
+        :class:`ServerClosingError`, and give the running requests ``grace_s`` seconds to finish before they are
+        stopped and fail with :class:`ServerClosingError` too. The engine thread keeps running until
         :meth:`shutdown`."""
         with self._wakeup:
             if self._closing:
@@ -199,8 +202,8 @@ class Scheduler:
             self._grace_timer.start()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Close at once (see :meth:`close`; the running request fails now unless a grace period is already
-        under way, which is then cut short) and stop the worker (waits up to ``timeout_s``)."""
+        """Close at once (see :meth:`close`; running requests fail now unless a grace period is already under
+        way, which is then cut short) and stop the engine thread (waits up to ``timeout_s``)."""
         self.close(0.0)
         if self._grace_timer is not None:
             self._grace_timer.cancel()
@@ -212,16 +215,6 @@ class Scheduler:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.warning("the engine thread did not stop within %.0f s", timeout_s)
-
-    @property
-    def num_running(self) -> int:
-        """1 while a request is being generated, else 0."""
-        return 0 if self._running is None else 1
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests queued behind the running one (cancelled ones excluded)."""
-        return len(self._waiting)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; call from the event loop that will read its events.
@@ -235,14 +228,18 @@ class Scheduler:
         with self._wakeup:
             if self._closing:
                 raise ServerClosingError("the server is shutting down; retry on another server")
-            if len(self._waiting) >= self._max_waiting:
+            if self._queue_full():
                 raise QueueFullError(f"{self._max_waiting} requests are already waiting; retry later")
             self._waiting.append(job)
             self._wakeup.notify()
         return RequestHandle(job, self._withdraw)
 
+    def _queue_full(self) -> bool:
+        """True when no further request may wait (called under the lock)."""
+        return len(self._waiting) >= self._max_waiting
+
     def _withdraw(self, job: _Job) -> None:
-        """Take a cancelled job out of the queue, if it is still there (else the worker has it)."""
+        """Take a cancelled job out of the queue, if it is still there (else the engine thread has it)."""
         with self._wakeup:
             try:
                 self._waiting.remove(job)
@@ -251,13 +248,55 @@ class Scheduler:
         self._record_unfinished(job, "abort", "abandoned by its client while waiting")
 
     def _expire_running(self) -> None:
-        """End of the grace period: fail the running request (its handle gets the event now, even if the
-        engine is in the middle of a long step) and have the worker stop it at the next step."""
+        """End of the grace period: fail the running requests (their handles get the event now, even if the
+        engine is in the middle of a long step) and have the engine thread drop them at its next step."""
         with self._wakeup:
-            job = self._running
-        if job is not None:
+            jobs = self._running_jobs()
+        for job in jobs:
             job.cancelled.set()
             job.end(Failed(ServerClosingError("the server shut down before the request finished")))
+
+    def _running_jobs(self) -> list[_Job]:
+        """The jobs the engine holds now (called under the lock)."""
+        raise NotImplementedError
+
+    def _worker_loop(self) -> None:
+        raise NotImplementedError
+
+    def _record_unfinished(self, job: _Job, finished_reason: str, why: str) -> None:
+        """Count a request that produced no result: ``"abort"`` (client gone, or shutdown) or ``"error"``."""
+        request = job.request
+        waited = time.perf_counter() - request.arrival_s
+        self._record(RequestRecord(finished_reason, len(request.prompt_ids), 0, waited, None, waited, None))
+        logger.info("%s: %s", request.request_id, why)
+
+
+class Scheduler(QueueLifecycle):
+    """Serialises requests through one engine in FIFO order.
+
+    Args:
+        engine: the engine (one request at a time).
+        decode, record, max_waiting: see :class:`QueueLifecycle`.
+    """
+
+    def __init__(self, engine: SpeculativeEngine, decode: Callable[[list[int]], str],
+                 record: Callable[[RequestRecord], None], max_waiting: int) -> None:
+        super().__init__(decode, record, max_waiting, "draftwise-engine")
+        self._engine = engine
+        self._running: _Job | None = None  # guarded by _wakeup
+
+    @property
+    def num_running(self) -> int:
+        """1 while a request is being generated, else 0."""
+        return 0 if self._running is None else 1
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued behind the running one (cancelled ones excluded)."""
+        return len(self._waiting)
+
+    def _running_jobs(self) -> list[_Job]:
+        return [] if self._running is None else [self._running]
 
     # ------------------------------------------------------------------ worker thread
     def _next_job(self) -> _Job | None:
@@ -339,14 +378,6 @@ class Scheduler:
             started - request.arrival_s, _two_decimals(stats.acceptance_rate),
             _two_decimals(stats.mean_accepted_length),
         )
-
-    def _record_unfinished(self, job: _Job, finished_reason: str, why: str) -> None:
-        """Count a request that produced no result: ``"abort"`` (client gone, or shutdown) or ``"error"``."""
-        request = job.request
-        waited = time.perf_counter() - request.arrival_s
-        self._record(RequestRecord(finished_reason, len(request.prompt_ids), 0, waited, None, waited, None))
-        logger.info("%s: %s", request.request_id, why)
-
 
 def _two_decimals(value: float | None) -> str:
     """A statistic for the log line (``-`` when it is undefined, e.g. no draft tokens)."""
