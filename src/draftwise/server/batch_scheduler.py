@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from draftwise.batching import BatchedEngine, BatchSequence, StepInfo
 from draftwise.server.metrics import RequestRecord
-from draftwise.server.requests import GenerationRequest
 from draftwise.server.scheduler import (
     Failed,
     Finished,
