@@ -7,6 +7,12 @@ overwritten by the next pass), so nothing is concatenated or copied per step. Ca
 
 Unused entries are zeros, never uninitialised memory: attention multiplies masked probabilities (exact zeros)
 by the values of whole key blocks, and 0 * NaN would poison a row.
+
+The cache's tensors are always ordinary tensors, never inference tensors, whatever mode the caller runs in:
+the cache grows inside the model's ``torch.inference_mode()`` forward, while prefix reuse, tree compaction and
+other slot operations write into it outside that mode, and PyTorch refuses an in-place update of an inference
+tensor outside inference mode. In-place writes into ordinary tensors are allowed in both modes, so allocating
+(and growing) with inference mode switched off makes every write path legal.
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ class SlotKVCache:
         self.lengths = [0] * num_slots
 
     def _zeros(self, capacity: int) -> torch.Tensor:
-        return torch.zeros(self.num_slots, self.kv_heads, capacity, self.head_dim, dtype=self.dtype)
+        """A zeroed ``[num_slots, kv_heads, capacity, head_dim]`` ordinary tensor (see the module docstring)."""
+        with torch.inference_mode(False):
+            return torch.zeros(self.num_slots, self.kv_heads, capacity, self.head_dim, dtype=self.dtype)
 
     @property
     def bytes_per_token(self) -> int:
@@ -64,11 +72,12 @@ class SlotKVCache:
         if needed > self.max_capacity:
             raise ValueError(f"{positions} positions exceed the cache's maximum of {self.max_capacity}")
         capacity = min(self.max_capacity, max(needed, 2 * self.capacity))
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                new = self._zeros(capacity)
-                new[:, :, : self.capacity] = old
-                store[i] = new
+        with torch.inference_mode(False):  # the grown tensors stay ordinary tensors
+            for store in (self.keys, self.values):
+                for i, old in enumerate(store):
+                    new = self._zeros(capacity)
+                    new[:, :, : self.capacity] = old
+                    store[i] = new
         self.capacity = capacity
 
     def write(self, layer: int, slots: torch.Tensor, index: torch.Tensor, keys: torch.Tensor,
