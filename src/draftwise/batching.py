@@ -142,11 +142,25 @@ class BatchSequence:
 @dataclass(frozen=True)
 class SequenceOutput:
     """What one step did for one sequence: ``token_ids`` newly committed (possibly none) and whether it
-    finished (then ``sequence.result`` is set)."""
+    finished (then ``sequence.result`` is set). ``error``: the exception that failed this sequence (its
+    ``finish_reason`` is then ``"error"``), None otherwise."""
 
     sequence: BatchSequence
     token_ids: list[int]
     finished: bool
+    error: BaseException | None = None
+
+
+class UnattributedStepError(RuntimeError):
+    """A batched step failed and so did every one of its sequences when retried alone: the fault is not one
+    request's (the engine itself fails), so no request can be told apart as its cause. ``cause`` is the
+    batched step's exception."""
+
+    def __init__(self, num_sequences: int, cause: BaseException) -> None:
+        super().__init__(f"the batched step failed for all {num_sequences} requests in it, and for each of them "
+                         f"retried alone, so the failure cannot be attributed to one request: "
+                         f"{type(cause).__name__}: {cause}")
+        self.cause = cause
 
 
 @dataclass(frozen=True)
@@ -660,20 +674,68 @@ class BatchedEngine:
     def step(self) -> list[SequenceOutput]:
         """Admit waiting sequences, run one target pass over every running sequence's rows, verify and commit.
 
-        Returns:
-            one :class:`SequenceOutput` per sequence that took part (decoding ones, and prefilling ones whose
-            prompt completed); an empty list when nothing runs.
+        A failure is confined to the sequence that caused it where that can be told apart: a sequence whose
+        admission (prefix import) or verification raises fails alone; when the shared part of the step
+        (drafting and the target pass) raises, the step is retried one sequence at a time (the failed attempt
+        changed no committed state): each sequence that fails alone too fails with its own error, the others
+        take their step. When every sequence of a step of several fails alone too, each fails with an
+        :class:`UnattributedStepError` saying so.
 
-        Raises:
-            whatever the forward pass raises (the sequences' committed state is unchanged; call
-            :meth:`abort_all` to end them).
+        Returns:
+            one :class:`SequenceOutput` per sequence that took part (decoding ones, prefilling ones whose
+            prompt completed, and failed ones with ``error`` set); an empty list when nothing runs.
         """
-        self._admit()
+        failed = self._admit()
         if not self._running:
             self.last_step = None
-            return []
-        decoding = [s for s in self.running() if s.state == DECODING]
-        prefilling = [s for s in self.running() if s.state == PREFILLING]
+            return failed
+        running = self.running()
+        try:
+            return failed + self._step_over(running)
+        except Exception as exc:  # noqa: BLE001 - confined below to the sequences that cause it
+            return failed + self._retry_alone(running, exc)
+
+    def _retry_alone(self, running: list[BatchSequence], exc: BaseException) -> list[SequenceOutput]:
+        """The shared part of a step over ``running`` raised ``exc``: retry it one sequence at a time (see
+        :meth:`step`)."""
+        if len(running) == 1:
+            logger.error("a batched step of 1 sequence failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            return [self._fail(running[0], exc)]
+        logger.warning("a batched step of %d sequences failed (%s: %s); retrying each alone to find the cause",
+                       len(running), type(exc).__name__, exc, exc_info=exc)
+        outputs, errors = [], {}
+        for sequence in running:
+            try:
+                outputs.extend(self._step_over([sequence]))
+            except Exception as alone:  # noqa: BLE001 - this sequence's own failure
+                errors[sequence.seq_id] = alone
+        if len(errors) == len(running):
+            logger.error("every one of the %d sequences failed alone too: the failure cannot be attributed to one "
+                         "request; failing all of them", len(running))
+            return [self._fail(s, UnattributedStepError(len(running), exc)) for s in running]
+        for sequence in running:
+            if sequence.seq_id in errors:
+                error = errors[sequence.seq_id]
+                logger.error("sequence %d caused the failed step (it fails alone: %s: %s); failing it only",
+                             sequence.seq_id, type(error).__name__, error)
+                outputs.append(self._fail(sequence, error))
+        if not errors:
+            logger.warning("each of the %d sequences succeeded alone: the step was retried one sequence at a time",
+                           len(running))
+        self.last_step = None  # several passes: no single step to report
+        return outputs
+
+    def _fail(self, sequence: BatchSequence, error: BaseException) -> SequenceOutput:
+        """End a sequence with ``finish_reason="error"`` (its KV state is not kept)."""
+        self._finish(sequence, "error", keep=False)
+        return SequenceOutput(sequence, [], True, error)
+
+    def _step_over(self, running: list[BatchSequence]) -> list[SequenceOutput]:
+        """One step (drafting, one target pass, verification) over ``running``, a subset of the running
+        sequences. Raises what drafting or the pass raises, before any committed state changes; a sequence
+        whose verification raises fails alone."""
+        decoding = [s for s in running if s.state == DECODING]
+        prefilling = [s for s in running if s.state == PREFILLING]
         pending_prefill = sum(len(s.prompt) - s.num_computed for s in prefilling)
         reserve = min(pending_prefill, self.min_prefill_tokens)
         draft_budget = max(0, self.max_num_batched_tokens - len(decoding) - reserve)
@@ -709,13 +771,14 @@ class BatchedEngine:
         cursor = 0
         for sequence, proposal in zip(decoding, proposals):
             n = 1 + len(proposal)
-            outputs.append(self._verify(sequence, proposal, logits[cursor:cursor + n], pass_s, draft_s))
+            outputs.append(self._guarded(sequence, self._verify, sequence, proposal, logits[cursor:cursor + n],
+                                         pass_s, draft_s))
             cursor += n
         for sequence, count in chunks:
             sequence.num_computed += count
             self.model.cache.lengths[sequence.slot] = sequence.num_computed
             if sequence.num_computed == len(sequence.prompt):
-                outputs.append(self._first_token(sequence, logits[cursor]))
+                outputs.append(self._guarded(sequence, self._first_token, sequence, logits[cursor]))
                 cursor += 1
         self.last_step = StepInfo(
             rows=len(rows), prefill_rows=sum(c for _, c in chunks), draft_rows=draft_rows,
@@ -723,8 +786,20 @@ class BatchedEngine:
             committed_tokens=sum(len(o.token_ids) for o in outputs), pass_s=pass_s, draft_s=draft_s, ks=tuple(ks))
         return outputs
 
+    def _guarded(self, sequence: BatchSequence, work: Callable[..., SequenceOutput], *args) -> SequenceOutput:
+        """``work(*args)`` for one sequence; if it raises, that sequence alone fails."""
+        try:
+            return work(*args)
+        except Exception as exc:  # noqa: BLE001 - this sequence's own failure
+            logger.error("sequence %d failed in its own part of the step: %s: %s", sequence.seq_id,
+                         type(exc).__name__, exc, exc_info=exc)
+            return self._fail(sequence, exc)
+
     # ------------------------------------------------------------------ admission and prefix reuse
-    def _admit(self) -> None:
+    def _admit(self) -> list[SequenceOutput]:
+        """Give waiting sequences the free slots (with prefix reuse); returns the outputs of those whose
+        admission failed (each fails alone)."""
+        failed = []
         while self._waiting and self._free:
             sequence = self._waiting.popleft()
             slot = self._free.pop(0)
@@ -732,10 +807,17 @@ class BatchedEngine:
             sequence.admitted_s = time.perf_counter()
             self._running[slot] = sequence
             self.model.cache.lengths[slot] = 0
-            if self.proposer is not None and sequence.max_k > 0:
-                self.proposer.open(sequence)
-            sequence.num_computed = self._reuse_prefix(sequence)
+            try:
+                if self.proposer is not None and sequence.max_k > 0:
+                    self.proposer.open(sequence)
+                sequence.num_computed = self._reuse_prefix(sequence)
+            except Exception as exc:  # noqa: BLE001 - this sequence's own failure
+                logger.error("sequence %d failed at admission: %s: %s", sequence.seq_id, type(exc).__name__, exc,
+                             exc_info=exc)
+                failed.append(self._fail(sequence, exc))
+                continue
             sequence.stats.num_cached_prompt_tokens = sequence.num_computed
+        return failed
 
     def _reuse_prefix(self, sequence: BatchSequence) -> int:
         """Import the longest kept prefix of the sequence's prompt (same scope) into its slot; returns its

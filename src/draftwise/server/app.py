@@ -139,11 +139,18 @@ def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
 # ---------------------------------------------------------------------- routes
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
-    async def health() -> dict:
-        """Liveness: 200 while the server runs, with the queue state and how many requests run at once."""
-        return {"status": "ok", "model": state.model_name, "method": state.bundle.method,
+    async def health() -> Response:
+        """200 ``{"status": "ok"}`` while the engine serves requests, with the queue state and how many requests
+        run at once; 503 ``{"status": "unhealthy", "reason": ...}`` when its thread has died or after repeated
+        engine failures (:class:`~draftwise.server.scheduler.EngineHealth`), so a load balancer stops sending."""
+        body = {"status": "ok", "model": state.model_name, "method": state.bundle.method,
                 "requests_running": state.scheduler.num_running, "requests_waiting": state.scheduler.num_waiting,
-                "max_num_seqs": getattr(state.bundle.engine, "max_num_seqs", 1)}
+                "max_num_seqs": getattr(state.bundle.engine, "max_num_seqs", 1),
+                "consecutive_engine_failures": state.scheduler.health.consecutive_failures}
+        reason = state.scheduler.unhealthy_reason()
+        if reason is None:
+            return JSONResponse(body)
+        return JSONResponse({**body, "status": "unhealthy", "reason": reason}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -16,8 +16,10 @@ waiting ones at once, and gives the running ones (all of them) a grace period, a
 Every request not cancelled by its own client ends with exactly one ``Finished`` or ``Failed`` event.
 
 Text is produced in the engine thread (detokenization and stop strings, :class:`OutputText`), so a stop string
-stops the sequence at the next step. A failed pass fails every sequence that was in it (they share it) and
-the scheduler goes on with the next requests.
+stops the sequence at the next step. A failure fails only the requests whose sequences the engine failed
+(:meth:`~draftwise.batching.BatchedEngine.step` confines a failed step to the sequence that caused it where that
+can be told apart, and says so in the error where it cannot); the scheduler goes on with the next requests,
+and :attr:`health` turns unhealthy after repeated failures (see :class:`EngineHealth`).
 """
 
 from __future__ import annotations
@@ -128,16 +130,28 @@ class BatchScheduler(QueueLifecycle):
                 continue
             try:
                 outputs = self._engine.step()
-            except Exception as exc:  # the pass failed: every sequence in it fails; keep serving
-                logger.exception("a batched step failed; failing its %d requests", len(self._active))
+            except Exception as exc:  # the engine could not confine the failure: every request in it fails
+                logger.exception("a batched step failed outside the engine's own recovery; failing all %d "
+                                 "requests in it (the cause cannot be told apart)", len(self._active))
+                self.health.failed(exc)
                 self._fail_all(exc)
                 continue
             if self._record_step is not None and self._engine.last_step is not None:
                 self._record_step(self._engine.last_step)
             now = time.perf_counter()
+            errors = [output for output in outputs if output.error is not None]
+            for output in errors:
+                self.health.failed(output.error)
+            if len(errors) < len(outputs) or not outputs:
+                self.health.succeeded()
             for output in outputs:
                 running = self._active.get(output.sequence.seq_id)
-                if running is not None:
+                if running is None:
+                    continue
+                if output.error is not None:
+                    running.job.end(Failed(output.error))
+                    self._finish(running, "error")
+                else:
                     self._deliver(running, output.token_ids, output.finished, now)
 
     def _admit(self, job: _Job) -> None:

@@ -30,7 +30,7 @@ from draftwise.server.requests import GenerationRequest
 from draftwise.server.text import OutputText
 from draftwise.stats import SpeculativeStats
 
-__all__ = ["QueueLifecycle", "Scheduler", "RequestHandle", "TextDelta", "Finished", "Failed", "Aborted", "QueueFullError",
+__all__ = ["EngineHealth", "QueueLifecycle", "Scheduler", "RequestHandle", "TextDelta", "Finished", "Failed", "Aborted", "QueueFullError",
            "ServerClosingError"]
 
 logger = logging.getLogger(__name__)
@@ -142,6 +142,52 @@ class RequestHandle:
         self._job.events.put_nowait(Aborted())
 
 
+class EngineHealth:
+    """Whether the engine serves requests, as ``/health`` reports it to a load balancer.
+
+    The engine is unhealthy after ``unhealthy_after`` engine failures in a row (a request or step that failed
+    inside the engine, not one the engine refused as the client's fault: :class:`ValueError`) with no success
+    in between; the next success makes it healthy again. Thread-safe.
+
+    Args:
+        unhealthy_after: consecutive engine failures that make it unhealthy (>= 1).
+    """
+
+    def __init__(self, unhealthy_after: int = 3) -> None:
+        if unhealthy_after < 1:
+            raise ValueError(f"unhealthy_after must be >= 1, got {unhealthy_after}")
+        self.unhealthy_after = unhealthy_after
+        self._lock = threading.Lock()
+        self._consecutive = 0
+        self._last_error = ""
+
+    def failed(self, error: BaseException) -> None:
+        """Count one engine failure (a :class:`ValueError`, the client's fault, is not counted)."""
+        if isinstance(error, ValueError):
+            return
+        with self._lock:
+            self._consecutive += 1
+            self._last_error = f"{type(error).__name__}: {error}"
+
+    def succeeded(self) -> None:
+        """The engine served a request or step: healthy again."""
+        with self._lock:
+            self._consecutive = 0
+
+    @property
+    def consecutive_failures(self) -> int:
+        """Engine failures since the last success."""
+        with self._lock:
+            return self._consecutive
+
+    def unhealthy_reason(self) -> str | None:
+        """Why the engine is unhealthy, or None when it is healthy."""
+        with self._lock:
+            if self._consecutive < self.unhealthy_after:
+                return None
+            return f"the engine failed {self._consecutive} times in a row; last error: {self._last_error}"
+
+
 class QueueLifecycle:
     """What every scheduler shares: the waiting queue with its limit, the engine thread's start and stop,
     graceful shutdown, cancellation of waiting requests, and the record of requests that produced nothing.
@@ -170,6 +216,7 @@ class QueueLifecycle:
         self._stopped = False
         self._grace_timer: threading.Timer | None = None
         self._thread: threading.Thread | None = None
+        self.health = EngineHealth()
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
@@ -215,6 +262,13 @@ class QueueLifecycle:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.warning("the engine thread did not stop within %.0f s", timeout_s)
+
+    def unhealthy_reason(self) -> str | None:
+        """Why the scheduler cannot serve (its engine thread died, or :attr:`health` is unhealthy), or None."""
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stopped:
+            return "the engine thread has stopped"
+        return self.health.unhealthy_reason()
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; call from the event loop that will read its events.
@@ -324,8 +378,11 @@ class Scheduler(QueueLifecycle):
             self._execute(job)
         except Exception as exc:  # the engine failed: report it, keep serving
             logger.exception("request %s failed in the engine", job.request.request_id)
+            self.health.failed(exc)
             job.end(Failed(exc))
             self._record_unfinished(job, "error", f"engine failure: {type(exc).__name__}: {exc}")
+            return
+        self.health.succeeded()
 
     def _execute(self, job: _Job) -> None:
         request = job.request
