@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import openai
@@ -43,9 +44,11 @@ class GatedEngine(BatchedEngine):
         self.gate.set()
         self.steps = 0
         self.fail_next = False
+        self.delay_s = 0.0  # seconds each step sleeps first (keeps requests running past a deadline)
 
     def step(self):
         assert self.gate.wait(30), "gate never opened"
+        time.sleep(self.delay_s)
         self.steps += 1
         if self.fail_next:
             self.fail_next = False
@@ -170,6 +173,7 @@ def test_stop_strings_end_a_sequence_in_the_batch(tiny_multi, tiny_single):
 
 def test_shutdown_fails_waiting_at_once_and_running_after_the_grace(tiny_multi):
     engine = GatedEngine(tiny_multi, max_num_seqs=2)
+    engine.delay_s = 0.02  # 500 tokens take longer than the grace period on any machine (a fast one finished)
     scheduler, records, _ = scheduler_for(engine)
 
     async def scenario():

@@ -152,7 +152,7 @@ class BatchScheduler(QueueLifecycle):
                     running.job.end(Failed(output.error))
                     self._finish(running, "error")
                 else:
-                    self._deliver(running, output.token_ids, output.finished, now)
+                    self._deliver_guarded(running, output.token_ids, output.finished, now)
 
     def _admit(self, job: _Job) -> None:
         """Hand a queued job to the engine (it joins the batch at the next step)."""
@@ -179,6 +179,19 @@ class BatchScheduler(QueueLifecycle):
         for running in [r for r in self._active.values() if r.job.cancelled.is_set()]:
             self._engine.cancel(running.sequence)
             self._finish(running, "abort")
+
+    def _deliver_guarded(self, running: _Running, token_ids: list[int], finished: bool, now: float) -> None:
+        """:meth:`_deliver`, failing only this request if its text cannot be produced (the engine thread must
+        not die: every other request would hang)."""
+        try:
+            self._deliver(running, token_ids, finished, now)
+        except Exception as exc:  # noqa: BLE001 - confined to this request
+            logger.exception("%s: delivering its output failed", running.job.request.request_id)
+            self.health.failed(exc)
+            self._engine.cancel(running.sequence)
+            running.job.end(Failed(exc))
+            if running.sequence.seq_id in self._active:
+                self._finish(running, "error")
 
     def _deliver(self, running: _Running, token_ids: list[int], finished: bool, now: float) -> None:
         """Stream a step's tokens of one sequence; finish it when the engine or a stop string ends it."""
