@@ -47,12 +47,15 @@ from draftwise.backends.attention import make_batch_invariant
 if TYPE_CHECKING:
     from draftwise.backends.kernels import KernelChoice
 
-__all__ = ["QUANTIZATION_MODES", "Int8Linear", "QuantizationError", "int8_kernels_available", "quantize_model",
+__all__ = ["QUANTIZATION_CHOICES", "QUANTIZATION_MODES", "Int8Linear", "QuantizationError", "int8_kernels_available", "quantize_model",
            "parse_quantization"]
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_MODES = ("none", "int8")
+#: what ``--quantization`` accepts: a mode, or ``"auto"`` (the fastest exact mode for the model and machine,
+#: resolved at load by :func:`draftwise.models.loading.resolve_quantization`).
+QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_MODES)
 
 _ACT_HALF_RANGE = 63.5  # rows are scaled to [-63.5, 63.5]; with zero point 64 they quantize to [0, 128]
 _ACT_ZERO_POINT = 64
@@ -65,15 +68,20 @@ class QuantizationError(ValueError):
 
 
 def parse_quantization(mode: str | None) -> str:
-    """Normalize a ``--quantization`` value (None -> ``"none"``).
+    """Normalize a ``--quantization`` value (None -> ``"none"``; ``"auto"`` stays ``"auto"``).
 
     Raises:
-        ValueError: a mode not in :data:`QUANTIZATION_MODES`.
+        ValueError: a value not in :data:`QUANTIZATION_CHOICES`.
     """
     mode = (mode or "none").lower()
-    if mode not in QUANTIZATION_MODES:
-        raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANTIZATION_MODES)}")
+    if mode not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANTIZATION_CHOICES)}")
     return mode
+
+
+def int8_usable() -> bool:
+    """True when int8 layers can run here: fbgemm's kernels are in this torch build and its engine is listed."""
+    return int8_kernels_available() and "fbgemm" in torch.backends.quantized.supported_engines
 
 
 def int8_kernels_available() -> bool:

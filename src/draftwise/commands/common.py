@@ -49,13 +49,16 @@ def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = Fals
 
 
 def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
-    """--quantization {none,int8}: pass ``args.quantization`` to ``load_model`` / ``build_engine`` (it applies to
-    the target and a draft model alike)."""
-    from draftwise.backends.quantization import QUANTIZATION_MODES
+    """--quantization {auto,none,int8}: pass ``args.quantization`` to ``load_model`` / ``build_engine`` (it applies
+    to the target and a draft model alike; ``auto``, the default, resolves per model at load)."""
+    from draftwise.backends.quantization import QUANTIZATION_CHOICES
 
-    parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default="none",
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
                         help="int8: batch-invariant int8 linear layers on the CPU, so a k-token verify pass gives "
-                        "the same logits as one-token decoding and costs about one token (default: none)")
+                        "the same logits as one-token decoding and costs about one token; none: float weights "
+                        "(fp32 on the CPU: exact but slower, and verification costs grow with k); auto (default): "
+                        "int8 on the CPU for architectures the lean runtime implements (Llama, Qwen2, Mistral "
+                        "without sliding window), none elsewhere (GPU, bf16/fp16, other architectures)")
     from draftwise.models.loading import RUNTIMES
 
     parser.add_argument("--runtime", choices=RUNTIMES, default="auto",

@@ -73,6 +73,10 @@ def parse_kernel_modes(value: str | None, quantization: str) -> list[str]:
     """
     if value is None:
         return []
+    if quantization == "auto":
+        from draftwise.backends.quantization import int8_usable
+
+        quantization = "int8" if int8_usable() else "none"
     modes = [m.strip() for m in value.split(",") if m.strip()] or [quantization]
     unknown = [m for m in modes if m not in KERNEL_MODES]
     if unknown:
@@ -110,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization, runtime=args.runtime)
     console.print(f"loading {args.model} (quantization {args.quantization}) ...")
     target = load_model(args.model, **options)
+    args.quantization = target.quantization  # "auto" resolved: the table and JSON name the mode measured
     context = _fit_context(args.context, target.backend.max_context, ks[-1])
     console.print(f"timing k = {ks[0]}..{ks[-1]} new tokens on a {context}-token context, {args.repeats} repeats ...")
     costs = measure_forward_costs(target.backend, ks, context_len=context, repeats=args.repeats)

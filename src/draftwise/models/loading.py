@@ -25,7 +25,7 @@ from draftwise.backends.torch_backend import TorchCausalLM, default_attention, d
 from draftwise.config import BACKENDS  # values of ``load_model(backend=...)`` and ``--backend``
 from draftwise.models.gguf_tokenizer import gguf_metadata, tokenizer_from_gguf_vocab
 from draftwise.models.pull import MODEL_REGISTRY, draftwise_home, is_pulled, model_path
-from draftwise.backends.quantization import parse_quantization, quantize_model
+from draftwise.backends.quantization import int8_usable, parse_quantization, quantize_model
 
 if TYPE_CHECKING:
     from draftwise.frspec import HeadSubset
@@ -58,12 +58,15 @@ class LoadedModel:
         tokenizer: a ``transformers`` tokenizer (ids match the model's embedding rows).
         name: what the user asked for (registry name, path or hub id).
         eos_token_ids: ids that end generation (tokenizer EOS plus generation-config EOS ids).
+        quantization: the mode the weights run in (``"none"``, ``"int8"``; ``"gguf"`` on llama.cpp), after
+            ``"auto"`` was resolved.
     """
 
     backend: CausalLM
     tokenizer: object
     name: str
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    quantization: str = "none"
 
     @property
     def has_chat_template(self) -> bool:
@@ -144,9 +147,10 @@ def load_model(
         dtype: ``"fp32"``, ``"bf16"``, ``"fp16"``; default: fp32 on CPU, bf16 on GPU.
         max_context: context length in tokens (default: the model config's).
         attn_implementation: transformers attention kernel (default: see ``default_attention``).
-        quantization: ``"none"`` (default) or ``"int8"``: batch-invariant int8 linear layers and row-wise
+        quantization: ``"none"`` (default), ``"int8"``: batch-invariant int8 linear layers and row-wise
             attention on the CPU (see :mod:`draftwise.backends.quantization`), applied after loading; the backend's
-            name then ends in ``+int8`` (so calibration caches keep the two apart).
+            name then ends in ``+int8`` (so calibration caches keep the two apart); or ``"auto"``: the fastest
+            exact mode here (:func:`resolve_quantization`).
         backend: ``"torch"`` (default), ``"llama.cpp"`` or ``"auto"``; see :func:`select_backend` for the rule.
         threads: llama.cpp only: CPU threads (default: every CPU this process may use).
         runtime: PyTorch backend only: ``"lean"`` (draftwise's own Llama-family decoder,
@@ -200,6 +204,7 @@ def load_model(
     if randomize:
         randomize_weights(model)
     eos_ids = _eos_ids(model, tokenizer)
+    quantization = resolve_quantization(quantization, device=device, dtype=torch_dtype, config=model.config, name=spec)
     name = spec if quantization == "none" else f"{spec}+{quantization}"
     head_ids = None
     if head_subset is not None:
@@ -218,12 +223,47 @@ def load_model(
             logger.warning("the lean runtime is not exact on this machine; running %s with transformers", spec)
         else:
             del model  # the lean decoder holds its own copies of the weights
-            return LoadedModel(backend=lean, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids)
+            return LoadedModel(backend=lean, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids,
+                               quantization=quantization)
     if head_ids is not None:
         _restrict_head(model, head_ids, quantization, name)
     quantize_model(model, quantization)
     backend = TorchCausalLM(model, name=name, max_context=max_context)
-    return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids)
+    return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids,
+                       quantization=quantization)
+
+
+def resolve_quantization(quantization: str, *, device: str, dtype: torch.dtype, config=None, name: str = "model",
+                         ) -> str:
+    """The quantization mode a model runs with: ``"none"`` and ``"int8"`` as given; ``"auto"`` (the CLI's
+    default) the fastest exact mode for this model and machine: ``"int8"`` on the CPU in fp32 where the int8
+    kernels run and the architecture is one the lean runtime implements (there int8 is the exact configuration
+    where verifying k tokens costs about one: docs/lean_runtime.md), ``"none"`` elsewhere (a GPU, bf16/fp16,
+    an architecture only transformers runs, a CPU without fbgemm). ``config``: the transformers config (None:
+    the architecture is not checked). The choice and its reason are logged.
+    """
+    if quantization != "auto":
+        return quantization
+    from draftwise.backends.lean.model import UnsupportedArchitecture, lean_config_from_hf
+
+    reasons = []
+    if not str(device).startswith("cpu"):
+        reasons.append(f"device {device}")
+    if dtype != torch.float32:
+        reasons.append(f"dtype {dtype}")
+    if not int8_usable():
+        reasons.append("no fbgemm int8 kernels in this torch build")
+    if config is not None:
+        try:
+            lean_config_from_hf(config)
+        except UnsupportedArchitecture as exc:
+            reasons.append(f"architecture: {exc}")
+    if reasons:
+        logger.info("%s: quantization auto -> none (%s)", name, "; ".join(reasons))
+        return "none"
+    logger.info("%s: quantization auto -> int8 (the fastest exact mode on this CPU; --quantization none for fp32)",
+                name)
+    return "int8"
 
 
 def select_runtime(runtime: str, model, *, device: str, dtype: torch.dtype, quantization: str) -> str:
@@ -318,7 +358,7 @@ def _torch_only_options(device: str | None, dtype, quantization: str | None) -> 
         found.append(f"device {device!r}")
     if dtype not in (None, "auto"):
         found.append(f"dtype {dtype!r}")
-    if quantization not in (None, "none"):
+    if quantization not in (None, "none", "auto"):
         found.append(f"quantization {quantization!r}")
     return found
 
@@ -332,7 +372,7 @@ def _load_llama_cpp(spec: str, path: str, *, max_context: int | None, threads: i
         backend, tokenizer, eos_ids = load_llama_cpp(path, name=spec, max_context=max_context, n_threads=threads)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model {spec!r} with llama.cpp: {exc}") from exc
-    return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids)
+    return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids, quantization="gguf")
 
 
 def _looks_local(spec: str) -> bool:
@@ -495,7 +535,8 @@ def derive_layer_draft(loaded: LoadedModel, num_layers: int) -> LoadedModel:
     backend = loaded.backend
     if isinstance(backend, LeanCausalLM):
         draft = LeanCausalLM(backend.model.truncated(num_layers), name=f"{loaded.name}[:{num_layers} layers]")
-        return LoadedModel(backend=draft, tokenizer=loaded.tokenizer, name=draft.name, eos_token_ids=loaded.eos_token_ids)
+        return LoadedModel(backend=draft, tokenizer=loaded.tokenizer, name=draft.name, eos_token_ids=loaded.eos_token_ids,
+                           quantization=loaded.quantization)
     if not isinstance(backend, TorchCausalLM):
         raise ValueError("derive_layer_draft needs a PyTorch backend")
     layers = backend.model.model.layers
@@ -507,4 +548,5 @@ def derive_layer_draft(loaded: LoadedModel, num_layers: int) -> LoadedModel:
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = model.config.layer_types[:num_layers]
     draft = TorchCausalLM(model, name=f"{loaded.name}[:{num_layers} layers]", max_context=backend.max_context)
-    return LoadedModel(backend=draft, tokenizer=loaded.tokenizer, name=draft.name, eos_token_ids=loaded.eos_token_ids)
+    return LoadedModel(backend=draft, tokenizer=loaded.tokenizer, name=draft.name, eos_token_ids=loaded.eos_token_ids,
+                       quantization=loaded.quantization)
