@@ -16,9 +16,9 @@ from draftwise.batching import (
     BatchedDraftModel,
     BatchedEngine,
     PerSequenceProposers,
-    build_batched_engine,
     calibrate_pass_costs,
 )
+from draftwise.builder import build_batched_engine
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.cost_model import PassCostCurve, plan_batch_k
 from draftwise.engine import SpeculativeEngine
@@ -338,7 +338,7 @@ def stories_batch(draftwise_home, stories_path):
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_stories_batch_equals_alone(stories_batch, stories_path, method):
     from draftwise.models.loading import derive_layer_draft, load_model
-    from draftwise.proposers.registry import BuildOptions
+    from draftwise.builder import BuildOptions
 
     target = stories_batch
     single_model = load_model(str(stories_path), quantization=MODE, runtime="lean")

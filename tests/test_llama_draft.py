@@ -27,7 +27,7 @@ from draftwise.commands.common import CliError, speculative_config_from_args
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel, load_model
-from draftwise.proposers.registry import BuildOptions
+from draftwise.builder import BuildOptions
 from conftest import tiny_llama
 from gguf_variants import write_gguf_variant
 from llama_cpp_gate import needs_llama_cpp
@@ -502,6 +502,7 @@ def test_bench_hf_anchors_run_transformers_copies_beside_a_llama_cpp_draft(stori
     prompts.write_text('{"question_id": 1, "category": "a", "turns": ["Once upon a time"]}\n')
     code = main(["bench", "--model", str(stories_path), "--draft", str(stories_path), "--prompts", str(prompts),
                  "--methods", "plain,hf", "--speculative-backend", "llama.cpp", "--threads", "1", "--no-calibrate",
+                 "--quantization", "none",
                  "--ks", "2", "--max-tokens", "16", "--chat", "off", "--output", str(tmp_path / "b.json"), "--no-plots"])
     assert code == 0
     labels = json.loads((tmp_path / "b.json").read_text())["config"]["methods"]

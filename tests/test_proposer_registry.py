@@ -9,13 +9,17 @@ import importlib
 import pytest
 
 from draftwise.config import SpeculativeConfig
-from draftwise.proposers.registry import METHODS, get_method, method_names
+from draftwise.methods import METHODS, get_method, method_names
 
 
-def test_every_method_has_a_module_with_a_build_function():
+def test_every_method_has_a_module_and_a_build_function_in_the_builder():
+    from draftwise.builder import PROPOSER_BUILDERS
+
     assert method_names() == ("draft_model", "ngram", "suffix", "medusa", "eagle", "hybrid")
+    assert set(PROPOSER_BUILDERS) == set(METHODS)
     for spec in METHODS.values():
-        assert callable(importlib.import_module(spec.module).build), spec.name
+        importlib.import_module(spec.module)
+        assert callable(PROPOSER_BUILDERS[spec.name]), spec.name
         known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
         assert set(spec.fields) <= known, spec.name
 

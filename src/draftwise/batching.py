@@ -40,7 +40,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -52,6 +52,7 @@ from draftwise.config import SamplingParams
 from draftwise.controller import AcceptanceEstimator
 from draftwise.cost_model import PassCostCurve, batch_step_rate, expected_tokens, plan_batch_k
 from draftwise.engine import GenerationResult, commit_tokens
+from draftwise.methods import K_POLICIES
 from draftwise.prefix_cache import PrefixCache, PrefixEntry
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.proposers.draft_model import fit_vocab
@@ -59,20 +60,14 @@ from draftwise.sampling import Sampler
 from draftwise.stats import SpeculativeStats
 from draftwise.verification import verify
 
-if TYPE_CHECKING:
-    from draftwise.config import SpeculativeConfig
-    from draftwise.models.loading import LoadedModel
-    from draftwise.proposers.registry import BuildOptions
-
 __all__ = ["BatchedEngine", "BatchSequence", "SequenceOutput", "StepInfo", "BatchProposer", "PerSequenceProposers",
-           "BatchedDraftModel", "calibrate_pass_costs", "build_batched_engine", "concat_rows", "K_POLICIES",
+           "BatchedDraftModel", "UnattributedStepError", "calibrate_pass_costs", "concat_rows", "K_POLICIES",
            "BATCHED_METHODS"]
 
 logger = logging.getLogger(__name__)
 
 #: ``"fixed"``: every decoding sequence speculates its K (clamped near max_tokens and the context end);
 #: ``"auto"``: load-aware K per sequence (:func:`draftwise.cost_model.plan_batch_k`).
-K_POLICIES = ("fixed", "auto")
 
 #: Speculative methods the batched engine runs (the others stay on the single-sequence engine).
 BATCHED_METHODS = ("ngram", "suffix", "draft_model")
@@ -1018,72 +1013,3 @@ class BatchedEngine:
             raise ContextOverflowError(
                 f"the prompt has {len(prompt)} tokens; the context length is {self.model.config.max_context} "
                 "tokens, which leaves no room for new tokens")
-
-
-# ---------------------------------------------------------------------------------------------- building
-def build_batched_engine(
-    target: LoadedModel,
-    config: SpeculativeConfig | None,
-    options: BuildOptions,
-    *,
-    max_num_seqs: int,
-    max_num_batched_tokens: int = 256,
-    prefix_cache: PrefixCache | None = None,
-) -> tuple[BatchedEngine, LoadedModel | None]:
-    """A :class:`BatchedEngine` for a loaded lean target (with ``max_num_seqs`` slots) and a speculative config
-    (None: plain decoding); returns it and the draft model it loaded (if any). ``config.k_policy == "auto"``
-    gives the load-aware K (the pass costs are measured here, a few passes).
-
-    Raises:
-        ValueError: a method outside :data:`BATCHED_METHODS`, a target or draft model not on the lean runtime.
-        ModelLoadError, TokenizerMismatchError: see :func:`draftwise.builder.load_draft_model`.
-    """
-    backend = target.backend
-    if not isinstance(backend, LeanCausalLM):
-        raise ValueError(f"{target.name}: the batched engine needs a target on the lean runtime")
-    common = dict(eos_token_ids=target.eos_token_ids, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, prefix_cache=prefix_cache)
-    if config is None:
-        return BatchedEngine(backend, **common), None
-    if config.method not in BATCHED_METHODS:
-        raise ValueError(f"method {config.method!r} does not run in the batched engine (batched: "
-                         f"{', '.join(BATCHED_METHODS)})")
-    draft = None
-    if config.method == "ngram":
-        from draftwise.proposers.ngram import NgramProposer
-
-        low, high = config.prompt_lookup_min, config.prompt_lookup_max
-        proposer: BatchProposer = PerSequenceProposers(lambda: NgramProposer(low, high), "ngram")
-    elif config.method == "suffix":
-        proposer = _suffix_proposers(config)
-    else:
-        from draftwise.builder import load_draft_model
-
-        draft = load_draft_model(config, target, options, num_slots=max_num_seqs)
-        if not isinstance(draft.backend, LeanCausalLM):
-            raise ValueError(f"{draft.name}: a draft model in the batched engine needs the lean runtime too "
-                             "(--quantization int8 on the CPU, a Llama-family model)")
-        proposer = BatchedDraftModel(draft.backend, backend.vocab_size)
-    engine = BatchedEngine(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
-    return engine, draft
-
-
-def _suffix_proposers(config: SpeculativeConfig) -> PerSequenceProposers:
-    """One suffix proposer per sequence (chains), all sharing one cross-request index (per scope)."""
-    import dataclasses
-
-    from draftwise.proposers.suffix import SuffixCache, suffix_proposer_from_config
-
-    if config.suffix_decoding_tree_width > 1:
-        logger.warning("suffix_decoding_tree_width %d: the batched engine verifies chains; drafting chains",
-                       config.suffix_decoding_tree_width)
-        config = dataclasses.replace(config, suffix_decoding_tree_width=1)
-    shared = SuffixCache(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
-                         config.suffix_decoding_max_cached_tokens)
-
-    def make() -> Proposer:
-        proposer = suffix_proposer_from_config(config, supports_tree=False)
-        proposer.cache = shared
-        return proposer
-
-    return PerSequenceProposers(make, "suffix")

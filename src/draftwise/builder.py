@@ -18,17 +18,25 @@ from draftwise.check.tokenizer import (
     require_compatible,
     tokenizer_info_from_hf,
 )
-from draftwise.batching import BATCHED_METHODS, BatchedEngine
+from draftwise.backends.lean.backend import LeanCausalLM
+from draftwise.batching import (
+    BATCHED_METHODS,
+    BatchedDraftModel,
+    BatchedEngine,
+    BatchProposer,
+    PerSequenceProposers,
+)
 from draftwise.config import SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
+from draftwise.methods import METHODS, get_method
 from draftwise.models.loading import LoadedModel, load_model
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import Proposer
-from draftwise.proposers.registry import BuildOptions, get_method
 
-__all__ = ["EngineBundle", "TokenizerMismatchError", "backend_kind", "build_engine", "build_proposer",
-           "build_head_proposer", "check_same_tokenizer", "draft_load_options", "load_draft_model",
-           "load_target_heads", "require_target_ids_across_backends"]
+__all__ = ["BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS", "TokenizerMismatchError",
+           "backend_kind", "build_batched_engine", "build_engine", "build_proposer", "build_head_proposer",
+           "check_same_tokenizer", "draft_load_options", "load_draft_model", "load_target_heads",
+           "require_target_ids_across_backends"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +44,28 @@ DEMO_TARGET = "qwen2.5-coder-1.5b"
 DEMO_DRAFT = "qwen2.5-coder-0.5b"
 #: Default prefix-cache budget (bytes): about 75k tokens of Qwen2.5-Coder-1.5B fp32 KV state.
 DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How the target was loaded (see :func:`draftwise.models.loading.load_model`): a draft model is loaded the
+    same way, unless its config names a backend of its own (:attr:`draftwise.config.SpeculativeConfig.backend`;
+    see :func:`load_draft_model`)."""
+
+    device: str | None = None
+    dtype: str | None = None
+    quantization: str | None = None
+    backend: str = "torch"
+    threads: int | None = None
+    runtime: str = "auto"
+
+
+@dataclass
+class BuiltProposer:
+    """A proposer ready for the engine, and the draft model it runs (None for model-free methods and heads)."""
+
+    proposer: Proposer
+    draft: LoadedModel | None = None
 
 
 @dataclass
@@ -128,7 +158,7 @@ def build_proposer(
     threads: int | None = None,
     runtime: str = "auto",
 ) -> tuple[Proposer, LoadedModel | None]:
-    """Create the proposer a speculative config names (through :mod:`draftwise.proposers.registry`); returns
+    """Create the proposer a speculative config names (through :data:`PROPOSER_BUILDERS`); returns
     it and its draft model (if any).
 
     ``device``, ``dtype``, ``quantization``, ``backend``, ``threads`` and ``runtime`` describe how the target was loaded;
@@ -142,7 +172,7 @@ def build_proposer(
     """
     options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend, threads=threads,
                            runtime=runtime)
-    built = get_method(config.method).builder()(config, target, options)
+    built = PROPOSER_BUILDERS[get_method(config.method).name](config, target, options)
     return built.proposer, built.draft
 
 
@@ -246,7 +276,80 @@ def build_head_proposer(config: SpeculativeConfig, target: LoadedModel) -> Propo
     """
     if get_method(config.method).model != "heads":
         raise ValueError(f"method {config.method!r} does not run heads")
-    return get_method(config.method).builder()(config, target, BuildOptions()).proposer
+    return PROPOSER_BUILDERS[config.method](config, target, BuildOptions()).proposer
+
+
+# ---------------------------------------------------------------------------------------------- proposers
+def _build_draft_model(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
+    """``draft_model``: load the draft model ``config.model`` like the target (``options``) and check its
+    tokenizer against the target's (:func:`load_draft_model`)."""
+    from draftwise.proposers.draft_model import DraftModelProposer
+
+    draft = load_draft_model(config, target, options)
+    return BuiltProposer(DraftModelProposer(draft.backend, target.backend.vocab_size), draft)
+
+
+def _build_ngram(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
+    """``ngram``: ``config.prompt_lookup_min`` / ``prompt_lookup_max``; no model."""
+    from draftwise.proposers.ngram import NgramProposer
+
+    return BuiltProposer(NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+
+
+def _build_suffix(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
+    """``suffix``: from the ``suffix_decoding_*`` fields; the target only tells whether trees can be verified."""
+    from draftwise.proposers.suffix import suffix_proposer_from_config
+
+    supports_tree = bool(getattr(getattr(target, "backend", None), "supports_tree", False))
+    return BuiltProposer(suffix_proposer_from_config(config, supports_tree=supports_tree))
+
+
+def _build_hybrid(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
+    """``hybrid``: the draft model (as ``draft_model``), a suffix proposer, and the target's and draft's costs
+    from :func:`draftwise.calibration.calibrate_cost_model` (cached per model and machine)."""
+    from draftwise.calibration import calibrate_cost_model
+    from draftwise.proposers.hybrid import HybridProposer
+    from draftwise.proposers.suffix import suffix_proposer_from_config
+
+    built = _build_draft_model(config, target, options)
+    suffix = suffix_proposer_from_config(config, supports_tree=bool(getattr(target.backend, "supports_tree", False)))
+    k = config.num_speculative_tokens
+    costs = calibrate_cost_model(target.backend, k, draft=built.draft.backend)
+    built.proposer = HybridProposer(suffix, built.proposer, costs, max_k=k)
+    return built
+
+
+def _build_medusa(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
+    """``medusa``: heads from ``config.model`` on the target; the tree is ``config.tree``, else a full tree of
+    ``config.tree_width`` (and ``tree_budget``), else a chain."""
+    from draftwise.proposers.medusa import MedusaProposer
+    from draftwise.tree import TreeTemplate
+
+    heads, heads_config, model = load_target_heads(config, target)
+    depth = min(config.num_speculative_tokens, heads_config.num_heads)
+    if config.tree is not None:
+        template = TreeTemplate(config.tree)
+    elif config.tree_width > 1:
+        template = TreeTemplate.full(depth, config.tree_width, config.tree_budget)
+    else:
+        template = None
+    return BuiltProposer(MedusaProposer(heads, model.get_output_embeddings(), template))
+
+
+def _build_eagle(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
+    """``eagle``: the EAGLE head from ``config.model`` on the target, ``config.tree_width`` / ``tree_budget``."""
+    from draftwise.proposers.eagle import EagleProposer
+
+    head, _, model = load_target_heads(config, target)
+    return BuiltProposer(EagleProposer(head, model.get_input_embeddings(), model.get_output_embeddings(),
+                                       config.tree_width, config.tree_budget))
+
+
+#: method name -> ``build(config, target, options) -> BuiltProposer`` (one per entry of
+#: :data:`draftwise.methods.METHODS`).
+PROPOSER_BUILDERS = {"draft_model": _build_draft_model, "ngram": _build_ngram, "suffix": _build_suffix,
+                     "hybrid": _build_hybrid, "medusa": _build_medusa, "eagle": _build_eagle}
+assert set(PROPOSER_BUILDERS) == set(METHODS), "every registered method needs a build function"
 
 
 def build_engine(
@@ -302,11 +405,7 @@ def build_engine(
                               quantization=quantization, backend=backend, threads=threads, runtime=target_runtime,
                               num_slots=max_num_seqs if batch else 1)
     if batch:
-        from draftwise.backends.lean import LeanCausalLM
-
         if isinstance(target_model.backend, LeanCausalLM):
-            from draftwise.batching import build_batched_engine
-
             options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend,
                                    threads=threads, runtime=runtime)
             engine, draft = build_batched_engine(
@@ -339,3 +438,70 @@ def build_engine(
         prefix_cache=PrefixCache(kv_cache_memory),
     )
     return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
+
+
+# ---------------------------------------------------------------------------------------------- batched engine
+def build_batched_engine(
+    target: LoadedModel,
+    config: SpeculativeConfig | None,
+    options: BuildOptions,
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int = 256,
+    prefix_cache: PrefixCache | None = None,
+) -> tuple[BatchedEngine, LoadedModel | None]:
+    """A :class:`BatchedEngine` for a loaded lean target (with ``max_num_seqs`` slots) and a speculative config
+    (None: plain decoding); returns it and the draft model it loaded (if any). ``config.k_policy == "auto"``
+    gives the load-aware K (the pass costs are measured here, a few passes).
+
+    Raises:
+        ValueError: a method outside :data:`BATCHED_METHODS`, a target or draft model not on the lean runtime.
+        ModelLoadError, TokenizerMismatchError: see :func:`draftwise.builder.load_draft_model`.
+    """
+    backend = target.backend
+    if not isinstance(backend, LeanCausalLM):
+        raise ValueError(f"{target.name}: the batched engine needs a target on the lean runtime")
+    common = dict(eos_token_ids=target.eos_token_ids, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens, prefix_cache=prefix_cache)
+    if config is None:
+        return BatchedEngine(backend, **common), None
+    if config.method not in BATCHED_METHODS:
+        raise ValueError(f"method {config.method!r} does not run in the batched engine (batched: "
+                         f"{', '.join(BATCHED_METHODS)})")
+    draft = None
+    if config.method == "ngram":
+        from draftwise.proposers.ngram import NgramProposer
+
+        low, high = config.prompt_lookup_min, config.prompt_lookup_max
+        proposer: BatchProposer = PerSequenceProposers(lambda: NgramProposer(low, high), "ngram")
+    elif config.method == "suffix":
+        proposer = _suffix_proposers(config)
+    else:
+        draft = load_draft_model(config, target, options, num_slots=max_num_seqs)
+        if not isinstance(draft.backend, LeanCausalLM):
+            raise ValueError(f"{draft.name}: a draft model in the batched engine needs the lean runtime too "
+                             "(--quantization int8 on the CPU, a Llama-family model)")
+        proposer = BatchedDraftModel(draft.backend, backend.vocab_size)
+    engine = BatchedEngine(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
+    return engine, draft
+
+
+def _suffix_proposers(config: SpeculativeConfig) -> PerSequenceProposers:
+    """One suffix proposer per sequence (chains), all sharing one cross-request index (per scope)."""
+    import dataclasses
+
+    from draftwise.proposers.suffix import SuffixCache, suffix_proposer_from_config
+
+    if config.suffix_decoding_tree_width > 1:
+        logger.warning("suffix_decoding_tree_width %d: the batched engine verifies chains; drafting chains",
+                       config.suffix_decoding_tree_width)
+        config = dataclasses.replace(config, suffix_decoding_tree_width=1)
+    shared = SuffixCache(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                         config.suffix_decoding_max_cached_tokens)
+
+    def make() -> Proposer:
+        proposer = suffix_proposer_from_config(config, supports_tree=False)
+        proposer.cache = shared
+        return proposer
+
+    return PerSequenceProposers(make, "suffix")

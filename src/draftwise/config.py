@@ -5,15 +5,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from draftwise.methods import BACKENDS, validate_config
+
 __all__ = ["SamplingParams", "SpeculativeConfig", "GREEDY_TEMPERATURE", "SAMPLING_RULES", "BACKENDS"]
 
 #: Temperatures below this are greedy decoding (as vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE = 1e-5
 #: How temperature > 0 draws tokens and verifies drafts (:attr:`SamplingParams.sampling`).
 SAMPLING_RULES = ("coupled", "rejection")
-#: Backends a model may run on (``load_model(backend=...)``, ``--backend``, and a draft's own
-#: :attr:`SpeculativeConfig.backend`); see :func:`draftwise.models.loading.select_backend`.
-BACKENDS = ("torch", "llama.cpp", "auto")
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ class SpeculativeConfig:
     """Which proposer to use and how far to speculate.
 
     Field names follow vLLM's ``--speculative-config``. The methods, what ``model`` names for each and which
-    fields each reads are listed in :mod:`draftwise.proposers.registry`; setting a field that only other
+    fields each reads are listed in :mod:`draftwise.methods`; setting a field that only other
     methods read is an error.
 
     Attributes:
@@ -169,9 +168,6 @@ class SpeculativeConfig:
     backend: str | None = None
 
     def __post_init__(self) -> None:
-        # imported here: the proposers package imports this module
-        from draftwise.proposers.registry import validate_config
-
         _check_field_types(self)
         if not (1 <= self.num_speculative_tokens <= 64):
             raise ValueError(f"num_speculative_tokens must be in 1..64, got {self.num_speculative_tokens}")

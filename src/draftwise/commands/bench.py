@@ -43,6 +43,7 @@ from draftwise.commands.common import (
     sampling_params_from_args,
 )
 from draftwise.engine import SpeculativeEngine
+from draftwise.methods import K_POLICIES
 from draftwise.models.loading import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -251,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     ks = parse_ks(args.ks)
     methods = _csv(args.methods, METHODS, "--methods")
-    policies = _csv(args.k_policies, ("fixed", "auto"), "--k-policies")
+    policies = _csv(args.k_policies, K_POLICIES, "--k-policies")
     done: list[PromptRun] = []
     output = Path(args.resume or args.output or f"bench_results/bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     if args.resume:
@@ -274,7 +275,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"loading target {args.model}" + (f" and draft {args.draft}" if needs_draft else "") + " ...")
     options = dict(device=args.device, dtype=args.dtype, quantization=args.quantization, backend=args.backend,
                    threads=args.threads)
-    target = load_model(args.model, runtime=args.runtime, **options)
+    # the heads methods run on the transformers model (as build_engine gives them): plain shares that target
+    runtime = "transformers" if args.runtime == "auto" and {"medusa", "eagle"} & set(methods) else args.runtime
+    target = load_model(args.model, runtime=runtime, **options)
     draft = _load_draft(args, target, options) if needs_draft else None
     anchors = _anchor_models(args, methods, target, draft, options)
     calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
@@ -310,7 +313,7 @@ def _load_draft(args: argparse.Namespace, target: LoadedModel, options: dict) ->
             :func:`draftwise.builder.load_draft_model`.
     """
     from draftwise.config import SpeculativeConfig
-    from draftwise.proposers.registry import BuildOptions
+    from draftwise.builder import BuildOptions
 
     try:
         config = SpeculativeConfig(method="draft_model", model=args.draft, backend=args.speculative_backend,
@@ -476,7 +479,7 @@ def _agent_methods(args: argparse.Namespace, params):
     if "hf" in methods:
         raise CliError("--methods hf (transformers' generate) is not available with --workload agent")
     _head_subset(args)  # a bad size is a CLI error before any model loads
-    plan = agent_method_plan(methods, parse_ks(args.ks), _csv(args.k_policies, ("fixed", "auto"), "--k-policies"),
+    plan = agent_method_plan(methods, parse_ks(args.ks), _csv(args.k_policies, K_POLICIES, "--k-policies"),
                              _tree_widths(args.tree_widths), _heads_dirs(args, methods), args.draft,
                              draft_vocab={"draft_vocab_size": args.draft_vocab_size, "token_map": args.token_map},
                              draft_backend=args.speculative_backend)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from draftwise.builder import DEMO_DRAFT, DEMO_TARGET
 from draftwise.config import BACKENDS, SAMPLING_RULES, SamplingParams, SpeculativeConfig
-from draftwise.proposers.registry import method_names
+from draftwise.methods import method_names
 
 __all__ = ["add_model_args", "add_sampling_args", "speculative_config_from_args", "sampling_params_from_args",
            "CliError", "add_quantization_arg", "add_backend_arg", "add_speculative_backend_arg", "memory_size",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,11 +23,6 @@ from draftwise.backends.base import CausalLM, KVState
 from draftwise.config import SamplingParams
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import Sampler
-
-if TYPE_CHECKING:
-    from draftwise.config import SpeculativeConfig
-    from draftwise.models.loading import LoadedModel
-    from draftwise.proposers.registry import BuildOptions, BuiltProposer
 
 __all__ = ["DraftModelProposer", "fit_vocab"]
 
@@ -156,17 +150,3 @@ def fit_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
         return logits[..., :width]
     pad = torch.full((*logits.shape[:-1], width - current), float("-inf"), dtype=logits.dtype)
     return torch.cat([logits, pad], dim=-1)
-
-
-def build(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
-    """Registry entry point (:mod:`draftwise.proposers.registry`): load the draft model ``config.model`` like
-    the target (``options``) and check its tokenizer against the target's.
-
-    Raises:
-        ModelLoadError, TokenizerMismatchError: see :func:`draftwise.builder.load_draft_model`.
-    """
-    from draftwise.builder import load_draft_model
-    from draftwise.proposers.registry import BuiltProposer
-
-    draft = load_draft_model(config, target, options)
-    return BuiltProposer(DraftModelProposer(draft.backend, target.backend.vocab_size), draft)

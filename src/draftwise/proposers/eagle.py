@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,11 +26,6 @@ from draftwise.config import SamplingParams
 from draftwise.heads.eagle import EagleHead, HeadCache
 from draftwise.proposers.base import DraftProposal, Proposer
 from draftwise.sampling import Sampler
-
-if TYPE_CHECKING:
-    from draftwise.config import SpeculativeConfig
-    from draftwise.models.loading import LoadedModel
-    from draftwise.proposers.registry import BuildOptions, BuiltProposer
 
 __all__ = ["EagleProposer"]
 
@@ -155,18 +149,3 @@ class EagleProposer(Proposer):
         tokens = tuple(nodes[i].token for i in keep)
         parents = tuple(-1 if nodes[i].parent < 0 else index[nodes[i].parent] for i in keep)
         return DraftProposal(token_ids=tokens, parents=parents)  # a chain-shaped tree is a chain
-
-
-def build(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
-    """Registry entry point (:mod:`draftwise.proposers.registry`): the EAGLE head from ``config.model`` on the
-    target, with ``config.tree_width`` and ``config.tree_budget``.
-
-    Raises:
-        HeadsMismatchError, ValueError: see :func:`draftwise.builder.load_target_heads`.
-    """
-    from draftwise.builder import load_target_heads
-    from draftwise.proposers.registry import BuiltProposer
-
-    head, _, model = load_target_heads(config, target)
-    return BuiltProposer(EagleProposer(head, model.get_input_embeddings(), model.get_output_embeddings(),
-                                       config.tree_width, config.tree_budget))

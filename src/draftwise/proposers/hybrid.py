@@ -29,20 +29,19 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from draftwise.config import SamplingParams
 from draftwise.controller import AcceptanceEstimator, expected_tokens
 from draftwise.proposers.base import DraftProposal, Proposer
 from draftwise.proposers.draft_model import DraftModelProposer
-from draftwise.proposers.suffix import SuffixDraft, SuffixProposer, uses_earlier_requests
-from draftwise.tree import children_of
+from draftwise.proposers.suffix import (
+    SuffixDraft,
+    SuffixProposer,
+    uses_earlier_requests,
+)
 from draftwise.sampling import Sampler
-
-if TYPE_CHECKING:
-    from draftwise.config import SpeculativeConfig
-    from draftwise.models.loading import LoadedModel
-    from draftwise.proposers.registry import BuildOptions, BuiltProposer
+from draftwise.tree import children_of
 
 __all__ = ["HybridProposer", "LearnedState", "StepCosts", "accepted_length"]
 
@@ -254,23 +253,3 @@ class HybridProposer(Proposer):
     def _learn_draft_cost(self, state: LearnedState, seconds_per_token: float) -> None:
         if self.learn_costs and seconds_per_token > 0:
             state.draft_seconds_per_token += self.cost_smoothing * (seconds_per_token - state.draft_seconds_per_token)
-
-
-def build(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
-    """Registry entry point (:mod:`draftwise.proposers.registry`): the draft model ``config.model`` (loaded as
-    for ``draft_model``), a suffix proposer from the ``suffix_decoding_*`` fields, and the target's and draft's
-    costs from :func:`draftwise.calibration.calibrate_cost_model` (cached per model and machine).
-
-    Raises:
-        ModelLoadError, TokenizerMismatchError: see :func:`draftwise.builder.load_draft_model`.
-    """
-    from draftwise.calibration import calibrate_cost_model
-    from draftwise.proposers import draft_model
-    from draftwise.proposers.suffix import suffix_proposer_from_config
-
-    built = draft_model.build(config, target, options)
-    suffix = suffix_proposer_from_config(config, supports_tree=bool(getattr(target.backend, "supports_tree", False)))
-    k = config.num_speculative_tokens
-    costs = calibrate_cost_model(target.backend, k, draft=built.draft.backend)
-    built.proposer = HybridProposer(suffix, built.proposer, costs, max_k=k)
-    return built

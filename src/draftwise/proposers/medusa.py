@@ -11,7 +11,6 @@ engine's verification is lossless at any temperature.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,11 +19,6 @@ from draftwise.heads.medusa import MedusaHeads
 from draftwise.proposers.base import DraftProposal, Proposer
 from draftwise.sampling import Sampler
 from draftwise.tree import TreeTemplate
-
-if TYPE_CHECKING:
-    from draftwise.config import SpeculativeConfig
-    from draftwise.models.loading import LoadedModel
-    from draftwise.proposers.registry import BuildOptions, BuiltProposer
 
 __all__ = ["MedusaProposer"]
 
@@ -73,25 +67,3 @@ class MedusaProposer(Proposer):
         top = torch.topk(logits, widest, dim=-1).indices.tolist()  # [depth, widest]
         tokens = tuple(top[len(path) - 1][path[-1]] for path in template.paths)
         return DraftProposal(token_ids=tokens, parents=template.parents)  # a chain-shaped tree is a chain
-
-
-def build(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
-    """Registry entry point (:mod:`draftwise.proposers.registry`): Medusa heads from ``config.model`` on the
-    target; the tree is ``config.tree``, else a full tree of ``config.tree_width`` (and ``tree_budget``), else
-    a chain.
-
-    Raises:
-        HeadsMismatchError, ValueError: see :func:`draftwise.builder.load_target_heads`.
-    """
-    from draftwise.builder import load_target_heads
-    from draftwise.proposers.registry import BuiltProposer
-
-    heads, heads_config, model = load_target_heads(config, target)
-    depth = min(config.num_speculative_tokens, heads_config.num_heads)
-    if config.tree is not None:
-        template = TreeTemplate(config.tree)
-    elif config.tree_width > 1:
-        template = TreeTemplate.full(depth, config.tree_width, config.tree_budget)
-    else:
-        template = None
-    return BuiltProposer(MedusaProposer(heads, model.get_output_embeddings(), template))

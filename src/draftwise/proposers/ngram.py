@@ -28,16 +28,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 from draftwise.config import SamplingParams
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import Sampler
-
-if TYPE_CHECKING:
-    from draftwise.config import SpeculativeConfig
-    from draftwise.models.loading import LoadedModel
-    from draftwise.proposers.registry import BuildOptions, BuiltProposer
 
 __all__ = ["NgramProposer", "NgramIndex"]
 
@@ -197,11 +190,3 @@ def _overlapping_copy(context: Sequence[int], source: int, k: int) -> tuple[int,
         position = source + i
         draft.append(context[position] if position < length else draft[position - length])
     return tuple(draft)
-
-
-def build(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
-    """Registry entry point (:mod:`draftwise.proposers.registry`): ``config.prompt_lookup_min`` /
-    ``prompt_lookup_max``; needs no model (``target`` is not read)."""
-    from draftwise.proposers.registry import BuiltProposer
-
-    return BuiltProposer(NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))

@@ -55,8 +55,6 @@ from draftwise.sampling import Sampler
 
 if TYPE_CHECKING:
     from draftwise.config import SpeculativeConfig
-    from draftwise.models.loading import LoadedModel
-    from draftwise.proposers.registry import BuildOptions, BuiltProposer
 
 __all__ = ["SuffixIndex", "SuffixNode", "SuffixCache", "SuffixDraft", "SuffixProposer", "speculate", "best_draft",
            "uses_earlier_requests"]
@@ -539,12 +537,3 @@ def suffix_proposer_from_config(config: SpeculativeConfig, *, supports_tree: boo
         max_cached_tokens=config.suffix_decoding_max_cached_tokens,
         tree_width=width,
     )
-
-
-def build(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
-    """Registry entry point (:mod:`draftwise.proposers.registry`): a suffix proposer from the config's
-    ``suffix_decoding_*`` fields; ``target`` only tells whether trees can be verified."""
-    from draftwise.proposers.registry import BuiltProposer
-
-    supports_tree = bool(getattr(getattr(target, "backend", None), "supports_tree", False))
-    return BuiltProposer(suffix_proposer_from_config(config, supports_tree=supports_tree))

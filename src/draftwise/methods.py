@@ -1,57 +1,38 @@
-"""The speculative methods draftwise knows: method name -> how to build its proposer and which config fields it
-reads.
+"""The speculative methods draftwise knows: method name -> its proposer module, what ``model`` names and which
+config fields it reads.
 
-Adding a method means one proposer module that defines ``build(config, target, options) -> BuiltProposer``
-plus one :class:`MethodSpec` entry in :data:`METHODS`. :class:`draftwise.config.SpeculativeConfig` validates
-through this table (method name, ``model``, K policy, method-specific fields) and
-:func:`draftwise.builder.build_proposer` builds through it, so neither branches on method names.
+Adding a method means one proposer module (under :mod:`draftwise.proposers`), one :class:`MethodSpec` entry in
+:data:`METHODS`, and one build function in :data:`draftwise.builder.PROPOSER_BUILDERS`.
+:class:`draftwise.config.SpeculativeConfig` validates through this table (method name, ``model``, K policy,
+method-specific fields), so it does not branch on method names.
 
-This module imports nothing heavy: proposer modules (and torch) are imported only when a proposer is built.
+A leaf module: it imports nothing of draftwise at module level (:mod:`draftwise.config` imports it), and the
+``config`` the validators take is a :class:`draftwise.config.SpeculativeConfig`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from draftwise.config import SpeculativeConfig
-    from draftwise.models.loading import LoadedModel
-    from draftwise.proposers.base import Proposer
+__all__ = ["BACKENDS", "MethodSpec", "METHODS", "K_POLICIES", "method_names", "get_method", "validate_config",
+           "SUFFIX_FIELDS", "DRAFT_FIELDS", "DRAFT_VOCAB_FIELDS"]
 
-__all__ = ["BuildOptions", "BuiltProposer", "MethodSpec", "METHODS", "K_POLICIES", "method_names", "get_method",
-           "validate_config", "SUFFIX_FIELDS", "DRAFT_FIELDS", "DRAFT_VOCAB_FIELDS"]
-
+#: The K policies: ``fixed`` (always K) and ``auto`` (a cost-model controller picks K per step); the one list.
 K_POLICIES = ("fixed", "auto")
+
+#: Model backends: ``--backend`` and the draft's own ``backend`` field (see
+#: :func:`draftwise.models.loading.select_backend`).
+BACKENDS = ("torch", "llama.cpp", "auto")
+
+#: A :class:`draftwise.config.SpeculativeConfig` (not imported: that module imports this one).
+SpeculativeConfig = Any
 
 #: What ``model`` names for a method.
 MODEL_KINDS = ("draft", "heads")
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    """How the target was loaded (see :func:`draftwise.models.loading.load_model`): a draft model is loaded the
-    same way, unless its config names a backend of its own (:attr:`draftwise.config.SpeculativeConfig.backend`;
-    see :func:`draftwise.builder.load_draft_model`)."""
-
-    device: str | None = None
-    dtype: str | None = None
-    quantization: str | None = None
-    backend: str = "torch"
-    threads: int | None = None
-    runtime: str = "auto"
-
-
-@dataclass
-class BuiltProposer:
-    """A proposer ready for the engine, and the draft model it runs (None for model-free methods and heads)."""
-
-    proposer: Proposer
-    draft: LoadedModel | None = None
 
 
 @dataclass(frozen=True)
@@ -61,8 +42,7 @@ class MethodSpec:
     Attributes:
         name: the ``method`` value in ``--speculative-config``.
         summary: one line for help texts.
-        module: the proposer module; its ``build(config, target, options) -> BuiltProposer`` creates the
-            proposer (imported on first use).
+        module: the proposer module (its build function is :data:`draftwise.builder.PROPOSER_BUILDERS` ``[name]``).
         model: what ``config.model`` names: ``"draft"`` (a draft model, required), ``"heads"`` (a heads
             directory, required) or None (not used).
         fields: the method-specific :class:`~draftwise.config.SpeculativeConfig` fields the method reads;
@@ -82,10 +62,6 @@ class MethodSpec:
     def __post_init__(self) -> None:
         if self.model is not None and self.model not in MODEL_KINDS:
             raise ValueError(f"method {self.name!r}: model must be one of {MODEL_KINDS} or None, got {self.model!r}")
-
-    def builder(self) -> Callable[[SpeculativeConfig, Any, BuildOptions], BuiltProposer]:
-        """The module's ``build`` function (imports the module)."""
-        return importlib.import_module(self.module).build
 
 
 # ---------------------------------------------------------------------------------------------- validators
@@ -116,8 +92,6 @@ def _check_heads(config: SpeculativeConfig) -> None:
 
 def _check_draft_backend(config: SpeculativeConfig) -> None:
     """``backend`` (the draft model's own backend) must be a known backend or None."""
-    from draftwise.config import BACKENDS
-
     if config.backend is not None and config.backend not in BACKENDS:
         raise ValueError(f"unknown speculative backend {config.backend!r}; choose one of {', '.join(BACKENDS)} "
                          "(or leave it unset to load the draft like the target)")
