@@ -8,7 +8,8 @@ import torch
 
 from draftwise.check.describe import describe_gguf, describe_hf, describe_model
 from draftwise.check.gguf_header import GGUFFormatError, read_gguf_header
-from draftwise.check.memory import estimate_memory, format_bytes, parse_bytes
+from draftwise.check.memory import estimate_memory
+from draftwise.units import format_bytes, parse_bytes
 from draftwise.models.loading import ModelLoadError
 from test_check_support import tiny_pair_dirs
 

@@ -55,11 +55,12 @@ def test_float_subset_head_matches_full_head_on_kept_ids_and_is_minus_inf_elsewh
         full.bias.copy_(bias)
     ids = torch.tensor([150, 3, 77, 0, 199, 42])
     head = SubsetLMHead(weight, ids, bias=bias)
-    x = torch.randn(2, 5, 32)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
     out = head(x)
     assert out.shape == (2, 5, 200) and out.dtype == torch.float32
     expected = full(x)
-    torch.testing.assert_close(out[..., ids], expected[..., ids], rtol=1e-6, atol=1e-6)
+    # a GEMM over 6 rows may sum in another order than over 200: float32 rounding, not a wrong row
+    torch.testing.assert_close(out[..., ids], expected[..., ids], rtol=1e-5, atol=1e-5)
     others = torch.ones(200, dtype=torch.bool)
     others[ids] = False
     assert torch.isneginf(out[..., others]).all()

@@ -10,7 +10,8 @@ import torch
 from conftest import tiny_llama
 from draftwise.config import SamplingParams
 from draftwise.engine import EngineBusyError, SpeculativeEngine
-from draftwise.prefix_cache import PrefixCache, PrefixEntry, parse_bytes
+from draftwise.prefix_cache import PrefixCache, PrefixEntry
+from draftwise.units import parse_bytes
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.ngram import NgramProposer
 from fakes import BigramLM, peaked_table

@@ -543,7 +543,7 @@ def restrict_draft_head(loaded, token_ids: Sequence[int]) -> SubsetLMHead:
 
 def log_restriction(name: str, subset: SubsetLMHead, bytes_before: int) -> None:
     """Log how many ids a restricted head keeps and its weight bytes before and after."""
-    from draftwise.check.memory import format_bytes
+    from draftwise.units import format_bytes
 
     logger.info("FR-Spec: %s's LM head keeps %d of %d ids; head weights %s -> %s", name, subset.num_kept,
                 subset.vocab_size, format_bytes(bytes_before), format_bytes(head_nbytes(subset)))

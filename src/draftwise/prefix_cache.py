@@ -26,35 +26,9 @@ from typing import Any
 
 from draftwise.proposers.base import common_prefix_length
 
-__all__ = ["PrefixCache", "PrefixEntry", "PrefixMatch", "parse_bytes"]
+__all__ = ["PrefixCache", "PrefixEntry", "PrefixMatch"]
 
 logger = logging.getLogger(__name__)
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "t": 1000**4, "tb": 1000**4}
-
-
-def parse_bytes(text: str | int) -> int:
-    """``"4GiB"`` / ``"512MB"`` / ``"0"`` / ``1024`` -> bytes (int >= 0).
-
-    Raises:
-        ValueError: not a non-negative number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
-    """
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"a memory size must be >= 0, got {text}")
-        return text
-    raw = str(text).strip().lower().replace(" ", "")
-    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"not a memory size: {text!r} (examples: 4GiB, 512MB, 0)") from None
-    if unit not in _UNITS or not value >= 0 or value == float("inf"):
-        raise ValueError(f"not a memory size: {text!r} (examples: 4GiB, 512MB, 0)")
-    return int(value * _UNITS[unit])
-
 
 @dataclass
 class PrefixEntry:

@@ -37,15 +37,12 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 
 from draftwise.backends.attention import make_batch_invariant
-
-if TYPE_CHECKING:
-    from draftwise.backends.kernels import KernelChoice
 
 __all__ = ["QUANTIZATION_CHOICES", "QUANTIZATION_MODES", "Int8Linear", "QuantizationError", "int8_kernels_available", "quantize_model",
            "parse_quantization"]
@@ -199,7 +196,7 @@ def _replace_linears(module: nn.Module, build: Callable[[nn.Linear], nn.Module] 
     return count
 
 
-def quantize_model(model: nn.Module, mode: str | None = "int8", *, kernel: KernelChoice | None = None) -> nn.Module:
+def quantize_model(model: nn.Module, mode: str | None = "int8", *, kernel: Any = None) -> nn.Module:
     """Apply a quantization mode to a loaded ``transformers`` causal LM, in place.
 
     ``"int8"``: every ``nn.Linear`` (attention and MLP projections, the LM head) becomes an

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from draftwise.check.describe import ModelDescription
+from draftwise.units import format_bytes
 
 __all__ = [
     "MemoryReport",
@@ -29,47 +29,13 @@ __all__ = [
     "available_memory",
     "dtype_bytes",
     "estimate_memory",
-    "format_bytes",
-    "parse_bytes",
 ]
 
 logger = logging.getLogger(__name__)
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-
 
 class MemoryBudgetError(RuntimeError):
     """The pair does not fit in the memory budget; nothing was loaded."""
-
-
-def parse_bytes(text: str) -> int:
-    """Parse a size: ``"24GiB"``/``"24G"`` (binary, 2**30), ``"24GB"`` (decimal, 10**9), ``"512MiB"``, ``"1000"``.
-
-    A unit letter without ``B`` is binary, as in ``free -g``. Returns bytes.
-
-    Raises:
-        ValueError: not a non-negative size.
-    """
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"not a memory size: {text!r} (examples: 24GiB, 24GB, 512MiB, 1000000)")
-    number, prefix, binary, byte_suffix = match.groups()
-    prefix = prefix.lower()
-    base = 1024 if binary or (prefix and not byte_suffix) else 1000
-    return int(float(number) * base ** _POWERS[prefix])
-
-
-def format_bytes(num_bytes: int | float | None) -> str:
-    """Bytes as a short binary-unit string: ``"1.50 GiB"``, ``"48.0 KiB"``, ``"512 B"``; ``"-"`` for None."""
-    if num_bytes is None:
-        return "-"
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.{1 if abs(value) >= 10 else 2}f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

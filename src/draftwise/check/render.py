@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from draftwise.check.memory import format_bytes
+from draftwise.units import format_bytes
 from draftwise.check.report import CheckReport
 
 __all__ = ["render_report"]

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from draftwise.benchmark import BenchPrompt, default_prompts_path, load_prompts
-from draftwise.check.memory import parse_bytes
+from draftwise.units import parse_bytes
 from draftwise.check.probe import select_probe_prompts
 from draftwise.check.render import render_report
 from draftwise.check.runner import CheckSettings, check_models, load_and_measure

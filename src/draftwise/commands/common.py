@@ -22,7 +22,7 @@ class CliError(Exception):
 
 def memory_size(text: str) -> int:
     """argparse type for memory sizes: ``4GiB`` / ``512MB`` / ``0`` -> bytes."""
-    from draftwise.prefix_cache import parse_bytes
+    from draftwise.units import parse_bytes
 
     try:
         return parse_bytes(text)
