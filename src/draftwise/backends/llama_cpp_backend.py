@@ -525,8 +525,8 @@ def relax_for_drafting(model) -> None:
     """Let a llama.cpp draft model run llama.cpp's native one-token passes (no-op for other backends).
 
     A draft's logits only decide which tokens are proposed; the target's verification decides the output, so
-    only the target needs batch invariance. A one-token pass costs about half of a padded one on the Qwen
-    drafts measured (0.5B Q4_K_M, one thread: 67 ms against 156 ms), and a draft runs one per drafted token.
+    only the target needs batch invariance. A one-token pass costs far less than a padded one (figures in
+    docs/llama_cpp.md), and a draft runs one per drafted token.
 
     Args:
         model: a :class:`draftwise.models.loading.LoadedModel` used as a draft.

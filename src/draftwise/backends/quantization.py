@@ -22,10 +22,9 @@ for the whole tensor, so there a token's result depends on its neighbours.
 7-bit activations (fbgemm's ``reduce_range`` convention on x86) keep the AVX2 ``vpmaddubsw`` int16 pair
 sums from saturating (2 * 128 * 127 < 32767).
 
-Measured alternatives (docs/cpu_int8.md): ``torch._weight_int8pack_mm`` (weight-only int8) is bit-exact
-batch-invariant but has no vectorized kernel on AVX2-only CPUs (8-20x slower than fp32 here, growing
-linearly with m); ``torch._int_mm`` is similarly slow on this CPU; fbgemm's fp16-weight GEMM is not
-batch-invariant.
+Alternatives, measured in docs/cpu_int8.md (with the machine and date): ``torch._weight_int8pack_mm``
+(weight-only int8) is bit-exact batch-invariant but had no vectorized kernel on the AVX2-only CPU measured;
+``torch._int_mm`` was similarly slow there; fbgemm's fp16-weight GEMM is not batch-invariant.
 
 The word embedding stays in float (a lookup, row-independent); a tied LM head gets a quantized copy.
 The rest of batch invariance (attention, activations, rotary embeddings computed per position) is
