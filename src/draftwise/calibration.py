@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from draftwise import progress
 from draftwise.backends.base import CausalLM
 from draftwise.config import SamplingParams
 from draftwise.cost_model import CostModel, predicted_speedup  # re-exported: defined in draftwise.cost_model
@@ -122,6 +123,8 @@ def _time_forward_passes(
     ks = sorted(set(ks) | {1})
     vocab = backend.vocab_size
     context = [(7 + 31 * i) % vocab for i in range(context_len)]
+    stage = f"calibrating verify cost k={ks[0]}" + (f"..{ks[-1]}" if len(ks) > 1 else "") + f" ({context_len} cached)"
+    progress.report(stage, model=backend.name, done=0, total=warmup + repeats, unit="rounds")
     backend.reset()
     backend.forward(context, num_logits=1)
     samples: dict[int, list[float]] = {k: [] for k in ks}
@@ -134,6 +137,7 @@ def _time_forward_passes(
             backend.rollback(context_len)
             if rep >= warmup:
                 samples[k].append(elapsed)
+        progress.report(stage, model=backend.name, done=rep + 1, total=warmup + repeats, unit="rounds")
     backend.reset()
     return samples
 
