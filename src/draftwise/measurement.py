@@ -241,7 +241,7 @@ def baseline_moved(pass_seconds: Sequence[float], label: str = "baseline") -> Do
     spread = relative_spread(pass_seconds)
     if spread is None or spread <= BASELINE_SPREAD_MAX:
         return None
-    times = ", ".join(f"{s:.2f}" for s in pass_seconds)
+    times = ", ".join(f"{s:.3g}" for s in pass_seconds)
     return _doubt("baseline moved", f"the {len(pass_seconds)} {label} passes took {times} s: {spread:.1%} apart "
                                     f"(> {BASELINE_SPREAD_MAX:.0%})")
 
