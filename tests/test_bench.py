@@ -95,12 +95,16 @@ def test_bench_command_json_schema_markdown_and_plots(stories, stories_path, pro
     assert data["complete"] is True
     assert set(data) >= {"config", "environment", "calibration", "summary", "runs"}
     labels = [row["method"] for row in data["summary"]]
-    assert labels == ["plain", "draft K=2", "draft auto(K<=2)", "ngram K=2", "ngram auto(K<=2)"]
+    assert labels == ["plain", "draft K=2", "draft auto(K<=2)", "ngram K=2", "ngram auto(K<=2)", "plain (repeat)"]
     assert len(data["runs"]) == 4 * len(labels)  # 3 prompts, 4 turns in all
     run = data["runs"][0]
     for key in ("prompt_id", "category", "turn", "method", "tokens_per_s", "speedup", "identical_to_plain",
-                "peak_rss_bytes", "token_ids", "stats"):
+                "peak_rss_bytes", "token_ids", "stats", "measurement", "warnings"):
         assert key in run
+    assert set(run["measurement"]) >= {"wall_s", "cpu_s", "cpu_share", "threads", "load_before", "load_after"}
+    assert data["runs"][-1]["method"] == "plain (repeat)" and data["runs"][-1]["repeat_of"] == "plain"
+    assert isinstance(data["warnings"], list) and data["measurement"]["wall_s"] > 0
+    assert all("warnings" in row and "baseline_spread" in row for row in data["summary"])
     assert all(r["identical_to_plain"] for r in data["runs"])
     assert "v2" in " ".join(f"v{k}" for k in data["calibration"]["target"]["relative"])
     assert "## Exactness" in out.with_suffix(".md").read_text()
@@ -118,11 +122,11 @@ def test_result_table_is_readable_when_output_is_not_a_terminal(stories_path, pr
                  "--no-plots", "--output", str(tmp_path / "b.json")])
     assert code == 0
     out = capsys.readouterr().out
-    assert ("| category | method | tok/s | speedup | decode speedup | median [min, max] | alpha | tau | K | identical "
-            "| predicted |") in out
-    rows = [line for line in out.splitlines() if line.startswith("| all | ")]
-    assert [row.split(" | ")[1] for row in rows] == ["plain", "ngram K=2"]
-    assert all(row.count("|") == 12 for row in rows)  # 11 full cells, nothing cut or wrapped
+    assert ("| ! | category | method | tok/s | speedup | decode speedup | median [min, max] | alpha | tau | K | "
+            "identical | predicted |") in out
+    rows = [line for line in out.splitlines() if " | all | " in line]
+    assert [row.split(" | ")[2] for row in rows] == ["plain", "ngram K=2", "plain (repeat)"]
+    assert all(row.count("|") == 13 for row in rows)  # 12 full cells, nothing cut or wrapped
     assert "…" not in out
 
 

@@ -32,8 +32,8 @@ def test_bench_writes_json_with_exactness(stories, stories_path, tmp_path, capsy
                  "--ks", "1,3", "--max-tokens", "16", "--chat", "off", "--output", str(out), "--no-calibrate"])
     assert code == 0
     data = json.loads(out.read_text())
-    assert [row["method"] for row in data["summary"]] == ["plain", "draft K=1", "draft K=3"]
-    assert len(data["runs"]) == 6
+    assert [row["method"] for row in data["summary"]] == ["plain", "draft K=1", "draft K=3", "plain (repeat)"]
+    assert len(data["runs"]) == 8
     assert all(run["identical_to_plain"] for run in data["runs"])
     assert {run["prompt_id"] for run in data["runs"]} == {"1", "7"}
     assert data["summary"][2]["acceptance_rate"] == 1.0

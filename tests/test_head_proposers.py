@@ -150,7 +150,8 @@ def test_bench_runs_medusa_and_eagle_chains_and_trees(tmp_path, stories_path, st
                  "--chat", "off", "--no-calibrate", "--no-plots", "--output", str(output)])
     assert code == 0
     runs = json.loads(output.read_text())["runs"]
-    assert sorted(r["method"] for r in runs) == ["eagle K=3", "eagle K=3 w=2", "medusa K=3", "medusa K=3 w=2", "plain"]
+    assert sorted(r["method"] for r in runs) == ["eagle K=3", "eagle K=3 w=2", "medusa K=3", "medusa K=3 w=2", "plain",
+                                                 "plain (repeat)"]
     assert all(r["identical_to_plain"] for r in runs)
 
 

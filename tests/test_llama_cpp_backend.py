@@ -250,4 +250,5 @@ def test_bench_command_on_llama_cpp(stories_path, tmp_path):
     data = json.loads(out.read_text())
     assert data["config"]["backend"] == "llama.cpp"
     assert all(run["identical_to_plain"] for run in data["runs"])
-    assert [row["method"] for row in data["summary"]] == ["plain", "draft K=2", "draft K=4", "ngram K=2", "ngram K=4"]
+    assert [row["method"] for row in data["summary"]] == ["plain", "draft K=2", "draft K=4", "ngram K=2", "ngram K=4",
+                                                          "plain (repeat)"]

@@ -35,6 +35,11 @@ Sessions file format (``.jsonl``: one session object per line; ``.json``: a list
 
 ``data/agent_sessions.jsonl`` ships four 4-turn coding sessions in this format; :func:`sessions_from_prompts`
 builds sessions from Spec-Bench coding questions (their own turns, then :data:`FOLLOW_UPS`).
+
+Trust (:mod:`draftwise.measurement`): every turn records its wall time, the process's CPU time (in process,
+against the threads the engine may use) and the load average; the command repeats the baseline after the other
+methods (:func:`draftwise.measurement.with_baseline_repeat`), speed-ups are over the mean of its passes, and
+each summary row carries the doubts of its figures (baseline moved, machine busy) as ``warnings``.
 """
 
 from __future__ import annotations
@@ -53,13 +58,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from draftwise import measurement
 from draftwise.benchmark import BenchPrompt, environment, first_difference
 from draftwise.config import SamplingParams
 
 __all__ = ["AgentSession", "TurnOutcome", "AgentTurn", "TurnRunner", "AgentMethod", "AgentBenchError",
            "FOLLOW_UPS", "DEFAULT_SYSTEM_PROMPT", "default_sessions_path", "load_sessions", "sessions_from_prompts",
            "decode_tokens_per_s", "EngineTurnRunner", "HttpTurnRunner", "openai_base_url", "run_agent_benchmark",
-           "session_totals", "summarize_agent", "write_agent_json"]
+           "session_totals", "summarize_agent", "write_agent_json", "agent_doubts"]
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +283,7 @@ class AgentMethod:
         k: K, or None.
         concurrent: whether several sessions may run at once on this runner (HTTP: yes; one in-process
             engine serves one request at a time: no).
+        repeat_of: for the baseline's second pass, the baseline's label (else None).
     """
 
     label: str
@@ -284,6 +291,7 @@ class AgentMethod:
     kind: str = "plain"
     k: int | None = None
     concurrent: bool = False
+    repeat_of: str | None = None
 
 
 @dataclass
@@ -292,7 +300,9 @@ class AgentTurn:
 
     The measured fields are :class:`TurnOutcome`'s; ``decode_tokens_per_s`` is :func:`decode_tokens_per_s` of
     them; ``identical_to_plain``: the output equals the baseline method's on the same session and turn (token
-    ids in process, text over HTTP); ``first_difference``: the first differing token (or character) index.
+    ids in process, text over HTTP); ``first_difference``: the first differing token (or character) index;
+    ``measurement``: the turn's :class:`draftwise.measurement.Measurement` as a dict (CPU figures in process
+    only); ``warnings``: its own doubts (machine busy); ``repeat_of``: the baseline's label on its second pass.
     """
 
     session_id: str
@@ -313,13 +323,16 @@ class AgentTurn:
     text: str
     token_ids: list[int] | None = None
     stats: dict = field(default_factory=dict)
+    measurement: dict = field(default_factory=dict)
+    warnings: list[dict] = field(default_factory=list)
+    repeat_of: str | None = None
 
 
 # ---------------------------------------------------------------------- runners
 class EngineTurnRunner:
     """Runs turns on an in-process draftwise engine: the chat template (the model's, or ``chat_template``)
     turns the messages into ids, :meth:`SpeculativeEngine.stream` generates, and TTFT is the time to the first
-    committed chunk.
+    committed chunk. ``threads``: the threads its target's passes may use (for the turns' CPU share).
 
     Args:
         bundle: an :class:`draftwise.builder.EngineBundle` (target model and engine).
@@ -337,6 +350,7 @@ class EngineTurnRunner:
         self._target = bundle.target
         self._params = params
         self._codec = TextCodec(bundle.target, chat_template)
+        self.threads = measurement.backend_threads(bundle.target.backend)
         if not self._codec.has_chat_template:
             raise ValueError(f"{bundle.target.name} has no chat template; pass one with --chat-template FILE")
 
@@ -378,6 +392,7 @@ def openai_base_url(url: str) -> str:
 class HttpTurnRunner:
     """Runs turns against an OpenAI-compatible server: a streamed ``/v1/chat/completions`` request with
     ``stream_options.include_usage``; TTFT is the arrival of the first chunk with non-empty content.
+    ``threads`` is None: the work runs in the server, so this process's CPU share says nothing about it.
 
     Args:
         url: the server (``http://host:port`` or ``.../v1``).
@@ -397,6 +412,7 @@ class HttpTurnRunner:
         import httpx
 
         self.base_url = openai_base_url(url)
+        self.threads = None
         self._params = params
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._owns_client = client is None
@@ -589,10 +605,12 @@ def _replay_session(runner: TurnRunner, method: AgentMethod, session: AgentSessi
                     baseline: dict[tuple[str, int], AgentTurn], on_turn) -> list[AgentTurn]:
     answers: list[str] = []
     turns = []
+    threads = getattr(runner, "threads", None)
     for index in range(len(session.turns)):
-        outcome = runner.run_turn(session.messages(index, answers))
+        with measurement.measure(threads) as measured:
+            outcome = runner.run_turn(session.messages(index, answers))
         answers.append(outcome.text)
-        turn = _to_turn(session, index, method, outcome, baseline.get((session.id, index)))
+        turn = _to_turn(session, index, method, outcome, baseline.get((session.id, index)), measured.result)
         if not turn.identical_to_plain:
             logger.warning("%s differs from the baseline in session %s turn %d at %s %s", method.label, session.id,
                            index, "token" if turn.token_ids is not None else "character", turn.first_difference)
@@ -603,7 +621,7 @@ def _replay_session(runner: TurnRunner, method: AgentMethod, session: AgentSessi
 
 
 def _to_turn(session: AgentSession, index: int, method: AgentMethod, outcome: TurnOutcome,
-             reference: AgentTurn | None) -> AgentTurn:
+             reference: AgentTurn | None, measured: measurement.Measurement | None = None) -> AgentTurn:
     diff = None
     if reference is not None:
         if outcome.token_ids is not None and reference.token_ids is not None:
@@ -617,7 +635,9 @@ def _to_turn(session: AgentSession, index: int, method: AgentMethod, outcome: Tu
         decode_tokens_per_s=decode_tokens_per_s(outcome.output_tokens, outcome.ttft_s, outcome.wall_s),
         wall_s=outcome.wall_s, finish_reason=outcome.finish_reason, identical_to_plain=diff is None,
         first_difference=diff, text=outcome.text,
-        token_ids=None if outcome.token_ids is None else list(outcome.token_ids), stats=dict(outcome.stats))
+        token_ids=None if outcome.token_ids is None else list(outcome.token_ids), stats=dict(outcome.stats),
+        measurement=measured.to_dict() if measured else {},
+        warnings=[d.to_dict() for d in [measurement.machine_busy(measured)] if d], repeat_of=method.repeat_of)
 
 
 # ---------------------------------------------------------------------- summaries
@@ -651,51 +671,75 @@ def _totals(turns: Sequence[AgentTurn]) -> dict:
 
 def session_totals(turns: Sequence[AgentTurn]) -> list[dict]:
     """Per method and session: prompt, cached and output tokens, wall time, TTFT (sum; first turn; mean and
-    max of later turns), decode tokens/s, acceptance, identical turns, and ``speedup`` = the baseline's wall
-    time on the same session / this method's (the first method in ``turns`` is the baseline)."""
+    max of later turns), decode tokens/s, acceptance, identical turns, and ``speedup`` = the baseline's mean
+    wall time over its passes on the same session / this method's (the first method in ``turns`` is the
+    baseline, the methods with its ``repeat_of`` its later passes)."""
     groups: dict[tuple[str, str], list[AgentTurn]] = {}
     for turn in turns:
         groups.setdefault((turn.method, turn.session_id), []).append(turn)
-    baseline_label = turns[0].method if turns else None
+    base_labels = measurement.baseline_labels(turns)
     rows = []
     for (method, session_id), mine in groups.items():
         row = {"method": method, "session_id": session_id, "category": mine[0].category, **_totals(mine)}
-        base = groups.get((baseline_label, session_id))
-        base_wall = sum(t.wall_s for t in base) if base else 0.0
-        row["speedup"] = base_wall / row["wall_s"] if base and row["wall_s"] > 0 else None
+        walls = [sum(t.wall_s for t in groups[(label, session_id)]) for label in base_labels
+                 if (label, session_id) in groups]
+        row["speedup"] = statistics.fmean(walls) / row["wall_s"] if walls and row["wall_s"] > 0 else None
         rows.append(row)
     return rows
 
 
 def summarize_agent(turns: Sequence[AgentTurn], elapsed: dict[str, float] | None = None) -> list[dict]:
     """Per method over all sessions: the :func:`session_totals` quantities plus ``speedup`` (the baseline's
-    summed session wall time / this method's), ``elapsed_s`` (the replay's real time; below the summed wall
-    time when sessions ran concurrently) and ``speedup_elapsed``."""
+    summed session wall time, the mean over its passes, / this method's), ``elapsed_s`` (the replay's real
+    time; below the summed wall time when sessions ran concurrently), ``speedup_elapsed``, the baseline passes'
+    wall times (``baseline_pass_s``) and spread, the row's combined ``measurement`` and its ``warnings``
+    (:func:`draftwise.measurement.comparison_doubts`: baseline moved, machine busy)."""
     groups: dict[str, list[AgentTurn]] = {}
     for turn in turns:
         groups.setdefault(turn.method, []).append(turn)
     elapsed = elapsed or {}
     rows = []
-    base_label = turns[0].method if turns else None
-    base_wall = sum(t.wall_s for t in groups.get(base_label, []))
+    base_labels = [label for label in measurement.baseline_labels(turns) if label in groups]
+    pass_walls = [sum(t.wall_s for t in groups[label]) for label in base_labels]
+    base_wall = statistics.fmean(pass_walls) if pass_walls else 0.0
+    pass_elapsed = [elapsed[label] for label in base_labels if elapsed.get(label)]
+    base_elapsed = statistics.fmean(pass_elapsed) if pass_elapsed else None
+    passes = [(label, wall, _measurements(groups[label])) for label, wall in zip(base_labels, pass_walls)]
     for label, mine in groups.items():
         row = {"method": label, "kind": mine[0].kind, "k": mine[0].k,
                "sessions": len({t.session_id for t in mine}), **_totals(mine)}
         row["speedup"] = base_wall / row["wall_s"] if row["wall_s"] > 0 else None
-        row["elapsed_s"] = elapsed.get(label)
-        base_elapsed, own = elapsed.get(base_label), elapsed.get(label)
+        row["elapsed_s"] = own = elapsed.get(label)
         row["speedup_elapsed"] = base_elapsed / own if base_elapsed and own else None
+        combined = measurement.combine(_measurements(mine))
+        row.update(baseline_pass_s=pass_walls, baseline_spread=measurement.relative_spread(pass_walls),
+                   measurement=combined.to_dict() if combined else {},
+                   warnings=[d.to_dict() for d in measurement.comparison_doubts(
+                       label, _measurements(mine), passes, is_baseline=label in base_labels)])
         rows.append(row)
     return rows
+
+
+def _measurements(turns: Sequence[AgentTurn]) -> list[measurement.Measurement | None]:
+    return [measurement.Measurement.from_dict(t.measurement) for t in turns]
+
+
+def agent_doubts(summary: Sequence[dict]) -> list[tuple[str, dict]]:
+    """``(method, doubt dict)`` for every doubt of :func:`summarize_agent` rows, in table order."""
+    return [(row["method"], d) for row in summary for d in row.get("warnings", [])]
 
 
 def write_agent_json(path: str | Path, config: dict, turns: Sequence[AgentTurn], summary: list[dict],
                      sessions: list[dict]) -> Path:
     """Write the configuration, environment, per-method summary, per-session totals and every turn to ``path``
-    atomically (parents created)."""
+    atomically (parents created), with the combined measurement of all turns (``measurement``) and every doubt
+    of the summary rows (``warnings``: ``{"row", "code", "reason", "detail"}``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    combined = measurement.combine(_measurements(turns))
     payload = {"workload": "agent", "config": config, "environment": environment(), "complete": True,
+               "measurement": combined.to_dict() if combined else {},
+               "warnings": [{"row": what, **d} for what, d in agent_doubts(summary)],
                "summary": summary, "sessions": sessions, "turns": [asdict(t) for t in turns]}
     staging = path.with_suffix(path.suffix + ".tmp")
     staging.write_text(json.dumps(payload, indent=1))

@@ -1,9 +1,12 @@
 """Side-by-side benchmark of plain and speculative decoding (the Spec-Bench protocol, Xia et al. 2024).
 
 Every method runs on every prompt in one process, interleaved per prompt (plain first, then each
-speculative configuration), so machine drift hits all alike. Greedy outputs are compared with plain decoding
-token for token; speed is reported as a ratio against plain on the same prompt. Results are saved after
-every prompt so an interrupted run can be resumed.
+speculative configuration, then plain again when the method list ends with the baseline's repeat,
+:func:`draftwise.measurement.with_baseline_repeat`), so machine drift hits all alike and shows as a spread
+between the two plain passes. Greedy outputs are compared with plain decoding token for token; speed is
+reported as a ratio against the mean of the plain passes on the same prompt. Every run records its process CPU
+time and the load average (:mod:`draftwise.measurement`), and the summary marks the rows whose figures are
+doubtful. Results are saved after every prompt so an interrupted run can be resumed.
 """
 
 from __future__ import annotations
@@ -21,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from draftwise import cost_model
+from draftwise import cost_model, measurement
 from draftwise.calibration import ForwardCosts
 from draftwise.config import SamplingParams
 from draftwise.engine import GenerationResult, SpeculativeEngine
 from draftwise.models.loading import LoadedModel
 
 __all__ = ["BenchPrompt", "MethodSpec", "PromptRun", "load_prompts", "default_prompts_path", "run_benchmark",
-           "summarize", "first_difference", "load_results", "write_json"]
+           "summarize", "first_difference", "load_results", "write_json", "doubts_of", "row_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ class MethodSpec:
         policy: ``"fixed"`` or ``"auto"``.
         engine: the draftwise engine, or None when ``runner`` is given.
         runner: ``(prompt_ids, params) -> GenerationResult`` for methods outside the engine.
+        repeat_of: for the baseline's second pass, the baseline's label (else None).
     """
 
     label: str
@@ -68,6 +72,7 @@ class MethodSpec:
     policy: str = "fixed"
     engine: SpeculativeEngine | None = None
     runner: Runner | None = None
+    repeat_of: str | None = None
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         if self.runner is not None:
@@ -78,7 +83,13 @@ class MethodSpec:
 
 @dataclass
 class PromptRun:
-    """One method on one turn of one prompt (times in seconds, memory in bytes)."""
+    """One method on one turn of one prompt (times in seconds, memory in bytes).
+
+    ``speedup``: tokens/s over the plain passes' on the same prompt and turn (their tokens over their time);
+    ``measurement``: :class:`draftwise.measurement.Measurement` as a dict (wall and CPU time, threads, load);
+    ``warnings``: :class:`draftwise.measurement.Doubt` dicts of this run alone (machine busy);
+    ``repeat_of``: the baseline's label on its second pass.
+    """
 
     prompt_id: str
     category: str
@@ -98,6 +109,9 @@ class PromptRun:
     peak_gpu_bytes: int | None
     token_ids: list[int] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    measurement: dict = field(default_factory=dict)
+    warnings: list[dict] = field(default_factory=list)
+    repeat_of: str | None = None
 
 
 def default_prompts_path() -> Path:
@@ -199,16 +213,21 @@ def run_benchmark(
     done: Sequence[PromptRun] = (),
     on_run: Callable[[PromptRun], None] | None = None,
     on_prompt: Callable[[list[PromptRun]], None] | None = None,
+    threads: int | None = None,
 ) -> list[PromptRun]:
-    """Run every method on every prompt (and turn), interleaved per prompt; ``methods[0]`` must be plain.
+    """Run every method on every prompt (and turn), interleaved per prompt; ``methods[0]`` must be plain, and
+    a method with ``repeat_of`` set (:func:`draftwise.measurement.with_baseline_repeat`) is a second plain pass.
 
     Args:
         done: runs from an earlier, interrupted benchmark; prompts they complete are skipped.
-        on_run: called after each (prompt, turn, method) run; on_prompt: after each prompt with all runs.
+        on_run: called after each (prompt, turn, method) run, before the turn's speed-ups are known;
+            on_prompt: after each prompt with all runs.
+        threads: threads the runs may use, for their CPU share (default:
+            :func:`draftwise.measurement.backend_threads` of the target).
 
     Returns:
-        All runs, ``done`` included, each with greedy exactness against plain and the speed-up over plain
-        on the same prompt and turn.
+        All runs, ``done`` included, each with greedy exactness against plain, the speed-up over the plain
+        passes on the same prompt and turn, its measurement and its own warnings.
 
     Raises:
         ValueError: if the first method is not plain decoding.
@@ -216,52 +235,74 @@ def run_benchmark(
     if not methods or methods[0].kind != "plain":
         raise ValueError("the first benchmark method must be plain decoding")
     runs = list(done)
+    threads = threads or measurement.backend_threads(target.backend)
     for prompt in prompts:
         num_turns = len(prompt.turns) if all_turns else 1
         have = {(r.method, r.turn) for r in runs if r.prompt_id == prompt.id}
         if {(m.label, t) for m in methods for t in range(num_turns)} <= have:
             continue
         runs = [r for r in runs if r.prompt_id != prompt.id]  # drop a half-finished prompt
-        runs.extend(_run_prompt(target, methods, prompt, params, chat, all_turns, on_run))
+        runs.extend(_run_prompt(target, methods, prompt, params, chat, all_turns, on_run, threads))
         if on_prompt:
             on_prompt(runs)
     return runs
 
 
-def _run_prompt(target, methods, prompt, params, chat, all_turns, on_run) -> list[PromptRun]:
+def _run_prompt(target, methods, prompt, params, chat, all_turns, on_run, threads) -> list[PromptRun]:
     turns = range(len(prompt.turns) if all_turns else 1)
     answers: dict[str, list[str]] = {m.label: [] for m in methods}
     runs: list[PromptRun] = []
     for turn in turns:
         baseline: PromptRun | None = None
+        turn_runs = []
         for method in methods:
             ids = encode_turn(target, prompt, turn, answers[method.label], chat)
-            result = method.run(ids, params)
+            with measurement.measure(threads) as measured:
+                result = method.run(ids, params)
             answers[method.label].append(target.decode(result.token_ids))
-            run = _to_run(prompt, turn, method, ids, result, baseline)
+            run = _to_run(prompt, turn, method, ids, result, baseline, measured.result)
             baseline = baseline or run
             if not run.identical_to_plain and params.greedy:
                 logger.warning("%s on prompt %s turn %d differs from plain at token %s", method.label, prompt.id,
                                turn, run.first_difference)
-            runs.append(run)
+            turn_runs.append(run)
             if on_run:
                 on_run(run)
+        _set_speedups(turn_runs)
+        runs.extend(turn_runs)
     return runs
 
 
+def _set_speedups(turn_runs: list[PromptRun]) -> None:
+    """Each run's speed-up over the plain passes of the same prompt and turn (``turn_runs[0]`` and the runs
+    repeating it): their tokens over their time, so the mean of the passes."""
+    passes = _baseline_passes(turn_runs)
+    tokens, seconds = sum(r.num_tokens for r in passes), sum(r.time_s for r in passes)
+    rate = tokens / seconds if seconds > 0 else 0.0
+    for run in turn_runs:
+        run.speedup = run.tokens_per_s / rate if rate else None
+
+
+def _baseline_passes(runs: Sequence[PromptRun]) -> list[PromptRun]:
+    """The runs of the baseline (``runs[0]``'s method) and of its repeats, in order."""
+    labels = measurement.baseline_labels(runs)
+    return [r for r in runs if r.method in labels]
+
+
 def _to_run(prompt: BenchPrompt, turn: int, method: MethodSpec, ids: list[int], result: GenerationResult,
-            baseline: PromptRun | None) -> PromptRun:
+            baseline: PromptRun | None, measured: measurement.Measurement | None) -> PromptRun:
     stats = result.stats
     diff = first_difference(result.token_ids, baseline.token_ids) if baseline else None
-    speedup = stats.tokens_per_s / baseline.tokens_per_s if baseline and baseline.tokens_per_s else (
-        1.0 if baseline is None else None)
     rss, gpu = _peak_memory()
+    busy = measurement.machine_busy(measured)
     return PromptRun(
         prompt_id=prompt.id, category=prompt.category, turn=turn, method=method.label, kind=method.kind,
         k=method.k, policy=method.policy, num_prompt_tokens=len(ids), num_tokens=len(result.token_ids),
         time_s=stats.total_time_s, tokens_per_s=stats.tokens_per_s, identical_to_plain=diff is None,
-        first_difference=diff, speedup=speedup, peak_rss_bytes=rss, peak_gpu_bytes=gpu,
+        first_difference=diff, speedup=None, peak_rss_bytes=rss, peak_gpu_bytes=gpu,
         token_ids=list(result.token_ids), stats=stats.to_dict(),
+        measurement=measured.to_dict() if measured else {}, warnings=[busy.to_dict()] if busy else [],
+        repeat_of=method.repeat_of,
     )
 
 
@@ -328,15 +369,25 @@ def summarize(
     """Per method (and per category when asked): tokens/s, speed-up over plain (total, median, min, max),
     alpha, tau, acceptance by position, mean K, identical outputs, engine overhead share, peak memory; for
     fixed-K draft-model rows with calibration: c, v_(K+1) and the Leviathan-predicted speed-up (from the
-    per-token acceptance, :func:`draftwise.cost_model.predicted_speedup`)."""
+    per-token acceptance, :func:`draftwise.cost_model.predicted_speedup`).
+
+    Speed-ups are over the mean of the plain passes (the first method and its repeats): ``baseline_pass_s``
+    lists each pass's total seconds and ``baseline_spread`` their relative spread. ``measurement`` is the
+    row's runs' :func:`draftwise.measurement.combine` d measurement, and ``warnings`` its doubts
+    (:mod:`draftwise.measurement`): baseline moved, machine busy during the row's runs or the plain passes it
+    is compared with, and a decode speed-up (the like-for-like figure: the prediction leaves prefill out) far
+    from its prediction."""
     groups: dict[tuple[str, str], list[PromptRun]] = {}
     for run in runs:
         groups.setdefault((run.category if by_category else "all", run.method), []).append(run)
+    base_labels = measurement.baseline_labels(runs)
     rows = []
     for (category, label), mine in groups.items():
-        plain = groups.get((category, runs[0].method), [])
-        row = {"category": category, **_method_row(label, mine, sum(r.time_s for r in plain))}
-        plain_decode = sum(r.stats.get("total_time_s", 0) - r.stats.get("prefill_time_s", 0) for r in plain)
+        passes = [groups[(category, name)] for name in base_labels if (category, name) in groups]
+        pass_seconds = [sum(r.time_s for r in p) for p in passes]
+        plain_time = statistics.fmean(pass_seconds) if passes else 0.0
+        row = {"category": category, **_method_row(label, mine, plain_time)}
+        plain_decode = statistics.fmean(_decode_seconds(p) for p in passes) if passes else 0.0
         row["decode_speedup_total"] = plain_decode / row["decode_time_s"] if row["decode_time_s"] > 0 else None
         k = row["k"]
         if (row["kind"] == "draft" and row["policy"] == "fixed" and k and target_costs and draft_cost_s is not None
@@ -345,8 +396,43 @@ def summarize(
             v = target_costs.relative(k + 1)
             row.update(cost_ratio=c, verify_cost=v,
                        predicted_speedup=cost_model.predicted_speedup(row["token_acceptance"], k, c, v))
+        combined = measurement.combine(_measurements(mine))
+        row.update(baseline_pass_s=pass_seconds, baseline_spread=measurement.relative_spread(pass_seconds),
+                   measurement=combined.to_dict() if combined else {},
+                   warnings=[d.to_dict() for d in _row_doubts(row, mine, passes, label in base_labels)])
         rows.append(row)
     return rows
+
+
+def _decode_seconds(runs: Sequence[PromptRun]) -> float:
+    return sum(r.stats.get("total_time_s", 0) - r.stats.get("prefill_time_s", 0) for r in runs)
+
+
+def _measurements(runs: Sequence[PromptRun]) -> list[measurement.Measurement | None]:
+    return [measurement.Measurement.from_dict(r.measurement) for r in runs]
+
+
+def _row_doubts(row: dict, mine: Sequence[PromptRun], passes: Sequence[Sequence[PromptRun]],
+                is_baseline: bool) -> list[measurement.Doubt]:
+    """A summary row's doubts (:func:`draftwise.measurement.comparison_doubts`), judging its decode speed-up
+    against the prediction."""
+    measured = row["decode_speedup_total"] if row["decode_speedup_total"] is not None else row["speedup_total"]
+    return measurement.comparison_doubts(
+        row["method"], _measurements(mine),
+        [(p[0].method, sum(r.time_s for r in p), _measurements(p)) for p in passes], is_baseline=is_baseline,
+        measured_speedup=measured, predicted_speedup=row.get("predicted_speedup"))
+
+
+def row_name(row: dict) -> str:
+    """A summary row's name in warnings: the method, prefixed by its category unless that is ``"all"``."""
+    return row["method"] if row["category"] == "all" else f"{row['category']}/{row['method']}"
+
+
+def doubts_of(summary: Sequence[dict], calibration: dict | None = None) -> list[tuple[str, dict]]:
+    """``(what, doubt dict)`` for every doubt of the summary rows and the calibration (``calibration["warnings"]``,
+    see ``draftwise bench``), in table order."""
+    pairs = [(row_name(row), d) for row in summary for d in row.get("warnings", [])]
+    return pairs + [("calibration", d) for d in (calibration or {}).get("warnings", [])]
 
 
 def environment() -> dict:
@@ -359,10 +445,15 @@ def environment() -> dict:
 
 def write_json(path: str | Path, config: dict, runs: Sequence[PromptRun], summary: list[dict], calibration: dict,
                *, complete: bool = True) -> Path:
-    """Write every raw measurement plus the summary to ``path`` atomically (parents created)."""
+    """Write every raw measurement plus the summary to ``path`` atomically (parents created), with the
+    combined measurement of all runs (``measurement``) and every doubt of the summary rows and the calibration
+    (``warnings``: ``{"row", "code", "reason", "detail"}``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    combined = measurement.combine(_measurements(runs))
     payload = {"config": config, "environment": environment(), "complete": complete, "calibration": calibration,
+               "measurement": combined.to_dict() if combined else {},
+               "warnings": [{"row": what, **d} for what, d in doubts_of(summary, calibration)],
                "summary": summary, "runs": [asdict(r) for r in runs]}
     staging = path.with_suffix(path.suffix + ".tmp")
     staging.write_text(json.dumps(payload, indent=1))

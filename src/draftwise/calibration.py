@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from draftwise import progress
 from draftwise.backends.base import CausalLM
 from draftwise.config import SamplingParams
 from draftwise.cost_model import CostModel, predicted_speedup  # re-exported: defined in draftwise.cost_model
@@ -41,6 +42,7 @@ from draftwise.sampling import Sampler
 __all__ = [
     "ForwardCosts",
     "measure_forward_costs",
+    "forward_pass_samples",
     "predicted_speedup",
     "CostModel",
     "calibrate_cost_model",
@@ -73,6 +75,11 @@ class ForwardCosts:
                 "relative": {str(k): self.relative(k) for k in self.seconds}}
 
     @classmethod
+    def from_samples(cls, samples: dict[int, list[float]], context_len: int) -> ForwardCosts:
+        """The medians of :func:`forward_pass_samples`' timings (seconds by k)."""
+        return cls(seconds={k: statistics.median(t) for k, t in samples.items()}, context_len=context_len)
+
+    @classmethod
     def from_dict(cls, data: dict) -> ForwardCosts:
         """Inverse of :meth:`to_dict` (``relative`` is recomputed). Raises KeyError/ValueError on bad data."""
         seconds = {int(k): float(v) for k, v in data["seconds"].items()}
@@ -93,8 +100,20 @@ def measure_forward_costs(
     Raises:
         ContextOverflowError: if ``context_len + max(ks)`` exceeds the model's context.
     """
-    samples = _time_forward_passes(backend, ks, context_len=context_len, repeats=repeats, warmup=warmup)
-    return ForwardCosts(seconds={k: statistics.median(t) for k, t in samples.items()}, context_len=context_len)
+    samples = forward_pass_samples(backend, ks, context_len=context_len, repeats=repeats, warmup=warmup)
+    return ForwardCosts.from_samples(samples, context_len)
+
+
+def forward_pass_samples(
+    backend: CausalLM, ks: Iterable[int], *, context_len: int = 200, repeats: int = 5, warmup: int = 1
+) -> dict[int, list[float]]:
+    """``{k: [seconds of each timed pass]}``, the timings :func:`measure_forward_costs` takes the medians of
+    (1 always included): for callers that judge their spread (:func:`draftwise.measurement.noisy_timings`).
+
+    Raises:
+        ContextOverflowError: if ``context_len + max(ks)`` exceeds the model's context.
+    """
+    return _time_forward_passes(backend, ks, context_len=context_len, repeats=repeats, warmup=warmup)
 
 
 def _time_forward_passes(
@@ -104,6 +123,8 @@ def _time_forward_passes(
     ks = sorted(set(ks) | {1})
     vocab = backend.vocab_size
     context = [(7 + 31 * i) % vocab for i in range(context_len)]
+    stage = f"calibrating verify cost k={ks[0]}" + (f"..{ks[-1]}" if len(ks) > 1 else "") + f" ({context_len} cached)"
+    progress.report(stage, model=backend.name, done=0, total=warmup + repeats, unit="rounds")
     backend.reset()
     backend.forward(context, num_logits=1)
     samples: dict[int, list[float]] = {k: [] for k in ks}
@@ -116,6 +137,7 @@ def _time_forward_passes(
             backend.rollback(context_len)
             if rep >= warmup:
                 samples[k].append(elapsed)
+        progress.report(stage, model=backend.name, done=rep + 1, total=warmup + repeats, unit="rounds")
     backend.reset()
     return samples
 
@@ -241,7 +263,7 @@ def cached_forward_costs(
         return cached
     logger.info("calibrating %s: forward passes of k = %s tokens (once per model and machine)", backend.name, ks)
     samples = _time_forward_passes(backend, ks, context_len=context_len, repeats=repeats, warmup=1)
-    costs = ForwardCosts(seconds={k: statistics.median(t) for k, t in samples.items()}, context_len=context_len)
+    costs = ForwardCosts.from_samples(samples, context_len)
     spread = _max_relative_spread(samples)
     if spread > max_spread:
         logger.warning("calibration of %s is noisy (timings of one pass differ by %.0f%%; is the machine busy?): "

@@ -1,7 +1,8 @@
 """``draftwise`` command line: pull, generate, bench (and more subcommands as they land).
 
 Each subcommand lives in :mod:`draftwise.commands` and registers itself; user errors print one line and
-exit with code 2, never a traceback.
+exit with code 2, never a traceback. Long library work (loading, dequantizing, self-tests, calibration) shows
+as progress lines on stderr (:mod:`draftwise.progress`).
 """
 
 from __future__ import annotations
@@ -33,18 +34,33 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     from draftwise.commands.common import CliError
     from draftwise.models.loading import ModelLoadError
+    from draftwise.progress import progress_lines
 
     args = build_parser().parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return int(args.func(args) or 0)
-    except (CliError, ModelLoadError, ValueError, FileNotFoundError) as exc:
-        print(f"draftwise {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    with progress_lines(model_roles(args)):
+        try:
+            return int(args.func(args) or 0)
+        except (CliError, ModelLoadError, ValueError, FileNotFoundError) as exc:
+            print(f"draftwise {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+
+
+def model_roles(args: argparse.Namespace) -> dict[str, str]:
+    """Model spec -> ``"target"``, ``"draft"`` or ``"target/draft"`` from a subcommand's model flags, for the
+    progress lines."""
+    roles: dict[str, str] = {}
+    named = [(getattr(args, name, None), "target") for name in ("model", "target", "model_flag")]
+    named += [(getattr(args, name, None), "draft") for name in ("draft", "speculative_model")]
+    for spec, role in named:
+        if not isinstance(spec, str) or not spec or spec.lower() == "none" or role in roles.get(spec, "").split("/"):
+            continue
+        roles[spec] = f"{roles[spec]}/{role}" if spec in roles else role
+    return roles
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from draftwise.benchmark import PromptRun
+from draftwise import measurement
+from draftwise.benchmark import PromptRun, doubts_of
 
 __all__ = ["markdown_table", "write_markdown", "write_plots", "agent_method_rows", "agent_session_rows",
            "write_agent_markdown", "write_agent_plots"]
@@ -37,17 +38,19 @@ def write_markdown(path: Path, config: dict, summary: list[dict], by_category: l
     lines = [f"# draftwise bench: {config.get('target')} (draft: {config.get('draft')})", "",
              f"Prompts: {config.get('prompts')} categories={config.get('categories')} limit={config.get('limit')}, "
              f"max_tokens={config.get('max_tokens')}, greedy={config.get('greedy')}", ""]
-    columns = ("category", "method", "tokens/s", "speedup (total)", "decode speedup", "speedup median [min, max]",
+    columns = ("!", "category", "method", "tokens/s", "speedup (total)", "decode speedup", "speedup median [min, max]",
                "alpha", "tau", "mean K", "identical", "overhead", "peak RSS (GB)", "predicted")
     rows = []
     for row in summary + by_category:
         spread = f"{_fmt(row['speedup_median'])} [{_fmt(row['speedup_min'])}, {_fmt(row['speedup_max'])}]"
-        rows.append((row["category"], row["method"], _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]),
+        rows.append((measurement.marker(row.get("warnings", [])), row["category"], row["method"],
+                     _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]),
                      _fmt(row.get("decode_speedup_total")), spread, _fmt(row["acceptance_rate"], ".3f"),
                      _fmt(row["mean_accepted_length"]), _fmt(row["mean_k"], ".1f"), f"{row['identical']}/{row['runs']}",
                      _fmt(row["overhead_share"], ".1%"), f"{row['peak_rss_bytes'] / 1e9:.1f}",
                      _fmt(row.get("predicted_speedup"))))
     lines += ["## Results", ""] + markdown_table(columns, rows)
+    lines += ["", "## Measurement", ""] + measurement_lines(doubts_of(summary + by_category, calibration), summary)
     if calibration:
         rel = calibration.get("target", {}).get("relative", {})
         lines += ["", "## Calibration", "",
@@ -62,6 +65,22 @@ def write_markdown(path: Path, config: dict, summary: list[dict], by_category: l
               for r in failures] or ["All outputs identical to plain decoding."]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def measurement_lines(doubts: Sequence[tuple[str, dict]], summary: Sequence[dict]) -> list[str]:
+    """Markdown lines: the baseline passes' spread, then the legend, the closing warning and every doubt, or a
+    line saying that no figure is in doubt (``doubts``: ``(what, doubt dict)``; ``summary``: rows with
+    ``baseline_spread``)."""
+    lines = []
+    spread = next((row.get("baseline_spread") for row in summary if row.get("baseline_spread") is not None), None)
+    lines.append("Baseline passes (before and after the other methods) " + (
+        f"{spread:.0%} apart; speed-ups are over their mean." if spread is not None else "not repeated."))
+    lines.append("")
+    if not doubts:
+        return [*lines, ("No figure in doubt by the rules of `draftwise.measurement` (baseline moved, machine "
+                         "busy, far from prediction).")]
+    lines += [measurement.legend(d for _, d in doubts) or "", "", measurement.warning_line(doubts) or "", ""]
+    return lines + [f"- {what}: {d['code']} {d['reason']}: {d['detail']}" for what, d in doubts]
 
 
 def write_plots(directory: Path, runs: Sequence[PromptRun], by_category: list[dict], summary: list[dict]) -> list[Path]:
@@ -150,7 +169,7 @@ def _save(plt, fig, path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------- agent-loop workload
-AGENT_METHOD_COLUMNS = ("method", "sessions", "turns", "wall s", "speedup", "TTFT first turn s",
+AGENT_METHOD_COLUMNS = ("!", "method", "sessions", "turns", "wall s", "speedup", "TTFT first turn s",
                         "TTFT later turns s (mean)", "decode tok/s", "prompt tokens", "cached", "alpha", "identical")
 AGENT_SESSION_COLUMNS = ("method", "session", "turns", "context tokens (last turn)", "wall s", "speedup", "TTFT s",
                          "decode tok/s", "identical")
@@ -166,7 +185,8 @@ def _cached_cell(row: dict) -> str:
 
 def agent_method_rows(summary: Sequence[dict]) -> list[tuple[str, ...]]:
     """Table cells (in :data:`AGENT_METHOD_COLUMNS` order) of :func:`draftwise.agent_bench.summarize_agent` rows."""
-    return [(r["method"], str(r["sessions"]), str(r["turns"]), _fmt(r["wall_s"]), _fmt(r["speedup"]),
+    return [(measurement.marker(r.get("warnings", [])), r["method"], str(r["sessions"]), str(r["turns"]),
+             _fmt(r["wall_s"]), _fmt(r["speedup"]),
              _fmt(r["ttft_first_turn_mean_s"]), _fmt(r["ttft_later_turns_mean_s"]), _fmt(r["decode_tokens_per_s"]),
              _fmt(r["prompt_tokens"], "d"), _cached_cell(r), _fmt(r["acceptance_rate"], ".3f"),
              f"{r['identical']}/{r['turns']}") for r in summary]
@@ -191,6 +211,8 @@ def write_agent_markdown(path: Path, config: dict, summary: Sequence[dict], sess
              "", "Each turn carries the whole conversation so far, with the method's own earlier answers. "
              "Speed-up: the baseline's (first method's) wall time / the method's, summed over the turns.", ""]
     lines += ["## Methods", ""] + markdown_table(AGENT_METHOD_COLUMNS, agent_method_rows(summary))
+    doubts = [(row["method"], d) for row in summary for d in row.get("warnings", [])]
+    lines += ["", "## Measurement", ""] + measurement_lines(doubts, summary)
     lines += ["", "## Sessions", ""] + markdown_table(AGENT_SESSION_COLUMNS, agent_session_rows(sessions))
     turn_rows = [(t.method, t.session_id, str(t.turn), _fmt(t.prompt_tokens, "d"), _fmt(t.cached_tokens, "d"),
                   _fmt(t.ttft_s), _fmt(t.decode_tokens_per_s), _fmt(t.wall_s), str(t.output_tokens),

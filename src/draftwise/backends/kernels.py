@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from draftwise import progress
 from draftwise.backends.quantization import Int8Linear, int8_kernels_available, quantize_weight_rows
 
 __all__ = [
@@ -997,6 +998,8 @@ def _run_selftest(mode: str, shapes: tuple[LinearShape, ...], kernels: Sequence[
     generator = torch.Generator().manual_seed(0)
     layers = {s.key: _synthetic_layer(s, generator) for s in shapes}
     candidates: list[_Candidate] = []
+    stage = f"kernel self-test ({mode}; cached afterwards)"
+    progress.report(stage, done=0, total=len(kernels), unit="kernels", estimate=False)
     for kernel in kernels:
         best = _best_cost(candidates, shapes, require_invariant)
         candidate = _time_candidate(kernel, shapes, layers, repeats, SLOWER_CUTOFF * best)
@@ -1005,6 +1008,7 @@ def _run_selftest(mode: str, shapes: tuple[LinearShape, ...], kernels: Sequence[
                 check_all or forced or candidate.cost(shapes) < best):
             _check_candidate(candidate, shapes, layers, repeats)
         candidate.modules.clear()
+        progress.report(stage, done=len(candidates), total=len(kernels), unit="kernels", estimate=False)
     for candidate in candidates:
         if require_invariant and candidate.available and not candidate.timed_out and candidate.invariant is None:
             candidate.detail = "invariance not checked: slower than a row-invariant kernel"

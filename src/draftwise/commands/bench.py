@@ -5,6 +5,12 @@ Methods: ``plain`` (always first, the baseline and exactness oracle), ``draft`` 
 auto``, K_max = max(ks)), plus the transformers anchors ``hf`` (assisted generation and prompt lookup) when
 asked. Writes JSON (after every prompt; ``--resume`` continues it), a Markdown report and PNG plots.
 
+Plain runs again after the other methods on every prompt (``plain (repeat)``: the order A B ... A) and every
+speed-up is over the mean of the two plain passes. Each run records its CPU time, wall time and the load
+average; a row whose figures are doubtful by :mod:`draftwise.measurement`'s rules (baseline moved, machine
+busy, far from the cost model's prediction) carries a marker in the table, ``warnings`` in the JSON, and the
+command ends with a WARNING line saying why.
+
 ``--workload agent`` replays multi-turn coding sessions instead (:mod:`draftwise.agent_bench`): in process,
 one engine per method built like ``draftwise serve`` builds it, or with ``--url`` against OpenAI-compatible
 servers (the first URL is the baseline).
@@ -20,10 +26,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from draftwise import measurement
 from draftwise.benchmark import (
     MethodSpec,
     PromptRun,
     default_prompts_path,
+    doubts_of,
     load_prompts,
     load_results,
     run_benchmark,
@@ -31,7 +39,7 @@ from draftwise.benchmark import (
     write_json,
 )
 from draftwise.builder import DEFAULT_KV_CACHE_MEMORY, DEMO_DRAFT, DEMO_TARGET, backend_kind, load_draft_model
-from draftwise.calibration import ForwardCosts, measure_forward_costs
+from draftwise.calibration import ForwardCosts, forward_pass_samples
 from draftwise.commands.common import (
     CliError,
     add_backend_arg,
@@ -52,6 +60,8 @@ METHODS = ("plain", "draft", "ngram", "medusa", "eagle", "hf")
 #: Methods of the agent workload only: suffix decoding, the hybrid proposer, and plain decoding with the prefix
 #: cache off (the baseline an agent loop gets from a server without prefix reuse).
 AGENT_METHODS = METHODS + ("suffix", "hybrid", "plain-nocache")
+#: Tokens in the cache under the calibration's timed passes.
+CALIBRATION_CONTEXT = 200
 
 
 def register(subparsers) -> None:
@@ -82,6 +92,10 @@ def register(subparsers) -> None:
     parser.add_argument("--resume", default=None, help="continue an interrupted run from its JSON file")
     parser.add_argument("--no-calibrate", action="store_true", help="skip the forward-cost calibration")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--baseline-repeat", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the baseline (plain, or the first --url) again after the other methods (A B ... A) "
+                        "and report its spread; speed-ups are over the mean of both passes (default: on; "
+                        "--no-baseline-repeat saves that run but cannot tell whether the machine's speed moved)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     add_quantization_arg(parser)
@@ -282,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
     anchors = _anchor_models(args, methods, target, draft, options)
     calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
     specs = build_methods(target, draft, methods, ks, policies, {}, heads, tree_widths, anchors=anchors)
+    if args.baseline_repeat:
+        specs = measurement.with_baseline_repeat(specs)
     config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
               "ks": ks, "k_policies": policies, "prompts": str(prompts_path), "categories": categories,
               "limit": args.limit, "turns": args.turns, "quantization": args.quantization, "backend": args.backend,
@@ -297,11 +313,20 @@ def run(args: argparse.Namespace) -> int:
     by_category = summarize(runs, target_costs, draft_cost, by_category=True)
     save(runs, complete=True)
     _print_tables(console, summary, by_category, calibration)
+    _print_measurements(console, summary, runs, calibration)
     _write_reports(console, output, config, runs, summary, by_category, calibration, plots=not args.no_plots)
     mismatches = [r for r in runs if params.greedy and not r.identical_to_plain]
     if mismatches:
         console.print(f"[red]{len(mismatches)} run(s) differ from plain decoding[/red]")
+    print_warning(console, doubts_of(_shown_rows(summary, by_category), calibration))
     return 1 if mismatches else 0
+
+
+def print_warning(console: Console, doubts) -> None:
+    """End a command with :func:`draftwise.measurement.warning_line` of ``(what, doubt)`` pairs, if any."""
+    line = measurement.warning_line(doubts)
+    if line:
+        console.print(line, style="bold yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def _load_draft(args: argparse.Namespace, target: LoadedModel, options: dict) -> LoadedModel:
@@ -343,15 +368,27 @@ def _tree_widths(text: str) -> list[int]:
 
 
 def _calibrate(console, args, target, draft, ks) -> tuple[dict, ForwardCosts | None, float | None]:
+    """The forward-cost calibration for the predictions: the target's verify curve and the draft's one-token
+    pass, with their measurement and doubts (machine busy, noisy repeated timings) under ``"measurement"`` and
+    ``"warnings"``."""
     if args.no_calibrate:
         return {}, None, None
     console.print("calibrating forward costs (target k = 1..K+1" + (", draft k = 1)" if draft else ")") + " ...")
-    target_costs = measure_forward_costs(target.backend, range(1, max(ks) + 2))
+    with measurement.measure(measurement.backend_threads(target.backend)) as measured:
+        target_samples = forward_pass_samples(target.backend, range(1, max(ks) + 2), context_len=CALIBRATION_CONTEXT)
+        draft_samples = (forward_pass_samples(draft.backend, [1], context_len=CALIBRATION_CONTEXT)
+                         if draft is not None else None)
+    target_costs = ForwardCosts.from_samples(target_samples, CALIBRATION_CONTEXT)
     calibration = {"target": target_costs.to_dict()}
     draft_cost = None
-    if draft is not None:
-        draft_cost = measure_forward_costs(draft.backend, [1]).seconds[1]
+    if draft_samples is not None:
+        draft_cost = ForwardCosts.from_samples(draft_samples, CALIBRATION_CONTEXT).seconds[1]
         calibration.update(draft_1_token_s=draft_cost, cost_ratio_c=draft_cost / target_costs.seconds[1])
+    doubts = [measurement.machine_busy(measured.result, "calibration")]
+    doubts += [measurement.noisy_timings(t, f"target {k}-token pass") for k, t in sorted(target_samples.items())]
+    if draft_samples is not None:
+        doubts.append(measurement.noisy_timings(draft_samples[1], "draft 1-token pass"))
+    calibration.update(measurement=measured.result.to_dict(), warnings=[d.to_dict() for d in doubts if d])
     return calibration, target_costs, draft_cost
 
 
@@ -363,8 +400,8 @@ def _run_with_progress(console, target, specs, prompts, params, args, done, save
 
         def on_run(run: PromptRun) -> None:
             progress.update(task, advance=1, description=f"prompt {run.prompt_id} {run.method}")
-            logger.info("prompt %s turn %d %s: %.2f tokens/s, speedup %s", run.prompt_id, run.turn, run.method,
-                        run.tokens_per_s, run.speedup)
+            logger.info("prompt %s turn %d %s: %.2f tokens/s, CPU share %s", run.prompt_id, run.turn, run.method,
+                        run.tokens_per_s, _fmt(run.measurement.get("cpu_share")))
 
         return run_benchmark(target, specs, prompts, params, chat=args.chat == "auto", all_turns=args.turns == "all",
                              done=done, on_run=on_run, on_prompt=save)
@@ -374,17 +411,27 @@ def _fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _shown_rows(summary: list[dict], by_category: list[dict]) -> list[dict]:
+    """The rows of the printed table: overall, then per category when there are several."""
+    return summary + (by_category if len({r["category"] for r in by_category}) > 1 else [])
+
+
 def _print_tables(console: Console, summary: list[dict], by_category: list[dict], calibration: dict) -> None:
-    columns = ("category", "method", "tok/s", "speedup", "decode speedup", "median [min, max]", "alpha", "tau", "K",
-               "identical", "predicted")
+    columns = ("!", "category", "method", "tok/s", "speedup", "decode speedup", "median [min, max]", "alpha", "tau",
+               "K", "identical", "predicted")
     rows = []
-    for row in summary + (by_category if len({r["category"] for r in by_category}) > 1 else []):
+    shown = _shown_rows(summary, by_category)
+    for row in shown:
         spread = f"{_fmt(row['speedup_median'])} [{_fmt(row['speedup_min'])}, {_fmt(row['speedup_max'])}]"
-        rows.append((row["category"], row["method"], _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]),
+        rows.append((measurement.marker(row.get("warnings", [])), row["category"], row["method"],
+                     _fmt(row["tokens_per_s"]), _fmt(row["speedup_total"]),
                      _fmt(row.get("decode_speedup_total")), spread,
                      _fmt(row["acceptance_rate"], ".3f"), _fmt(row["mean_accepted_length"]), _fmt(row["mean_k"], ".1f"),
                      f"{row['identical']}/{row['runs']}", _fmt(row.get("predicted_speedup"))))
     print_table(console, "speculative decoding vs plain (same prompts, same process)", columns, rows)
+    footnote = measurement.legend(d for row in shown for d in row.get("warnings", []))
+    if footnote:
+        console.print(footnote, markup=False, highlight=False, soft_wrap=True)
     if calibration:
         rel = calibration["target"]["relative"]
         curve = ", ".join(f"v{k}={float(v):.2f}" for k, v in rel.items())
@@ -392,6 +439,29 @@ def _print_tables(console: Console, summary: list[dict], by_category: list[dict]
                       if "draft_1_token_s" in calibration else "")
         console.print(f"calibration: target 1 token {calibration['target']['seconds']['1'] * 1000:.0f} ms; "
                       f"{draft_part}{curve}")
+
+
+def _print_measurements(console: Console, summary: list[dict], runs: list[PromptRun], calibration: dict) -> None:
+    """The plain passes' speeds and spread, plain's time per token against the calibrated one-token forward,
+    and the measured CPU share and load of all runs."""
+    rows = {row["method"]: row for row in summary}
+    passes = [rows[label] for label in measurement.baseline_labels(runs) if label in rows]
+    if passes:
+        speeds = ", ".join(f"{row['method']} {_fmt(row['tokens_per_s'])} tok/s" for row in passes)
+        spread = passes[0].get("baseline_spread")
+        line = f"baseline: {speeds}" + (f" ({spread:.0%} apart; speed-ups are over their mean)" if spread is not None
+                                        else " (not repeated: --no-baseline-repeat)")
+        plain = passes[0]
+        tokens = sum(r.num_tokens for r in runs if r.method == plain["method"])
+        if calibration and tokens:
+            per_token = plain["decode_time_s"] / tokens
+            one = calibration["target"]["seconds"]["1"]
+            line += (f"; plain decode {per_token * 1e3:.1f} ms per token vs the calibrated one-token forward "
+                     f"{one * 1e3:.1f} ms ({per_token / one:.2f}x)")
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    combined = measurement.combine(measurement.Measurement.from_dict(r.measurement) for r in runs)
+    if combined is not None:
+        console.print(measurement.describe(combined), markup=False, highlight=False, soft_wrap=True)
 
 
 def _write_reports(console, output: Path, config, runs, summary, by_category, calibration, *, plots: bool) -> None:
@@ -407,9 +477,10 @@ def _write_reports(console, output: Path, config, runs, summary, by_category, ca
 # ---------------------------------------------------------------------- --workload agent
 def run_agent(args: argparse.Namespace) -> int:
     """``bench --workload agent``: replay multi-turn sessions in process (one engine per method) or against
-    ``--url`` servers; print the tables and write JSON, Markdown and plots. Returns 1 when a greedy output
-    differs from the baseline's."""
-    from draftwise.agent_bench import AgentBenchError, session_totals, summarize_agent
+    ``--url`` servers, the baseline again at the end (unless ``--no-baseline-repeat``); print the tables and
+    write JSON, Markdown and plots, ending with a WARNING line when a figure is doubtful. Returns 1 when a
+    greedy output differs from the baseline's."""
+    from draftwise.agent_bench import AgentBenchError, agent_doubts, session_totals, summarize_agent
 
     console = Console()
     params = sampling_params_from_args(args)
@@ -421,6 +492,9 @@ def run_agent(args: argparse.Namespace) -> int:
         raise CliError(f"--request-timeout must be > 0, got {args.request_timeout}")
     sessions, source = _agent_sessions(args)
     methods, config = _agent_methods(args, params)
+    if args.baseline_repeat:
+        methods = measurement.with_baseline_repeat(methods)
+        config["methods"] = [m.label for m in methods]
     note = None
     if not args.url and args.concurrency > 1:
         note = "in process the engine serves one request at a time: sessions ran one after another"
@@ -439,6 +513,7 @@ def run_agent(args: argparse.Namespace) -> int:
     mismatches = [t for t in turns if params.greedy and not t.identical_to_plain]
     if mismatches:
         console.print(f"[red]{len(mismatches)} turn(s) differ from {methods[0].label}[/red]")
+    print_warning(console, agent_doubts(summary))
     return 1 if mismatches else 0
 
 
@@ -620,9 +695,22 @@ def _print_agent_tables(console: Console, summary: list[dict], per_session: list
 
     print_table(console, "agent loop: multi-turn sessions, each turn carries the conversation so far",
                 AGENT_METHOD_COLUMNS, agent_method_rows(summary))
+    footnote = measurement.legend(d for row in summary for d in row.get("warnings", []))
+    if footnote:
+        console.print(footnote, markup=False, highlight=False, soft_wrap=True)
     if len({r["session_id"] for r in per_session}) > 1:
         print_table(console, "per session", AGENT_SESSION_COLUMNS, agent_session_rows(per_session))
     baseline, others = summary[0], summary[1:]
+    passes = [row for row in summary
+              if row["method"] in (baseline["method"], baseline["method"] + measurement.REPEAT_SUFFIX)]
+    if len(passes) > 1:
+        walls = ", ".join(f"{row['method']} {_fmt(row['wall_s'])} s" for row in passes)
+        console.print(f"baseline: {walls} ({baseline['baseline_spread']:.0%} apart; speed-ups are over their mean)",
+                      markup=False, highlight=False, soft_wrap=True)
+    combined = measurement.combine(measurement.Measurement.from_dict(r.get("measurement", {})) for r in summary)
+    if combined is not None:
+        console.print(measurement.describe(combined), markup=False, highlight=False, soft_wrap=True)
+    others = [row for row in others if row not in passes]
     if others:
         parts = ", ".join(f"{r['method']} {_fmt(r['speedup'])}x" for r in others)
         identical = all(r["identical"] == r["turns"] for r in others)

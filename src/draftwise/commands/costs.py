@@ -9,6 +9,10 @@ measured DRAM read bandwidth, the bytes of the model's linear-layer weights and 
 bound of one token (bytes / bandwidth) next to the measured one-token time; ``--kernels`` runs (or reads
 from its cache) the linear-kernel self-test for the model's layer shapes and prints its table
 (:func:`draftwise.backends.kernels.select_linear_kernel`).
+
+The timings record the process's CPU time and the load average (:mod:`draftwise.measurement`): a k whose
+repeated timings spread too far is marked ``!N`` in the table, every row ``!C`` when the machine was busy, the
+JSON carries ``measurement``, ``spread`` (per k) and ``warnings``, and the command ends with a WARNING line.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from draftwise import measurement
 from draftwise.backends.kernels import (
     KERNEL_MODES,
     TIMED_ROWS,
@@ -33,7 +38,7 @@ from draftwise.backends.kernels import (
     select_linear_kernel,
 )
 from draftwise.builder import DEMO_TARGET
-from draftwise.calibration import ForwardCosts, measure_forward_costs
+from draftwise.calibration import ForwardCosts, forward_pass_samples
 from draftwise.commands.common import CliError, add_quantization_arg
 from draftwise.models.loading import load_model
 
@@ -117,27 +122,57 @@ def run(args: argparse.Namespace) -> int:
     args.quantization = target.quantization  # "auto" resolved: the table and JSON name the mode measured
     context = _fit_context(args.context, target.backend.max_context, ks[-1])
     console.print(f"timing k = {ks[0]}..{ks[-1]} new tokens on a {context}-token context, {args.repeats} repeats ...")
-    costs = measure_forward_costs(target.backend, ks, context_len=context, repeats=args.repeats)
+    timed = _timed(target.backend, ks, context, args.repeats)
+    costs = ForwardCosts.from_samples(timed["samples"], context)
     draft_s = None
+    draft_timed = None
     if args.draft:
         console.print(f"loading draft {args.draft} ...")
         draft = load_model(args.draft, **options)
-        draft_s = measure_forward_costs(draft.backend, [1], context_len=context, repeats=args.repeats).seconds[1]
+        draft_timed = _timed(draft.backend, [1], context, args.repeats)
+        draft_s = ForwardCosts.from_samples(draft_timed["samples"], context).seconds[1]
+    doubts = _doubts(timed, draft_timed)
     machine = _machine_figures(target.backend, costs, args.bandwidth_mib)
     choices = _kernel_choices(console, target.backend, kernel_modes)
     if args.json:
         result = _result_dict(args, costs, draft_s)
-        result["machine"] = machine
+        result.update(machine=machine, measurement=timed["measurement"].to_dict(),
+                      spread={str(k): measurement.relative_spread(t) for k, t in timed["samples"].items()},
+                      warnings=[{"row": what, **d.to_dict()} for what, d in doubts])
+        if draft_timed is not None:
+            result["draft_measurement"] = draft_timed["measurement"].to_dict()
         if kernel_modes:
             result["kernels"] = {mode: c.to_dict() if isinstance(c, KernelChoice) else {"error": c}
                                  for mode, c in choices.items()}
         print(json.dumps(result, indent=2))
     else:
-        _print_curve(console, args, costs, draft_s)
+        _print_curve(console, args, costs, draft_s, doubts)
         _print_machine(console, machine)
+        console.print(measurement.describe(timed["measurement"]), markup=False, highlight=False, soft_wrap=True)
         for mode, choice in choices.items():
             _print_kernels(console, mode, choice)
+    line = measurement.warning_line(doubts)
+    if line:
+        console.print(line, style="bold yellow", markup=False, highlight=False, soft_wrap=True)
     return 0
+
+
+def _timed(backend, ks: list[int], context: int, repeats: int) -> dict:
+    """``{"samples": {k: [seconds]}, "measurement": Measurement}`` of the timed forward passes."""
+    with measurement.measure(measurement.backend_threads(backend)) as measured:
+        samples = forward_pass_samples(backend, ks, context_len=context, repeats=repeats)
+    return {"samples": samples, "measurement": measured.result}
+
+
+def _doubts(timed: dict, draft_timed: dict | None) -> list[tuple[str, measurement.Doubt]]:
+    """``(row, doubt)``: machine busy during the target's (row ``target``: every k) or the draft's timings, and
+    each k (row ``k=K``) whose repeated timings spread too far."""
+    doubts = [("target", measurement.machine_busy(timed["measurement"]))]
+    doubts += [(f"k={k}", measurement.noisy_timings(t, f"{k}-token pass")) for k, t in sorted(timed["samples"].items())]
+    if draft_timed is not None:
+        doubts.append(("draft", measurement.machine_busy(draft_timed["measurement"])))
+        doubts.append(("draft", measurement.noisy_timings(draft_timed["samples"][1], "draft 1-token pass")))
+    return [(what, d) for what, d in doubts if d is not None]
 
 
 def _machine_figures(backend, costs: ForwardCosts, bandwidth_mib: int) -> dict:
@@ -192,14 +227,22 @@ def _result_dict(args: argparse.Namespace, costs: ForwardCosts, draft_s: float |
     return result
 
 
-def _print_curve(console: Console, args: argparse.Namespace, costs: ForwardCosts, draft_s: float | None) -> None:
+def _print_curve(console: Console, args: argparse.Namespace, costs: ForwardCosts, draft_s: float | None,
+                 doubts: list[tuple[str, measurement.Doubt]] = ()) -> None:
+    """The verify-cost table (a row per k, marked ``!`` with the codes of its doubts and of those of every
+    row), the one-token line and the doubts' legend."""
     table = Table(title=f"{args.model} ({args.quantization}), context {costs.context_len} tokens, "
                         f"median of {args.repeats}")
-    for column in ("k", "forward ms", "v_k = t_k / t_1", "ms / token"):
+    for column in ("!", "k", "forward ms", "v_k = t_k / t_1", "ms / token"):
         table.add_column(column, justify="right")
+    everywhere = [d for what, d in doubts if what == "target"]
     for k, seconds in sorted(costs.seconds.items()):
-        table.add_row(str(k), f"{seconds * 1e3:.1f}", f"{costs.relative(k):.2f}", f"{seconds * 1e3 / k:.1f}")
+        mark = measurement.marker(everywhere + [d for what, d in doubts if what == f"k={k}"])
+        table.add_row(mark, str(k), f"{seconds * 1e3:.1f}", f"{costs.relative(k):.2f}", f"{seconds * 1e3 / k:.1f}")
     console.print(table)
+    footnote = measurement.legend(d for _, d in doubts)
+    if footnote:
+        console.print(footnote, markup=False, highlight=False, soft_wrap=True)
     one = costs.seconds[1]
     line = f"one token: {one * 1e3:.1f} ms ({1 / one:.2f} tokens/s)"
     if draft_s is not None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from draftwise import progress
 from draftwise.backends.base import CausalLM
 from draftwise.backends.torch_backend import TorchCausalLM, default_attention, default_device, default_dtype
 from draftwise.config import BACKENDS  # values of ``load_model(backend=...)`` and ``--backend``
@@ -188,13 +189,16 @@ def load_model(
     attention = attn_implementation or default_attention(device)
     try:
         if path.endswith(".gguf"):
-            model_dir = _dequantized_dir(Path(path))
+            model_dir = _dequantized_dir(Path(path), label=spec)
+            progress.report("loading the weights", model=spec)
             model, tokenizer = _load_hf_dir(model_dir, torch_dtype, attention)
         elif Path(path).is_dir():
+            progress.report("loading the weights", model=spec)
             model, tokenizer = _load_hf_dir(Path(path), torch_dtype, attention)
         elif _looks_local(path):
             raise ModelLoadError(f"model not found: {path}")
         else:
+            progress.report("loading the weights", model=spec)
             model, tokenizer = _load_hf_dir(path, torch_dtype, attention)  # hub id
     except ModelLoadError:
         raise
@@ -227,6 +231,8 @@ def load_model(
                                quantization=quantization)
     if head_ids is not None:
         _restrict_head(model, head_ids, quantization, name)
+    if quantization != "none":
+        progress.report(f"quantizing the linear layers ({quantization})", model=spec)
     quantize_model(model, quantization)
     backend = TorchCausalLM(model, name=name, max_context=max_context)
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids,
@@ -368,6 +374,7 @@ def _load_llama_cpp(spec: str, path: str, *, max_context: int | None, threads: i
 
     if not Path(path).is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
+    progress.report("loading with llama.cpp", model=spec)
     try:
         backend, tokenizer, eos_ids = load_llama_cpp(path, name=spec, max_context=max_context, n_threads=threads)
     except (OSError, ValueError) as exc:
@@ -405,8 +412,9 @@ def _cache_key(path: Path) -> str:
     return f"{path.stem}-{digest}"
 
 
-def _dequantized_dir(path: Path) -> Path:
-    """Return a safetensors copy of a GGUF model, creating it (atomically) on first use."""
+def _dequantized_dir(path: Path, label: str | None = None) -> Path:
+    """Return a safetensors copy of a GGUF model, creating it (atomically) on first use (progress reported
+    under ``label``, default the path)."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
     target = draftwise_home() / "dequantized" / _cache_key(path)
@@ -414,10 +422,16 @@ def _dequantized_dir(path: Path) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("dequantizing %s once into %s (this takes a while for large models)", path, target)
+    label = label or str(path)
+    size = path.stat().st_size
+    amount = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+    progress.report(f"dequantizing GGUF ({amount}, once: cached afterwards; transformers shows the tensors)",
+                    model=label)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:
         model, tokenizer = _load_gguf(path)
         _forget_gguf_quantization(model)
+        progress.report("saving the dequantized copy", model=label)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         if target.exists():

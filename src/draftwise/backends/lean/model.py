@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from draftwise import progress
 from draftwise.backends.lean.attention import block_attention, row_multiple, tree_block_attention
 from draftwise.backends.lean.kv_cache import SlotKVCache
 from draftwise.backends.lean.rows import RowBatch, chain_rows
@@ -201,7 +202,7 @@ class LeanLlama(nn.Module):
         self.block = block
         decoder = hf_model.model
         self.embed = decoder.embed_tokens.weight.detach().float().clone()  # [V, H]
-        self.layers = nn.ModuleList(LeanLayer(layer, config, linear) for layer in decoder.layers)
+        self.layers = nn.ModuleList(_build_layers(decoder.layers, config, linear))
         self.final_norm = decoder.norm.weight.detach().float().clone()  # [H]
         head = hf_model.get_output_embeddings()
         head_weight = self.embed if config.tie_word_embeddings else head.weight.detach().float()
@@ -298,10 +299,13 @@ class LeanLlama(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, self.config.vocab_size, (context + max_rows,), generator=generator).tolist()
         try:
+            progress.report("row-invariance self-test", done=0, total=max_rows, unit="passes")
             self.forward_rows(chain_rows(ids[:context], 0, slot))
             alone = [self.forward_rows(chain_rows([t], context + i, slot))[0][0] for i, t in enumerate(ids[context:])]
+            progress.report("row-invariance self-test", done=1, total=max_rows, unit="passes")
             for k in range(2, max_rows + 1):
                 together, _ = self.forward_rows(chain_rows(ids[context:context + k], context, slot))
+                progress.report("row-invariance self-test", done=k, total=max_rows, unit="passes")
                 if not all(torch.equal(together[i], alone[i]) for i in range(k)):
                     logger.warning("row-invariance self-test failed at k=%d on %d cached tokens", k, context)
                     return False
@@ -345,6 +349,18 @@ class LeanLlama(nn.Module):
                 total += module.weight.numel() * module.weight.element_size()
         norms = sum(layer.input_norm.numel() + layer.post_norm.numel() for layer in self.layers)
         return total + 4 * (norms + self.final_norm.numel() + self.config.hidden_size)
+
+
+def _build_layers(hf_layers, config: LeanConfig, linear: LinearFactory) -> list[LeanLayer]:
+    """The lean copies of a transformers decoder's layers, one after the other (their linear layers built by
+    ``linear``: int8 quantization for the int8 mode), reporting progress per layer."""
+    layers = []
+    total = len(hf_layers)
+    progress.report("building the lean decoder", done=0, total=total, unit="layers")
+    for index, hf_layer in enumerate(hf_layers, 1):
+        layers.append(LeanLayer(hf_layer, config, linear))
+        progress.report("building the lean decoder", done=index, total=total, unit="layers")
+    return layers
 
 
 def _round_up(value: int, multiple: int) -> int:
