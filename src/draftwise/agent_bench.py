@@ -48,7 +48,6 @@ import dataclasses
 import gc
 import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -61,6 +60,7 @@ from typing import Protocol
 from draftwise import measurement
 from draftwise.benchmark import BenchPrompt, environment, first_difference
 from draftwise.config import SamplingParams
+from draftwise.files import write_json_atomic
 
 __all__ = ["AgentSession", "TurnOutcome", "AgentTurn", "TurnRunner", "AgentMethod", "AgentBenchError",
            "FOLLOW_UPS", "DEFAULT_SYSTEM_PROMPT", "default_sessions_path", "load_sessions", "sessions_from_prompts",
@@ -741,7 +741,4 @@ def write_agent_json(path: str | Path, config: dict, turns: Sequence[AgentTurn],
                "measurement": combined.to_dict() if combined else {},
                "warnings": [{"row": what, **d} for what, d in agent_doubts(summary)],
                "summary": summary, "sessions": sessions, "turns": [asdict(t) for t in turns]}
-    staging = path.with_suffix(path.suffix + ".tmp")
-    staging.write_text(json.dumps(payload, indent=1))
-    os.replace(staging, path)
-    return path
+    return write_json_atomic(path, payload, indent=1)

@@ -28,6 +28,7 @@ from draftwise import cost_model, measurement
 from draftwise.calibration import ForwardCosts
 from draftwise.config import SamplingParams
 from draftwise.engine import GenerationResult, SpeculativeEngine
+from draftwise.files import write_json_atomic
 from draftwise.models.loading import LoadedModel
 
 __all__ = ["BenchPrompt", "MethodSpec", "PromptRun", "load_prompts", "default_prompts_path", "run_benchmark",
@@ -455,10 +456,7 @@ def write_json(path: str | Path, config: dict, runs: Sequence[PromptRun], summar
                "measurement": combined.to_dict() if combined else {},
                "warnings": [{"row": what, **d} for what, d in doubts_of(summary, calibration)],
                "summary": summary, "runs": [asdict(r) for r in runs]}
-    staging = path.with_suffix(path.suffix + ".tmp")
-    staging.write_text(json.dumps(payload, indent=1))
-    os.replace(staging, path)
-    return path
+    return write_json_atomic(path, payload, indent=1)
 
 
 def load_results(path: str | Path) -> tuple[dict, list[PromptRun], dict]:

@@ -23,7 +23,6 @@ import os
 import platform
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from draftwise import progress
 from draftwise.backends.base import CausalLM
 from draftwise.config import SamplingParams
 from draftwise.cost_model import CostModel, predicted_speedup  # re-exported: defined in draftwise.cost_model
-from draftwise.models.pull import draftwise_home
+from draftwise.files import draftwise_home, write_json_atomic
 from draftwise.proposers.base import Proposer
 from draftwise.sampling import Sampler
 
@@ -204,18 +203,6 @@ def _read_cached(path: Path, key: dict, ks: Sequence[int]) -> ForwardCosts | Non
     return costs if all(k in costs.seconds for k in ks) else None
 
 
-def _write_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 # ---------------------------------------------------------------------------------------------- measuring
 def cached_forward_costs(
     backend: CausalLM,
@@ -270,7 +257,7 @@ def cached_forward_costs(
                        "using it for this run without caching it", backend.name, 100 * spread)
         return costs
     try:
-        _write_atomic(path, {"key": key, "forward_costs": costs.to_dict()})
+        write_json_atomic(path, {"key": key, "forward_costs": costs.to_dict()}, sort_keys=True)
     except OSError as exc:
         logger.warning("could not cache calibration at %s: %s", path, exc)
     return costs

@@ -33,9 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import sysconfig
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -324,21 +322,18 @@ def vocabulary_hash(tokenizer) -> str:
 def save_token_map(path: str | Path, ranked: Sequence[int]) -> Path:
     """Write ranked ids (most frequent first): ``.npy`` as int32, any other suffix as text, one id a line.
     Written atomically (a temporary file renamed into place)."""
+    from draftwise.files import atomic_write
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as handle:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as handle:
             if path.suffix == ".npy":
                 np.save(handle, np.asarray(ranked, dtype=np.int32))
             else:
                 handle.write("".join(f"{int(t)}\n" for t in ranked).encode())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a map is an ordinary shared file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+
+    return atomic_write(path, write)
 
 
 def load_token_map(path: str | Path) -> list[int]:
@@ -397,7 +392,7 @@ def default_ranking(tokenizer, *, cache_dir: Path | None = None, corpus_bytes: i
         logger.info("FR-Spec ranking: shipped token map %s", shipped)
         return load_token_map(shipped)
     if cache_dir is None:
-        from draftwise.models.pull import draftwise_home
+        from draftwise.files import draftwise_home
 
         cache_dir = draftwise_home() / "token_maps"
     cached = cache_dir / f"{key}-v{_CORPUS_VERSION}-{corpus_bytes}.npy"

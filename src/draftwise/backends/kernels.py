@@ -844,7 +844,7 @@ class KernelChoice:
 # ----------------------------------------------------------------------------------------------- selecting
 def kernel_cache_dir() -> Path:
     """``draftwise_home()/kernels`` (not created here)."""
-    from draftwise.models.pull import draftwise_home
+    from draftwise.files import draftwise_home
 
     return draftwise_home() / "kernels"
 
@@ -913,9 +913,9 @@ def select_linear_kernel(
             choice = _run_selftest(mode, shapes, tested, require_invariant, n_threads, repeats, forced is not None,
                                    check_all)
             try:
-                from draftwise.calibration import _write_atomic
+                from draftwise.files import write_json_atomic
 
-                _write_atomic(path, {"key": key, "choice": choice.to_dict()})
+                write_json_atomic(path, {"key": key, "choice": choice.to_dict()}, sort_keys=True)
             except OSError as exc:
                 logger.warning("could not cache the kernel self-test at %s: %s", path, exc)
         else:

@@ -27,9 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +38,7 @@ from safetensors.torch import save_file
 
 from draftwise.benchmark import BenchPrompt, encode_turn
 from draftwise.config import SamplingParams
+from draftwise.files import atomic_write
 from draftwise.models.loading import LoadedModel
 
 __all__ = ["HeadsSample", "PromptSplit", "split_prompts", "write_prompts_jsonl", "encode_prompt",
@@ -256,16 +255,9 @@ def build_samples(target: LoadedModel, prompts: Sequence[BenchPrompt], *, finger
 
 def _write_sample(path: Path, sample: HeadsSample) -> None:
     """Atomically write ``tokens`` ``[T]`` and ``features`` ``[T, H]`` with ``prompt_len`` in the metadata."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".sample-", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({"tokens": sample.tokens.contiguous(), "features": sample.features.contiguous()}, tmp,
-                  metadata={"prompt_len": str(sample.prompt_len), "format": str(_CACHE_FORMAT)})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda tmp: save_file(
+        {"tokens": sample.tokens.contiguous(), "features": sample.features.contiguous()}, tmp,
+        metadata={"prompt_len": str(sample.prompt_len), "format": str(_CACHE_FORMAT)}))
 
 
 def _read_sample(path: Path, prompt: BenchPrompt) -> HeadsSample:

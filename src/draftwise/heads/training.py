@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -37,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftwise.files import atomic_write
 from draftwise.heads.config import METHODS, HeadsMismatchError
 from draftwise.heads.data import HeadsSample
 from draftwise.heads.eagle import EagleHead, HeadCache, eagle_layer_config
@@ -333,15 +332,7 @@ def save_checkpoint(path: str | Path, *, heads: nn.Module, optimizer: torch.opti
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"format": _CHECKPOINT_FORMAT, "step": step, "heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
              "losses": list(losses), "train_time_s": train_time_s, "identity": identity}
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
 def load_checkpoint(path: str | Path, identity: dict) -> dict:

@@ -25,7 +25,8 @@ from draftwise.backends.base import CausalLM
 from draftwise.backends.torch_backend import TorchCausalLM, default_attention, default_device, default_dtype
 from draftwise.config import BACKENDS  # values of ``load_model(backend=...)`` and ``--backend``
 from draftwise.models.gguf_tokenizer import gguf_metadata, tokenizer_from_gguf_vocab
-from draftwise.models.pull import MODEL_REGISTRY, draftwise_home, is_pulled, model_path
+from draftwise.files import draftwise_home
+from draftwise.models.pull import MODEL_REGISTRY, is_pulled, model_path
 from draftwise.backends.quantization import int8_usable, parse_quantization, quantize_model
 
 if TYPE_CHECKING:

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
+from draftwise.files import draftwise_home
+
 try:  # POSIX only; on other systems concurrent pulls are simply not detected.
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -47,7 +49,6 @@ __all__ = [
     "ModelSource",
     "PullError",
     "PullInterrupted",
-    "draftwise_home",
     "is_pulled",
     "model_path",
     "models_dir",
@@ -166,17 +167,6 @@ class Downloader(Protocol):
 
 
 # --------------------------------------------------------------------------------------------- paths
-
-
-def draftwise_home() -> Path:
-    """Return draftwise's cache root: ``$DRAFTWISE_HOME`` if set and non-empty, else ``~/.cache/draftwise``.
-
-    The directory is not created here.
-    """
-    env = os.environ.get("DRAFTWISE_HOME")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "draftwise"
 
 
 def models_dir() -> Path:
