@@ -614,3 +614,45 @@ def test_engine_failures_are_counted_and_logged_as_errors_not_aborts(fake, caplo
     assert not any("abandoned" in line for line in lines), lines
     again = httpx.post(f"{url}/v1/completions", json={"prompt": "fine", "max_tokens": 2}, timeout=30)
     assert again.status_code == 200  # the server keeps serving
+
+
+# ---------------------------------------------------------------------- issue 21 A. the API docs
+DOCS_PATHS = ["/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"]
+
+
+@pytest.mark.parametrize("path", DOCS_PATHS)
+def test_api_docs_are_not_served_by_default(path):
+    from fastapi.testclient import TestClient
+
+    for settings in (ServerSettings(), ServerSettings(api_key="sk-1")):
+        headers = {"Authorization": "Bearer sk-1"} if settings.api_key else {}
+        response = TestClient(create_app(fake_bundle(), settings)).get(path, headers=headers)
+        assert response.status_code == 404 and response.json()["error"]["message"] == f"no such endpoint: GET {path}"
+
+
+@pytest.mark.parametrize("path", DOCS_PATHS)
+def test_enabled_api_docs_need_the_api_key_like_v1(path):
+    from fastapi.testclient import TestClient
+
+    client = TestClient(create_app(fake_bundle(), ServerSettings(api_key="sk-1", enable_docs=True)))
+    for headers in ({}, {"Authorization": "Bearer sk-2"}, {"Authorization": "Basic sk-1"}):
+        refused, v1_refused = client.get(path, headers=headers), client.get("/v1/models", headers=headers)
+        assert refused.status_code == v1_refused.status_code == 401, (path, headers)
+        assert refused.json() == v1_refused.json() and refused.json()["error"]["code"] == "invalid_api_key"
+        assert refused.headers["www-authenticate"] == "Bearer"
+    assert client.get(path, headers={"Authorization": "bearer sk-1"}).status_code == 200
+    assert client.get("/health").status_code == 200  # still open
+
+
+def test_enabled_api_docs_without_a_key_are_open_like_v1():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(create_app(fake_bundle(), ServerSettings(enable_docs=True)))
+    schema = client.get("/openapi.json").json()
+    assert "/v1/chat/completions" in schema["paths"]
+    assert client.get("/docs").status_code == client.get("/redoc").status_code == 200
+
+
+def test_enable_docs_flag():
+    assert _serve_plan().settings.enable_docs is False
+    assert _serve_plan("--enable-docs").settings.enable_docs is True

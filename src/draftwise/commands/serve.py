@@ -84,6 +84,9 @@ def register(subparsers) -> None:
     parser.add_argument("--shutdown-grace-seconds", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
                         help="on SIGTERM/SIGINT, seconds the running request gets to finish; waiting requests "
                         f"get 503 at once (default {DEFAULT_SHUTDOWN_GRACE_S:g})")
+    parser.add_argument("--enable-docs", action="store_true",
+                        help="serve the OpenAPI schema and its viewers (/openapi.json, /docs, /redoc), behind "
+                        "--api-key like /v1 when a key is set (default: off, those paths are 404s)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.set_defaults(func=run)
@@ -119,6 +122,7 @@ def plan_from_args(args: argparse.Namespace) -> ServePlan:
             max_waiting_requests=args.max_waiting_requests,
             max_request_bytes=args.max_request_bytes,
             shutdown_grace_s=args.shutdown_grace_seconds,
+            enable_docs=args.enable_docs,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
