@@ -656,3 +656,84 @@ def test_enabled_api_docs_without_a_key_are_open_like_v1():
 def test_enable_docs_flag():
     assert _serve_plan().settings.enable_docs is False
     assert _serve_plan("--enable-docs").settings.enable_docs is True
+
+
+# ---------------------------------------------------------------------- issue 21 B. bodies the parser refuses
+@pytest.fixture(scope="module")
+def client():
+    """A TestClient on a fake app with the default body limit (8 MiB)."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(fake_bundle(), ServerSettings())) as test_client:
+        yield test_client
+
+
+def _post(client, body: bytes, path: str = "/v1/completions"):
+    return client.post(path, content=body, headers={"content-type": "application/json"})
+
+
+def _assert_served(client) -> None:
+    """The server still answers a normal request."""
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "xx"
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"prompt": "hi", "extra": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    (b'{"prompt": "\xff\xfe"}', ["not valid UTF-8", "0xff", "offset 12"]),
+    (b'{"prompt": "ok", "user": "\xc3"}', ["not valid UTF-8", "0xc3", "offset 26"]),
+    (_nested(5000), ["nested deeper than 256 levels", "level 257", "line 1 column 282 (char 281)"]),
+    (b"[" * 5000, ["nested deeper than 256 levels", "char 256"]),
+    (b'{"prompt": "hi", "max_tokens": ' + b"1" * 5000 + b"}", ["more than 4300 digits", "5000 digits"]),
+    (b'{"prompt": "hi", "seed": -' + b"9" * 4301 + b"}", ["more than 4300 digits", "4301 digits"]),
+    (b'{"prompt": "hi",\n "max_tokens": }', ["not valid JSON", "line 2 column 16 (char 32)"]),
+], ids=["utf8-start", "utf8-truncated", "deep", "deep-unclosed", "digits", "negative-digits", "syntax"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bodies_the_parser_refuses_are_400s_naming_the_problem(client, path, body, words):
+    response = _post(client, body, path)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] is None and error["code"] is None
+    assert "error parsing the body" not in error["message"]
+    for word in words:
+        assert word in error["message"], (word, error["message"])
+    _assert_served(client)
+
+
+def test_what_the_parser_limits_leave_alone_is_served(client):
+    """Nesting up to the limit, brackets and long digit runs inside strings, a UTF-8 BOM: all accepted."""
+    from draftwise.server.body import MAX_JSON_DEPTH
+
+    assert _post(client, _nested(MAX_JSON_DEPTH - 1)).status_code == 200
+    brackets = json.dumps({"prompt": "[" * 1000 + "{" * 1000, "max_tokens": 1}).encode()
+    assert _post(client, brackets).status_code == 200
+    digits = json.dumps({"prompt": "hi", "max_tokens": 1, "seed": 7, "extra": "2" * 9000}).encode()
+    assert _post(client, digits).status_code == 200
+    assert _post(client, b"\xef\xbb\xbf" + json.dumps({"prompt": "hi", "max_tokens": 1}).encode()).status_code == 200
+
+
+def test_nesting_past_the_recursion_limit_is_a_400_too(client, monkeypatch):
+    """Should the depth limit ever exceed the interpreter's stack, the parser's RecursionError is a 400 too."""
+    import draftwise.server.body as body_module
+
+    monkeypatch.setattr(body_module, "MAX_JSON_DEPTH", 10**9)
+    response = _post(client, _nested(100_000))
+    assert response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"]
+    _assert_served(client)
+
+
+@pytest.mark.parametrize(("best_of", "words"), [
+    (0, ["must be at least 1", "got 0"]), (-3, ["must be at least 1", "got -3"]),
+    (2, ["best_of=2 is not supported"]),
+])
+def test_best_of_errors_say_what_is_wrong_with_the_value(client, best_of, words):
+    response = client.post("/v1/completions", json={"prompt": "hi", "best_of": best_of})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "best_of"
+    for word in words:
+        assert word in error["message"], (word, error["message"])
+    assert client.post("/v1/completions", json={"prompt": "hi", "best_of": 1, "max_tokens": 1}).status_code == 200

@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from draftwise import __version__
 from draftwise.batching import BatchedEngine
 from draftwise.builder import EngineBundle
+from draftwise.server.body import JSONBodyRoute
 from draftwise.server.errors import APIError, ErrorBoundaryMiddleware, error_body, install_error_handlers
 from draftwise.server.batch_scheduler import BatchScheduler
 from draftwise.server.metrics import ServerMetrics
@@ -112,6 +113,7 @@ def create_app(bundle: EngineBundle, settings: ServerSettings | None = None) -> 
     docs = _docs_paths(settings.enable_docs)
     app = FastAPI(title="draftwise", version=__version__, lifespan=lifespan, openapi_url=docs.openapi,
                   docs_url=docs.swagger, redoc_url=docs.redoc)
+    app.router.route_class = JSONBodyRoute  # bodies parsed with errors that name the problem
     app.state.draftwise = state
     install_error_handlers(app)
     # the last added runs first: errors boundary, then the key check, then the body limit
