@@ -18,6 +18,7 @@ from draftwise.commands.common import (
     add_backend_arg,
     add_model_args,
     add_quantization_arg,
+    check_device_args,
     memory_size,
     speculative_config_from_args,
 )
@@ -105,8 +106,10 @@ def plan_from_args(args: argparse.Namespace) -> ServePlan:
     """Resolve the target, the speculative config (demo draft by default) and the server settings.
 
     Raises:
-        CliError: conflicting targets, an unreadable chat template, out-of-range settings.
+        CliError: a device or dtype this machine lacks, conflicting targets, an unreadable chat template,
+            out-of-range settings.
     """
+    check_device_args(args)
     target = _target(args)
     if target is None:
         target = DEMO_TARGET

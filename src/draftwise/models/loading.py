@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from draftwise.backends.base import CausalLM
-from draftwise.backends.torch_backend import TorchCausalLM, default_attention, default_device, default_dtype
+from draftwise.backends.devices import check_device, check_dtype, parse_dtype
+from draftwise.backends.torch_backend import TorchCausalLM, default_attention
 from draftwise.config import BACKENDS  # values of ``load_model(backend=...)`` and ``--backend``
 from draftwise.models.gguf_tokenizer import gguf_metadata, tokenizer_from_gguf_vocab
 from draftwise.models.pull import MODEL_REGISTRY, draftwise_home, is_pulled, model_path
@@ -40,9 +41,6 @@ RANDOM_PREFIX = "random:"
 RUNTIMES = ("lean", "transformers", "auto")
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
 
 
 class ModelLoadError(RuntimeError):
@@ -105,21 +103,6 @@ def resolve_model(spec: str) -> str:
     return spec
 
 
-def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
-    """``"fp32"``/``"bf16"``/``"fp16"`` (or a torch dtype) to a torch dtype; None picks the device default.
-
-    Raises:
-        ValueError: unknown dtype name.
-    """
-    if dtype is None or dtype == "auto":
-        return default_dtype(device)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
 def load_model(
     spec: str,
     *,
@@ -162,12 +145,16 @@ def load_model(
     Raises:
         ModelLoadError: missing file, unreadable model, a registry model that is not pulled, or the llama.cpp
             backend asked for a non-GGUF model or without llama-cpp-python installed.
-        ValueError: an unknown quantization mode or backend, int8 off the CPU / without fbgemm kernels, a
+        DeviceError: (a ValueError) a device this machine lacks, or a dtype it cannot compute in (checked
+            before the model is read; see :mod:`draftwise.backends.devices`).
+        ValueError: an unknown dtype, quantization mode or backend, int8 off the CPU / without fbgemm kernels, a
             PyTorch-only option (CUDA device, dtype, int8, a head subset) given to the llama.cpp backend, or a
             token map that does not fit the model.
         FileNotFoundError: a head subset's token map file is missing.
     """
     quantization = parse_quantization(quantization)
+    if device is not None or dtype is not None:  # before anything is read: a missing device is no traceback
+        check_dtype(dtype, check_device(device))
     if head_subset is not None and backend == "llama.cpp":
         raise ValueError(f"{spec!r}: a draft vocabulary subset (draft_vocab_size / token_map) needs the PyTorch "
                          "backend (--backend torch); llama.cpp computes its LM head itself")
@@ -179,7 +166,7 @@ def load_model(
         raise ValueError(f"{spec!r}: random weights need the PyTorch backend")
     if not randomize and select_backend(backend, path, device=device, dtype=dtype, quantization=quantization) == "llama.cpp":
         return _load_llama_cpp(spec, path, max_context=max_context, threads=threads)
-    device = device or default_device()
+    device = check_device(device)
     torch_dtype = parse_dtype(dtype, device)
     attention = attn_implementation or default_attention(device)
     try:
