@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from draftwise.frspec import HeadSubset
 
 __all__ = ["RANDOM_PREFIX", "randomize_weights", "LoadedModel", "ModelLoadError", "load_model", "load_tokenizer",
-           "resolve_model", "select_backend", "select_runtime", "BACKENDS", "RUNTIMES"]
+           "resolve_model", "select_backend", "select_runtime", "dequantized_cache_dir", "BACKENDS", "RUNTIMES"]
 
 #: ``load_model("random:SPEC")``: SPEC's architecture and tokenizer with random weights.
 RANDOM_PREFIX = "random:"
@@ -352,11 +352,16 @@ def _cache_key(path: Path) -> str:
     return f"{path.stem}-{digest}"
 
 
+def dequantized_cache_dir() -> Path:
+    """``draftwise_home()/dequantized``: safetensors copies of GGUF models (not created here)."""
+    return draftwise_home() / "dequantized"
+
+
 def _dequantized_dir(path: Path) -> Path:
     """Return a safetensors copy of a GGUF model, creating it (atomically) on first use."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
-    target = draftwise_home() / "dequantized" / _cache_key(path)
+    target = dequantized_cache_dir() / _cache_key(path)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -440,7 +445,7 @@ def load_tokenizer(spec: str):
             gguf = Path(path)
             if not gguf.is_file():
                 raise ModelLoadError(f"GGUF file not found: {gguf}")
-            copy = draftwise_home() / "dequantized" / _cache_key(gguf)
+            copy = dequantized_cache_dir() / _cache_key(gguf)
             if (copy / "config.json").is_file():
                 return AutoTokenizer.from_pretrained(str(copy))
             return _gguf_tokenizer(gguf, gguf_metadata(gguf, ("tokenizer.chat_template",)).get("tokenizer.chat_template"))
