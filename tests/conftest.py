@@ -1,14 +1,62 @@
-"""Shared fixtures: the real stories260K model (../shared/models) and tiny random Llama models."""
+"""Shared fixtures: the real stories260K model (../shared/models) and tiny random Llama models.
+
+The whole session runs with ``DRAFTWISE_HOME`` pointing at a temporary directory (set in
+:func:`pytest_configure`, before any test module is collected, and removed at the end), so calibration,
+kernel choices, dequantized copies and token maps never land in the user's cache. Tests that need models
+pulled by ``draftwise pull`` read them from the user's real models directory, captured below before the
+override: :data:`USER_MODELS_DIR` and :func:`pulled_model_path`.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from draftwise.models.pull import MODEL_REGISTRY, models_dir
+from draftwise.files import draftwise_home as resolved_draftwise_home
+
 REPO = Path(__file__).resolve().parents[1]
+
+# The user's own directories, resolved before pytest_configure points DRAFTWISE_HOME elsewhere.
+USER_DRAFTWISE_HOME = resolved_draftwise_home()
+USER_MODELS_DIR = models_dir()
+
+_session: dict[str, str | None] = {}
+
+
+def pulled_model_path(name: str) -> Path:
+    """Where ``draftwise pull NAME`` put registry model ``name`` in the user's models directory (it need not
+    exist; tests only read it)."""
+    return USER_MODELS_DIR / MODEL_REGISTRY[name].filename
+
+
+def session_draftwise_home() -> Path:
+    """The temporary ``DRAFTWISE_HOME`` of this test session."""
+    return Path(_session["home"])
+
+
+def pytest_configure(config) -> None:
+    """Point ``DRAFTWISE_HOME`` at a fresh temporary directory for the whole session (subprocesses inherit it)."""
+    _session["previous"] = os.environ.get("DRAFTWISE_HOME")
+    _session["home"] = tempfile.mkdtemp(prefix="draftwise-test-home-")
+    os.environ["DRAFTWISE_HOME"] = _session["home"]
+
+
+def pytest_unconfigure(config) -> None:
+    """Restore the caller's ``DRAFTWISE_HOME`` and remove the session's."""
+    if "home" not in _session:
+        return
+    previous = _session.pop("previous")
+    if previous is None:
+        os.environ.pop("DRAFTWISE_HOME", None)
+    else:
+        os.environ["DRAFTWISE_HOME"] = previous
+    shutil.rmtree(_session.pop("home"), ignore_errors=True)
 
 # The test models are tiny: one intra-op thread is faster than two and does not collapse when the CPU is
 # shared with other work (two OpenMP threads on a busy 2-core machine ran 10-50x slower).
@@ -17,16 +65,9 @@ STORIES = Path(os.environ.get("DRAFTWISE_SHARED", REPO.parent / "shared")) / "mo
 
 
 @pytest.fixture(scope="session")
-def draftwise_home(tmp_path_factory):
-    """A private DRAFTWISE_HOME for the session (dequantization cache), restored afterwards."""
-    home = tmp_path_factory.mktemp("draftwise_home")
-    old = os.environ.get("DRAFTWISE_HOME")
-    os.environ["DRAFTWISE_HOME"] = str(home)
-    yield home
-    if old is None:
-        os.environ.pop("DRAFTWISE_HOME", None)
-    else:
-        os.environ["DRAFTWISE_HOME"] = old
+def draftwise_home() -> Path:
+    """The session's temporary DRAFTWISE_HOME (dequantization, calibration and kernel caches)."""
+    return session_draftwise_home()
 
 
 @pytest.fixture(scope="session")

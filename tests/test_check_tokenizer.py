@@ -16,14 +16,13 @@ from draftwise.check.tokenizer import (
     tokenizer_info_from_hf,
 )
 from draftwise.models.loading import LoadedModel
-from draftwise.models.pull import model_path
 from test_check_support import padded_copy, word_tokenizer
 
-from conftest import tiny_llama
+from conftest import pulled_model_path, tiny_llama
 
-# Resolved at import, before any fixture points DRAFTWISE_HOME at a temporary folder.
-QWEN_GGUF = model_path("qwen2.5-coder-0.5b")
-SMOLLM_GGUF = model_path("smollm2-135m")
+# In the user's models directory (the session's DRAFTWISE_HOME is a temporary one, without models).
+QWEN_GGUF = pulled_model_path("qwen2.5-coder-0.5b")
+SMOLLM_GGUF = pulled_model_path("smollm2-135m")
 
 
 def info(tokens, **specials) -> TokenizerInfo:

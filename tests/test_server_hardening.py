@@ -614,3 +614,126 @@ def test_engine_failures_are_counted_and_logged_as_errors_not_aborts(fake, caplo
     assert not any("abandoned" in line for line in lines), lines
     again = httpx.post(f"{url}/v1/completions", json={"prompt": "fine", "max_tokens": 2}, timeout=30)
     assert again.status_code == 200  # the server keeps serving
+
+
+# ---------------------------------------------------------------------- issue 21 A. the API docs
+DOCS_PATHS = ["/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"]
+
+
+@pytest.mark.parametrize("path", DOCS_PATHS)
+def test_api_docs_are_not_served_by_default(path):
+    from fastapi.testclient import TestClient
+
+    for settings in (ServerSettings(), ServerSettings(api_key="sk-1")):
+        headers = {"Authorization": "Bearer sk-1"} if settings.api_key else {}
+        response = TestClient(create_app(fake_bundle(), settings)).get(path, headers=headers)
+        assert response.status_code == 404 and response.json()["error"]["message"] == f"no such endpoint: GET {path}"
+
+
+@pytest.mark.parametrize("path", DOCS_PATHS)
+def test_enabled_api_docs_need_the_api_key_like_v1(path):
+    from fastapi.testclient import TestClient
+
+    client = TestClient(create_app(fake_bundle(), ServerSettings(api_key="sk-1", enable_docs=True)))
+    for headers in ({}, {"Authorization": "Bearer sk-2"}, {"Authorization": "Basic sk-1"}):
+        refused, v1_refused = client.get(path, headers=headers), client.get("/v1/models", headers=headers)
+        assert refused.status_code == v1_refused.status_code == 401, (path, headers)
+        assert refused.json() == v1_refused.json() and refused.json()["error"]["code"] == "invalid_api_key"
+        assert refused.headers["www-authenticate"] == "Bearer"
+    assert client.get(path, headers={"Authorization": "bearer sk-1"}).status_code == 200
+    assert client.get("/health").status_code == 200  # still open
+
+
+def test_enabled_api_docs_without_a_key_are_open_like_v1():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(create_app(fake_bundle(), ServerSettings(enable_docs=True)))
+    schema = client.get("/openapi.json").json()
+    assert "/v1/chat/completions" in schema["paths"]
+    assert client.get("/docs").status_code == client.get("/redoc").status_code == 200
+
+
+def test_enable_docs_flag():
+    assert _serve_plan().settings.enable_docs is False
+    assert _serve_plan("--enable-docs").settings.enable_docs is True
+
+
+# ---------------------------------------------------------------------- issue 21 B. bodies the parser refuses
+@pytest.fixture(scope="module")
+def client():
+    """A TestClient on a fake app with the default body limit (8 MiB)."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(fake_bundle(), ServerSettings())) as test_client:
+        yield test_client
+
+
+def _post(client, body: bytes, path: str = "/v1/completions"):
+    return client.post(path, content=body, headers={"content-type": "application/json"})
+
+
+def _assert_served(client) -> None:
+    """The server still answers a normal request."""
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "xx"
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"prompt": "hi", "extra": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    (b'{"prompt": "\xff\xfe"}', ["not valid UTF-8", "0xff", "offset 12"]),
+    (b'{"prompt": "ok", "user": "\xc3"}', ["not valid UTF-8", "0xc3", "offset 26"]),
+    (_nested(5000), ["nested deeper than 256 levels", "level 257", "line 1 column 282 (char 281)"]),
+    (b"[" * 5000, ["nested deeper than 256 levels", "char 256"]),
+    (b'{"prompt": "hi", "max_tokens": ' + b"1" * 5000 + b"}", ["more than 4300 digits", "5000 digits"]),
+    (b'{"prompt": "hi", "seed": -' + b"9" * 4301 + b"}", ["more than 4300 digits", "4301 digits"]),
+    (b'{"prompt": "hi",\n "max_tokens": }', ["not valid JSON", "line 2 column 16 (char 32)"]),
+], ids=["utf8-start", "utf8-truncated", "deep", "deep-unclosed", "digits", "negative-digits", "syntax"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bodies_the_parser_refuses_are_400s_naming_the_problem(client, path, body, words):
+    response = _post(client, body, path)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] is None and error["code"] is None
+    assert "error parsing the body" not in error["message"]
+    for word in words:
+        assert word in error["message"], (word, error["message"])
+    _assert_served(client)
+
+
+def test_what_the_parser_limits_leave_alone_is_served(client):
+    """Nesting up to the limit, brackets and long digit runs inside strings, a UTF-8 BOM: all accepted."""
+    from draftwise.server.body import MAX_JSON_DEPTH
+
+    assert _post(client, _nested(MAX_JSON_DEPTH - 1)).status_code == 200
+    brackets = json.dumps({"prompt": "[" * 1000 + "{" * 1000, "max_tokens": 1}).encode()
+    assert _post(client, brackets).status_code == 200
+    digits = json.dumps({"prompt": "hi", "max_tokens": 1, "seed": 7, "extra": "2" * 9000}).encode()
+    assert _post(client, digits).status_code == 200
+    assert _post(client, b"\xef\xbb\xbf" + json.dumps({"prompt": "hi", "max_tokens": 1}).encode()).status_code == 200
+
+
+def test_nesting_past_the_recursion_limit_is_a_400_too(client, monkeypatch):
+    """Should the depth limit ever exceed the interpreter's stack, the parser's RecursionError is a 400 too."""
+    import draftwise.server.body as body_module
+
+    monkeypatch.setattr(body_module, "MAX_JSON_DEPTH", 10**9)
+    response = _post(client, _nested(100_000))
+    assert response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"]
+    _assert_served(client)
+
+
+@pytest.mark.parametrize(("best_of", "words"), [
+    (0, ["must be at least 1", "got 0"]), (-3, ["must be at least 1", "got -3"]),
+    (2, ["best_of=2 is not supported"]),
+])
+def test_best_of_errors_say_what_is_wrong_with_the_value(client, best_of, words):
+    response = client.post("/v1/completions", json={"prompt": "hi", "best_of": best_of})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "best_of"
+    for word in words:
+        assert word in error["message"], (word, error["message"])
+    assert client.post("/v1/completions", json={"prompt": "hi", "best_of": 1, "max_tokens": 1}).status_code == 200

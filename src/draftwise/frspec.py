@@ -44,8 +44,8 @@ from torch import nn
 
 __all__ = ["SubsetLMHead", "HeadSubset", "LinearFactory", "kept_ids", "always_kept_ids", "load_token_map",
            "save_token_map", "rank_tokens", "count_tokens", "corpus_texts", "CorpusSource", "DEFAULT_SOURCES",
-           "vocabulary_hash", "default_ranking", "shipped_token_map", "restrict_lm_head", "restrict_draft_head",
-           "head_nbytes", "TOKEN_MAPS_DIR", "FALLBACK_CORPUS_BYTES"]
+           "vocabulary_hash", "default_ranking", "token_map_cache_dir", "shipped_token_map", "restrict_lm_head",
+           "restrict_draft_head", "head_nbytes", "TOKEN_MAPS_DIR", "FALLBACK_CORPUS_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -374,6 +374,13 @@ def shipped_token_map(tokenizer, directory: Path = TOKEN_MAPS_DIR, *, key: str |
     return matches[0] if matches else None
 
 
+def token_map_cache_dir() -> Path:
+    """``draftwise_home()/token_maps``: rankings counted over the local corpus (not created here)."""
+    from draftwise.files import draftwise_home
+
+    return draftwise_home() / "token_maps"
+
+
 def default_ranking(tokenizer, *, cache_dir: Path | None = None, corpus_bytes: int = FALLBACK_CORPUS_BYTES,
                     sources: Sequence[CorpusSource] = DEFAULT_SOURCES) -> list[int]:
     """The ranking to use when no token map is given: a shipped map for this vocabulary
@@ -392,9 +399,7 @@ def default_ranking(tokenizer, *, cache_dir: Path | None = None, corpus_bytes: i
         logger.info("FR-Spec ranking: shipped token map %s", shipped)
         return load_token_map(shipped)
     if cache_dir is None:
-        from draftwise.files import draftwise_home
-
-        cache_dir = draftwise_home() / "token_maps"
+        cache_dir = token_map_cache_dir()
     cached = cache_dir / f"{key}-v{_CORPUS_VERSION}-{corpus_bytes}.npy"
     if cached.is_file():
         return load_token_map(cached)

@@ -46,6 +46,7 @@ from draftwise.commands.common import (
     add_quantization_arg,
     add_sampling_args,
     add_speculative_backend_arg,
+    check_device_args,
     memory_size,
     print_table,
     sampling_params_from_args,
@@ -260,6 +261,7 @@ def _controller_factory(policy, k, kind, target, draft, proposer, calibrated):
 
 
 def run(args: argparse.Namespace) -> int:
+    check_device_args(args)
     if args.workload == "agent":
         return run_agent(args)
     console = Console()

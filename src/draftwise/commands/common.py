@@ -13,7 +13,7 @@ from draftwise.methods import method_names
 
 __all__ = ["add_model_args", "add_sampling_args", "speculative_config_from_args", "sampling_params_from_args",
            "CliError", "add_quantization_arg", "add_backend_arg", "add_speculative_backend_arg", "memory_size",
-           "print_table"]
+           "print_table", "check_device_args"]
 
 
 class CliError(Exception):
@@ -43,8 +43,12 @@ def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = Fals
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, as in vLLM: \'{"method": "draft_model", "model": "...", '
                         '"num_speculative_tokens": 4}\'; methods: ' + ", ".join(method_names()))
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    parser.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on GPU)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:N, mps or xpu (default: cuda when present); one this machine lacks is "
+                        "an error before anything is loaded")
+    parser.add_argument("--dtype", default=None,
+                        help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on GPU); one the device cannot compute "
+                        "in is an error before anything is loaded")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
 
 
@@ -155,6 +159,28 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         return SpeculativeConfig(**fields)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
+
+
+def check_device_args(args: argparse.Namespace, *, dtype: bool = True) -> None:
+    """Refuse a ``--device`` this machine lacks (no CUDA, ``cuda:3`` with two GPUs, ``mps`` off Apple
+    silicon, an unknown name) and, with ``dtype``, a ``--dtype`` that is unknown or that the device cannot compute
+    in. Call it first in a command that loads models: nothing has been read yet when it fails.
+
+    Raises:
+        CliError: the flag and what is wrong with its value.
+    """
+    from draftwise.backends.devices import check_device, check_dtype
+
+    try:
+        device = check_device(args.device)
+    except ValueError as exc:
+        raise CliError(f"--device: {exc}") from None
+    if not dtype:
+        return
+    try:
+        check_dtype(args.dtype, device)
+    except ValueError as exc:
+        raise CliError(f"--dtype: {exc}") from None
 
 
 def default_target(value: str | None) -> str:

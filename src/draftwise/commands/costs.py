@@ -39,7 +39,7 @@ from draftwise.backends.kernels import (
 )
 from draftwise.builder import DEMO_TARGET
 from draftwise.calibration import ForwardCosts, forward_pass_samples
-from draftwise.commands.common import CliError, add_quantization_arg
+from draftwise.commands.common import CliError, add_quantization_arg, check_device_args
 from draftwise.models.loading import load_model
 
 __all__ = ["register", "run", "parse_token_counts"]
@@ -109,6 +109,7 @@ def parse_token_counts(ks: str | None, max_k: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_device_args(args)
     if args.repeats < 1 or args.context < 1:
         raise CliError("--repeats and --context must be >= 1")
     ks = parse_token_counts(args.ks, args.max_k)

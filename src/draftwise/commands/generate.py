@@ -13,6 +13,7 @@ from draftwise.commands.common import (
     add_quantization_arg,
     add_backend_arg,
     add_sampling_args,
+    check_device_args,
     default_target,
     sampling_params_from_args,
     speculative_config_from_args,
@@ -35,6 +36,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_device_args(args)
     params = sampling_params_from_args(args)
     spec = speculative_config_from_args(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

@@ -18,6 +18,7 @@ from draftwise.commands.common import (
     add_backend_arg,
     add_model_args,
     add_quantization_arg,
+    check_device_args,
     memory_size,
     speculative_config_from_args,
 )
@@ -84,6 +85,9 @@ def register(subparsers) -> None:
     parser.add_argument("--shutdown-grace-seconds", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
                         help="on SIGTERM/SIGINT, seconds the running request gets to finish; waiting requests "
                         f"get 503 at once (default {DEFAULT_SHUTDOWN_GRACE_S:g})")
+    parser.add_argument("--enable-docs", action="store_true",
+                        help="serve the OpenAPI schema and its viewers (/openapi.json, /docs, /redoc), behind "
+                        "--api-key like /v1 when a key is set (default: off, those paths are 404s)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.set_defaults(func=run)
@@ -102,8 +106,10 @@ def plan_from_args(args: argparse.Namespace) -> ServePlan:
     """Resolve the target, the speculative config (demo draft by default) and the server settings.
 
     Raises:
-        CliError: conflicting targets, an unreadable chat template, out-of-range settings.
+        CliError: a device or dtype this machine lacks, conflicting targets, an unreadable chat template,
+            out-of-range settings.
     """
+    check_device_args(args)
     target = _target(args)
     if target is None:
         target = DEMO_TARGET
@@ -119,6 +125,7 @@ def plan_from_args(args: argparse.Namespace) -> ServePlan:
             max_waiting_requests=args.max_waiting_requests,
             max_request_bytes=args.max_request_bytes,
             shutdown_grace_s=args.shutdown_grace_seconds,
+            enable_docs=args.enable_docs,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from draftwise.benchmark import default_prompts_path, load_prompts
-from draftwise.commands.common import CliError
+from draftwise.commands.common import CliError, check_device_args
 from draftwise.heads.config import CONFIG_FILE, METHODS, HeadsConfig, base_model_identity
 from draftwise.heads.data import PromptSplit, build_samples, split_prompts, write_prompts_jsonl
 from draftwise.heads.eagle import eagle_layer_config
@@ -168,6 +168,7 @@ def _train(model, samples, settings: TrainSettings, fingerprint: str, output: Pa
 
 
 def run_train(args: argparse.Namespace) -> int:
+    check_device_args(args)
     began = time.perf_counter()
     settings = _settings(args)
     if args.max_new_tokens < 2:
@@ -287,6 +288,7 @@ def _pct(value) -> str:
 
 # ---------------------------------------------------------------------------------------------- export-heads
 def run_export(args: argparse.Namespace) -> int:
+    check_device_args(args, dtype=False)  # --dtype here is the exported weights', not a compute dtype
     if args.format not in EXPORT_FORMATS:
         raise CliError(f"--format must be one of {', '.join(EXPORT_FORMATS)}, got {args.format!r}")
     dtype = parse_export_dtype(args.dtype)

@@ -22,7 +22,8 @@ import torch
 
 from draftwise import progress
 from draftwise.backends.base import CausalLM
-from draftwise.backends.torch_backend import TorchCausalLM, default_attention, default_device, default_dtype
+from draftwise.backends.devices import check_device, check_dtype, parse_dtype
+from draftwise.backends.torch_backend import TorchCausalLM, default_attention
 from draftwise.config import BACKENDS  # values of ``load_model(backend=...)`` and ``--backend``
 from draftwise.models.gguf_tokenizer import gguf_metadata, tokenizer_from_gguf_vocab
 from draftwise.files import draftwise_home
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from draftwise.frspec import HeadSubset
 
 __all__ = ["RANDOM_PREFIX", "randomize_weights", "LoadedModel", "ModelLoadError", "load_model", "load_tokenizer",
-           "resolve_model", "select_backend", "select_runtime", "BACKENDS", "RUNTIMES"]
+           "resolve_model", "select_backend", "select_runtime", "dequantized_cache_dir", "BACKENDS", "RUNTIMES"]
 
 #: ``load_model("random:SPEC")``: SPEC's architecture and tokenizer with random weights.
 RANDOM_PREFIX = "random:"
@@ -42,9 +43,6 @@ RANDOM_PREFIX = "random:"
 RUNTIMES = ("lean", "transformers", "auto")
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
 
 
 class ModelLoadError(RuntimeError):
@@ -110,21 +108,6 @@ def resolve_model(spec: str) -> str:
     return spec
 
 
-def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
-    """``"fp32"``/``"bf16"``/``"fp16"`` (or a torch dtype) to a torch dtype; None picks the device default.
-
-    Raises:
-        ValueError: unknown dtype name.
-    """
-    if dtype is None or dtype == "auto":
-        return default_dtype(device)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
 def load_model(
     spec: str,
     *,
@@ -168,12 +151,16 @@ def load_model(
     Raises:
         ModelLoadError: missing file, unreadable model, a registry model that is not pulled, or the llama.cpp
             backend asked for a non-GGUF model or without llama-cpp-python installed.
-        ValueError: an unknown quantization mode or backend, int8 off the CPU / without fbgemm kernels, a
+        DeviceError: (a ValueError) a device this machine lacks, or a dtype it cannot compute in (checked
+            before the model is read; see :mod:`draftwise.backends.devices`).
+        ValueError: an unknown dtype, quantization mode or backend, int8 off the CPU / without fbgemm kernels, a
             PyTorch-only option (CUDA device, dtype, int8, a head subset) given to the llama.cpp backend, or a
             token map that does not fit the model.
         FileNotFoundError: a head subset's token map file is missing.
     """
     quantization = parse_quantization(quantization)
+    if device is not None or dtype is not None:  # before anything is read: a missing device is no traceback
+        check_dtype(dtype, check_device(device))
     if head_subset is not None and backend == "llama.cpp":
         raise ValueError(f"{spec!r}: a draft vocabulary subset (draft_vocab_size / token_map) needs the PyTorch "
                          "backend (--backend torch); llama.cpp computes its LM head itself")
@@ -185,7 +172,7 @@ def load_model(
         raise ValueError(f"{spec!r}: random weights need the PyTorch backend")
     if not randomize and select_backend(backend, path, device=device, dtype=dtype, quantization=quantization) == "llama.cpp":
         return _load_llama_cpp(spec, path, max_context=max_context, threads=threads)
-    device = device or default_device()
+    device = check_device(device)
     torch_dtype = parse_dtype(dtype, device)
     attention = attn_implementation or default_attention(device)
     try:
@@ -413,12 +400,17 @@ def _cache_key(path: Path) -> str:
     return f"{path.stem}-{digest}"
 
 
+def dequantized_cache_dir() -> Path:
+    """``draftwise_home()/dequantized``: safetensors copies of GGUF models (not created here)."""
+    return draftwise_home() / "dequantized"
+
+
 def _dequantized_dir(path: Path, label: str | None = None) -> Path:
     """Return a safetensors copy of a GGUF model, creating it (atomically) on first use (progress reported
     under ``label``, default the path)."""
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
-    target = draftwise_home() / "dequantized" / _cache_key(path)
+    target = dequantized_cache_dir() / _cache_key(path)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -508,7 +500,7 @@ def load_tokenizer(spec: str):
             gguf = Path(path)
             if not gguf.is_file():
                 raise ModelLoadError(f"GGUF file not found: {gguf}")
-            copy = draftwise_home() / "dequantized" / _cache_key(gguf)
+            copy = dequantized_cache_dir() / _cache_key(gguf)
             if (copy / "config.json").is_file():
                 return AutoTokenizer.from_pretrained(str(copy))
             return _gguf_tokenizer(gguf, gguf_metadata(gguf, ("tokenizer.chat_template",)).get("tokenizer.chat_template"))

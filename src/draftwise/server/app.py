@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server (FastAPI): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/health`` and ``/metrics``.
+``/health`` and ``/metrics`` (and, with ``ServerSettings.enable_docs``, ``/openapi.json``, ``/docs`` and
+``/redoc``, behind the API key when one is set).
 
 Build it with :func:`create_app` from an :class:`EngineBundle` (see :func:`draftwise.builder.build_engine`)
 and run it with :func:`draftwise.server.serving.serve` (uvicorn, with the graceful shutdown described in
@@ -23,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from draftwise import __version__
 from draftwise.batching import BatchedEngine
 from draftwise.builder import EngineBundle
+from draftwise.server.body import JSONBodyRoute
 from draftwise.server.errors import APIError, ErrorBoundaryMiddleware, error_body, install_error_handlers
 from draftwise.server.batch_scheduler import BatchScheduler
 from draftwise.server.metrics import ServerMetrics
@@ -108,17 +110,41 @@ def create_app(bundle: EngineBundle, settings: ServerSettings | None = None) -> 
         yield
         await run_in_threadpool(state.scheduler.shutdown)
 
-    app = FastAPI(title="draftwise", version=__version__, lifespan=lifespan)
+    docs = _docs_paths(settings.enable_docs)
+    app = FastAPI(title="draftwise", version=__version__, lifespan=lifespan, openapi_url=docs.openapi,
+                  docs_url=docs.swagger, redoc_url=docs.redoc)
+    app.router.route_class = JSONBodyRoute  # bodies parsed with errors that name the problem
     app.state.draftwise = state
     install_error_handlers(app)
     # the last added runs first: errors boundary, then the key check, then the body limit
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, protected_paths=docs.all())
     app.add_middleware(ErrorBoundaryMiddleware)
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
     return app
+
+
+@dataclass(frozen=True)
+class _DocsPaths:
+    """Where FastAPI serves the OpenAPI schema and its viewers (None: not served)."""
+
+    openapi: str | None = None
+    swagger: str | None = None
+    redoc: str | None = None
+
+    def all(self) -> tuple[str, ...]:
+        """Every path served for the docs, Swagger UI's OAuth2 redirect page included."""
+        paths = (self.openapi, self.swagger, self.swagger and f"{self.swagger}/oauth2-redirect", self.redoc)
+        return tuple(path for path in paths if path)
+
+
+def _docs_paths(enabled: bool) -> _DocsPaths:
+    """FastAPI's default docs paths when ``enabled``, else none (the paths are then 404s)."""
+    if not enabled:
+        return _DocsPaths()
+    return _DocsPaths(openapi="/openapi.json", swagger="/docs", redoc="/redoc")
 
 
 def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:

@@ -16,7 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-__all__ = ["APIError", "error_body", "encodable", "install_error_handlers", "ErrorBoundaryMiddleware"]
+__all__ = ["APIError", "RequestBodyError", "error_body", "encodable", "install_error_handlers",
+           "ErrorBoundaryMiddleware"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,19 @@ class APIError(Exception):
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         return JSONResponse(self.to_body(), status_code=self.status, headers=headers or None)
+
+
+class RequestBodyError(StarletteHTTPException):
+    """A request body refused while FastAPI parses it, carrying the :class:`APIError` to answer with.
+
+    FastAPI turns any other exception raised while it reads the body into a bare "There was an error parsing
+    the body"; an HTTP exception it lets through, and :func:`install_error_handlers` answers this one with
+    :attr:`error`.
+    """
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.status, error.message)
+        self.error = error
 
 
 def encodable(text: str) -> str:
@@ -109,13 +123,16 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _validation_message(exc).to_response()
 
+    @app.exception_handler(RequestBodyError)
+    async def _bad_body(request: Request, exc: RequestBodyError) -> JSONResponse:
+        return exc.error.to_response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = f"no such endpoint: {request.method} {request.url.path}"
         return APIError(exc.status_code, message).to_response()
-
 
 
 class ErrorBoundaryMiddleware:

@@ -26,27 +26,33 @@ def bearer_token(header: bytes) -> bytes | None:
 
 
 class ApiKeyMiddleware:
-    """``/v1/*`` requests need ``Authorization: Bearer <api_key>``, else 401 ``invalid_api_key`` (checked before
-    the body is read, so an unauthenticated client learns nothing else). ``/health`` and ``/metrics`` stay open.
+    """``/v1/*`` requests (and those to ``protected_paths``) need ``Authorization: Bearer <api_key>``, else 401
+    ``invalid_api_key`` (checked before the body is read, so an unauthenticated client learns nothing else).
+    ``/health`` and ``/metrics`` stay open.
 
     Args:
         app: the ASGI app to guard.
         api_key: the key (non-empty; compared in constant time).
+        protected_paths: exact paths guarded as well (the API docs, when they are served).
     """
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, protected_paths: tuple[str, ...] = ()) -> None:
         if not api_key:
             raise ValueError("api_key must be non-empty")
         self.app = app
         self._expected = api_key.encode()
+        self._protected_paths = frozenset(protected_paths)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+        if scope["type"] == "http" and self._guarded(scope["path"]) and not self._authorized(scope):
             error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                              code="invalid_api_key")
             await error.to_response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def _guarded(self, path: str) -> bool:
+        return path.startswith("/v1") or path in self._protected_paths
 
     def _authorized(self, scope) -> bool:
         for name, value in scope.get("headers", ()):

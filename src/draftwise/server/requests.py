@@ -403,7 +403,11 @@ def _reject_unsupported_common(request) -> None:
 def _reject_unsupported_completion(request: CompletionRequest) -> None:
     _reject(request.echo, "echo is not supported", "echo")
     _reject(request.suffix is not None, "suffix is not supported", "suffix")
-    _reject(request.best_of not in (None, 1), "best_of > 1 is not supported", "best_of")
+    _reject(request.best_of is not None and request.best_of < 1,
+            f"'best_of' must be at least 1, got {request.best_of}", "best_of")
+    _reject(request.best_of is not None and request.best_of > 1,
+            f"best_of={request.best_of} is not supported: this server generates one completion per request "
+            "(send best_of 1 or leave it unset)", "best_of")
     _reject(request.logprobs is not None, "logprobs are not supported", "logprobs")
 
 

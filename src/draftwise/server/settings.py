@@ -38,6 +38,8 @@ class ServerSettings:
             requests get 503 ``server_closing`` at once. 0: stop the running request at once.
         tokenizer_copies: private tokenizer copies for request tokenization (requests tokenize in parallel
             on up to this many copies; the engine thread has its own copy and never waits for them).
+        enable_docs: serve the OpenAPI schema and its viewers (``/openapi.json``, ``/docs``, ``/redoc``),
+            behind the API key like ``/v1`` when one is set. Off: those paths are 404s.
 
     Raises:
         ValueError: out-of-range values.
@@ -52,6 +54,7 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     tokenizer_copies: int = DEFAULT_TOKENIZER_COPIES
+    enable_docs: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
