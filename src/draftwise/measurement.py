@@ -228,8 +228,9 @@ def machine_busy(measurement: Measurement | None, what: str = "") -> Doubt | Non
     if load is not None and cores:
         others, free = load - threads, cores - threads
         if others > free + LOAD_TOLERANCE:
+            left = f"the {free:.3g} core(s) it left free" if free > 0 else "no free core"
             reasons.append(f"load average {load:.2f} on {cores} cores: about {others:.1f} runnable threads of other "
-                           f"work for the {max(free, 0):.3g} core(s) left")
+                           f"work beside its {threads:.3g} thread(s), with {left}")
     if not reasons:
         return None
     return _doubt("machine busy", (f"{what}: " if what else "") + "; ".join(reasons))
@@ -367,7 +368,8 @@ def warning_line(doubts: Iterable[tuple[str, Doubt | dict]]) -> str | None:
     marked = list(dict.fromkeys(what for what, _ in pairs))
     cases: dict[str, list[str]] = {}
     for what, d in pairs:
-        cases.setdefault(d.reason, []).append(f"{what}: {d.detail}")
+        detail = d.detail[len(what) + 2:] if what and d.detail.startswith(f"{what}: ") else d.detail
+        cases.setdefault(d.reason, []).append(f"{what}: {detail}")
     why = "; ".join(f"{reason} ({found[0]}" + (f"; {len(found) - 1} more" if len(found) > 1 else "") + ")"
                     for reason, found in cases.items())
     names = ", ".join(marked[:3]) + (f" and {len(marked) - 3} more" if len(marked) > 3 else "")
