@@ -41,8 +41,13 @@ LOADERS = ["draftwise.builder.build_engine", "draftwise.builder.load_model", "dr
 
 def _never_load(monkeypatch) -> None:
     """Make every model load fail the test: the check must come first."""
+    # every command module imported BEFORE patching: one first imported under the patch would keep the refusing
+    # function as its module-level name for the rest of the session (later tests then fail)
     import draftwise.commands.bench  # noqa: F401 - imported so that their references can be patched
+    import draftwise.commands.check  # noqa: F401
     import draftwise.commands.costs  # noqa: F401
+    import draftwise.commands.generate  # noqa: F401
+    import draftwise.commands.serve  # noqa: F401
     import draftwise.commands.train_heads  # noqa: F401
 
     def refuse(*args, **kwargs):
@@ -170,3 +175,21 @@ def test_load_model_checks_the_device_before_reading_the_model(monkeypatch):
     _cpu_without_fp16(monkeypatch)
     with pytest.raises(DeviceError, match="dtype fp16 is not supported on cpu"):
         load_model(MISSING_MODEL, device="cpu", dtype="fp16")
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "abc"])
+def test_a_bad_max_model_len_is_a_one_line_error(value, capsys):
+    """Regression: --max-model-len -5 ended in a traceback from the rotary tables."""
+    from draftwise.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "/nonexistent.gguf", "--max-model-len", value, "hi"])
+    assert exit_info.value.code == 2
+    assert "--max-model-len" in capsys.readouterr().err
+
+
+def test_load_model_refuses_a_context_below_one(stories_path):
+    from draftwise.models.loading import load_model
+
+    with pytest.raises(ValueError, match="must be >= 1"):
+        load_model(str(stories_path), max_context=-5, quantization="none")

@@ -56,3 +56,10 @@ def test_model_and_k_policy_rules_come_from_the_registry():
         SpeculativeConfig(method="medusa", model="h", k_policy="auto")
     assert SpeculativeConfig(method="suffix", k_policy="auto").k_policy == "auto"
     assert SpeculativeConfig(method="hybrid", model="d", k_policy="auto").k_policy == "auto"
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_model_on_a_method_without_one_is_refused(method):
+    """Regression: 'model' on ngram/suffix was silently ignored (a user meaning draft_model got no draft)."""
+    with pytest.raises(ValueError, match="uses no model.*draft_model"):
+        SpeculativeConfig(method=method, model="x")

@@ -173,7 +173,8 @@ def get_method(name: str) -> MethodSpec:
 
 
 def validate_config(config: SpeculativeConfig) -> None:
-    """Check a config against its method's entry: ``model`` present when the method needs one, a supported K
+    """Check a config against its method's entry: ``model`` present when the method needs one (and absent when
+    it needs none), a supported K
     policy, no other method's field set, and the method's own field checks.
 
     Raises:
@@ -184,6 +185,10 @@ def validate_config(config: SpeculativeConfig) -> None:
         what = "a draft model (speculative model path or name)" if spec.model == "draft" else \
             "its heads directory as 'model' (draftwise train-heads)"
         raise ValueError(f"method {spec.name!r} needs {what}")
+    if spec.model is None and config.model:
+        users = ", ".join(m.name for m in METHODS.values() if m.model is not None)
+        raise ValueError(f"method {spec.name!r} uses no model, but 'model' is {config.model!r} (a model is for "
+                         f"{users}; for a draft model use method 'draft_model')")
     if config.k_policy not in K_POLICIES:
         raise ValueError(f"unknown k_policy {config.k_policy!r}; choose one of {K_POLICIES}")
     if config.k_policy not in spec.k_policies:

@@ -30,6 +30,17 @@ def memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = False) -> None:
     """--speculative-model, --speculative-backend, --num-speculative-tokens, --speculative-config, --device,
     --dtype, --max-model-len."""
@@ -49,7 +60,8 @@ def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = Fals
     parser.add_argument("--dtype", default=None,
                         help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on GPU); one the device cannot compute "
                         "in is an error before anything is loaded")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length in tokens")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+                        help="context length in tokens (>= 1; at most the model's own, default: the model's own)")
 
 
 def add_quantization_arg(parser: argparse.ArgumentParser) -> None:

@@ -196,6 +196,7 @@ def load_model(
     if randomize:
         randomize_weights(model)
     eos_ids = _eos_ids(model, tokenizer)
+    _check_context(max_context, model.config, spec)
     quantization = resolve_quantization(quantization, device=device, dtype=torch_dtype, config=model.config, name=spec)
     name = spec if quantization == "none" else f"{spec}+{quantization}"
     head_ids = None
@@ -225,6 +226,23 @@ def load_model(
     backend = TorchCausalLM(model, name=name, max_context=max_context)
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids,
                        quantization=quantization)
+
+
+def _check_context(max_context: int | None, config, name: str) -> None:
+    """A requested context length must be >= 1; one past the model's trained positions is logged as a warning
+    (positions it never saw: the text may degrade).
+
+    Raises:
+        ValueError: ``max_context`` < 1.
+    """
+    if max_context is None:
+        return
+    if max_context < 1:
+        raise ValueError(f"max_context (--max-model-len) must be >= 1, got {max_context}")
+    trained = getattr(config, "max_position_embeddings", None)
+    if trained and max_context > trained:
+        logger.warning("%s: --max-model-len %d exceeds the %d positions the model was trained on; text past them "
+                       "may degrade", name, max_context, trained)
 
 
 def resolve_quantization(quantization: str, *, device: str, dtype: torch.dtype, config=None, name: str = "model",

@@ -308,11 +308,22 @@ class RequestBuilder:
         if requested < 1:
             raise APIError(400, f"'{param}' must be at least 1, got {requested}", param=param)
         if requested > room:
+            asked = _count(requested)
+            total = _count(prompt_len + requested) if asked == str(requested) else f"more than {self._max_context}"
             raise APIError(400, f"This model's maximum context length is {self._max_context} tokens. However, you "
-                           f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+                           f"requested {total} tokens ({prompt_len} in the prompt, {asked} "
                            f"for the completion). Please reduce the prompt or '{param}'.",
                            param=param, code="context_length_exceeded")
         return requested
+
+
+def _count(value: int) -> str:
+    """An integer for a message: its digits, or how many digits it has when it is too long to print (Python
+    refuses to convert integers past 4,300 digits, and an error should not echo kilobytes)."""
+    digits = math.floor(math.log10(value)) + 1 if value > 0 else 1
+    if digits > 1 and 10 ** (digits - 1) > value:  # log10 rounded up (999...9)
+        digits -= 1
+    return str(value) if digits < 30 else f"a {digits}-digit number"
 
 
 def _plain_message(message: ChatMessage, index: int) -> dict[str, str]:
