@@ -750,3 +750,22 @@ def test_a_4300_digit_max_tokens_is_a_400_that_does_not_echo_it(client):
         assert error["param"] == field and error["code"] == "context_length_exceeded"
         assert "4300-digit number" in error["message"] and len(error["message"]) < 400
     _assert_served(client)
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/completions", {"functions": [{"name": "f"}]}, "tools"),
+    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+])
+def test_fields_that_would_change_the_output_are_refused_on_both_endpoints(client, path, extra, param):
+    """Regression: the completions endpoint accepted and ignored the chat-only fields docs/server.md says are
+    refused; chat ignored top_logprobs and a required tool_choice."""
+    body = {"max_tokens": 2, **extra}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    _assert_served(client)

@@ -420,10 +420,23 @@ def _reject_unsupported_completion(request: CompletionRequest) -> None:
             f"best_of={request.best_of} is not supported: this server generates one completion per request "
             "(send best_of 1 or leave it unset)", "best_of")
     _reject(request.logprobs is not None, "logprobs are not supported", "logprobs")
+    extra = request.model_extra or {}  # chat fields sent to the completions endpoint change nothing here: refuse
+    _reject(bool(extra.get("tools")) or bool(extra.get("functions")), "tool and function calling are not supported",
+            "tools")
+    _reject_response_format(extra.get("response_format"))
+    _reject(extra.get("top_logprobs") not in (None, 0), "logprobs are not supported", "top_logprobs")
 
 
 def _reject_unsupported_chat(request: ChatCompletionRequest) -> None:
     _reject(request.logprobs, "logprobs are not supported", "logprobs")
     _reject(bool(request.tools) or bool(request.functions), "tool and function calling are not supported", "tools")
-    fmt = (request.response_format or {}).get("type", "text")
+    _reject_response_format(request.response_format)
+    _reject(request.top_logprobs not in (None, 0), "logprobs are not supported", "top_logprobs")
+    _reject(request.tool_choice not in (None, "none", "auto"), "tool and function calling are not supported",
+            "tool_choice")
+
+
+def _reject_response_format(value) -> None:
+    """Only ``{"type": "text"}`` (or none) is served; JSON modes would change the output."""
+    fmt = value.get("type", "text") if isinstance(value, dict) else ("text" if value is None else value)
     _reject(fmt != "text", f"response_format {fmt!r} is not supported (only 'text')", "response_format")
