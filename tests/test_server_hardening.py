@@ -769,3 +769,12 @@ def test_fields_that_would_change_the_output_are_refused_on_both_endpoints(clien
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     _assert_served(client)
+
+
+@pytest.mark.parametrize("ids", [[99999], [-1], [2**70], [0] * 100000])
+def test_stop_token_ids_outside_the_vocabulary_or_too_many_are_a_400(client, ids):
+    """Regression: stop_token_ids were not range-checked (the tester's finding)."""
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stop_token_ids": ids})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "stop_token_ids"
+    _assert_served(client)

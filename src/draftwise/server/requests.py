@@ -275,10 +275,27 @@ class RequestBuilder:
         except Exception as exc:  # jinja2 TemplateError (raise_exception in templates), ValueError...
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
 
+    #: at most this many ``stop_token_ids`` per request (each is a set lookup per committed token)
+    MAX_STOP_TOKEN_IDS = 1024
+
+    def _check_stop_token_ids(self, ids: list[int] | None) -> None:
+        """``stop_token_ids``: at most :attr:`MAX_STOP_TOKEN_IDS`, each inside the vocabulary. Raises APIError."""
+        if not ids:
+            return
+        if len(ids) > self.MAX_STOP_TOKEN_IDS:
+            raise APIError(400, f"at most {self.MAX_STOP_TOKEN_IDS} stop_token_ids are supported, got {len(ids)}",
+                           param="stop_token_ids")
+        bad = [t for t in ids if not 0 <= t < self._vocab_size]
+        if bad:
+            shown = _count(bad[0]) if bad[0] >= 0 else f"-{_count(-bad[0])}"
+            raise APIError(400, f"stop token id {shown} is outside the vocabulary [0, "
+                           f"{self._vocab_size})", param="stop_token_ids")
+
     # ------------------------------------------------------------------ sampling
     def _build(self, kind: str, request, prompt_ids: list[int], max_tokens: int | None, max_param: str,
                prompt_param: str, arrival: float) -> GenerationRequest:
         limit = self._max_tokens(len(prompt_ids), max_tokens, max_param, prompt_param)
+        self._check_stop_token_ids(request.stop_token_ids)
         return GenerationRequest(
             request_id=f"{kind}-{uuid.uuid4().hex}",
             prompt_ids=tuple(prompt_ids),
