@@ -90,7 +90,7 @@ def int8_kernels_available() -> bool:
 
 
 def _require_int8_kernels() -> None:
-    if not int8_kernels_available() or "fbgemm" not in torch.backends.quantized.supported_engines:
+    if not int8_usable():
         raise QuantizationError(
             "int8 quantization needs PyTorch's fbgemm kernels (quantized::linear_prepack, "
             "quantized::linear_with_input_q_dq_qweight_dq_output_fp32) on an x86 CPU; this torch "

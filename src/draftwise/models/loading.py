@@ -159,6 +159,8 @@ def load_model(
         FileNotFoundError: a head subset's token map file is missing.
     """
     quantization = parse_quantization(quantization)
+    if max_context is not None and max_context < 1:
+        raise ValueError(f"max_context (--max-model-len) must be >= 1, got {max_context}")
     if device is not None or dtype is not None:  # before anything is read: a missing device is no traceback
         check_dtype(dtype, check_device(device))
     if head_subset is not None and backend == "llama.cpp":
@@ -196,7 +198,7 @@ def load_model(
     if randomize:
         randomize_weights(model)
     eos_ids = _eos_ids(model, tokenizer)
-    _check_context(max_context, model.config, spec)
+    _warn_past_trained_context(max_context, model.config, spec)
     quantization = resolve_quantization(quantization, device=device, dtype=torch_dtype, config=model.config, name=spec)
     name = spec if quantization == "none" else f"{spec}+{quantization}"
     head_ids = None
@@ -228,21 +230,33 @@ def load_model(
                        quantization=quantization)
 
 
-def _check_context(max_context: int | None, config, name: str) -> None:
-    """A requested context length must be >= 1; one past the model's trained positions is logged as a warning
-    (positions it never saw: the text may degrade).
-
-    Raises:
-        ValueError: ``max_context`` < 1.
-    """
+def _warn_past_trained_context(max_context: int | None, config, name: str) -> None:
+    """Log a warning for a requested context length past the model's trained positions (positions it never
+    saw: the text may degrade)."""
     if max_context is None:
         return
-    if max_context < 1:
-        raise ValueError(f"max_context (--max-model-len) must be >= 1, got {max_context}")
     trained = getattr(config, "max_position_embeddings", None)
     if trained and max_context > trained:
         logger.warning("%s: --max-model-len %d exceeds the %d positions the model was trained on; text past them "
                        "may degrade", name, max_context, trained)
+
+
+def lean_obstacles(config, *, device: str, dtype: torch.dtype) -> list[str]:
+    """Why the lean runtime cannot run a model with this transformers ``config`` (None: the architecture is not
+    checked) on ``device`` in ``dtype``; empty when it can."""
+    from draftwise.backends.lean.model import UnsupportedArchitecture, lean_config_from_hf
+
+    reasons = []
+    if not str(device).startswith("cpu"):
+        reasons.append(f"device {device!r} (the lean runtime runs on the CPU)")
+    if dtype != torch.float32:
+        reasons.append(f"dtype {dtype} (the lean runtime computes in fp32)")
+    if config is not None:
+        try:
+            lean_config_from_hf(config)
+        except UnsupportedArchitecture as exc:
+            reasons.append(str(exc))
+    return reasons
 
 
 def resolve_quantization(quantization: str, *, device: str, dtype: torch.dtype, config=None, name: str = "model",
@@ -256,20 +270,9 @@ def resolve_quantization(quantization: str, *, device: str, dtype: torch.dtype, 
     """
     if quantization != "auto":
         return quantization
-    from draftwise.backends.lean.model import UnsupportedArchitecture, lean_config_from_hf
-
-    reasons = []
-    if not str(device).startswith("cpu"):
-        reasons.append(f"device {device}")
-    if dtype != torch.float32:
-        reasons.append(f"dtype {dtype}")
+    reasons = lean_obstacles(config, device=device, dtype=dtype)
     if not int8_usable():
         reasons.append("no fbgemm int8 kernels in this torch build")
-    if config is not None:
-        try:
-            lean_config_from_hf(config)
-        except UnsupportedArchitecture as exc:
-            reasons.append(f"architecture: {exc}")
     if reasons:
         logger.info("%s: quantization auto -> none (%s)", name, "; ".join(reasons))
         return "none"
@@ -291,17 +294,7 @@ def select_runtime(runtime: str, model, *, device: str, dtype: torch.dtype, quan
         raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
     if runtime == "transformers":
         return "transformers"
-    from draftwise.backends.lean.model import UnsupportedArchitecture, lean_config_from_hf
-
-    reasons = []
-    if not str(device).startswith("cpu"):
-        reasons.append(f"device {device!r} (the lean runtime runs on the CPU)")
-    if dtype != torch.float32:
-        reasons.append(f"dtype {dtype} (the lean runtime computes in fp32)")
-    try:
-        lean_config_from_hf(model.config)
-    except UnsupportedArchitecture as exc:
-        reasons.append(str(exc))
+    reasons = lean_obstacles(model.config, device=device, dtype=dtype)
     if runtime == "lean":
         if reasons:
             raise ValueError(f"the lean runtime cannot run this model: {'; '.join(reasons)}")

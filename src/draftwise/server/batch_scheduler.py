@@ -149,8 +149,7 @@ class BatchScheduler(QueueLifecycle):
                 if running is None:
                     continue
                 if output.error is not None:
-                    running.job.end(Failed(output.error))
-                    self._finish(running, "error")
+                    self._fail(running, output.error)
                 else:
                     self._deliver_guarded(running, output.token_ids, output.finished, now)
 
@@ -189,9 +188,7 @@ class BatchScheduler(QueueLifecycle):
             logger.exception("%s: delivering its output failed", running.job.request.request_id)
             self.health.failed(exc)
             self._engine.cancel(running.sequence)
-            running.job.end(Failed(exc))
-            if running.sequence.seq_id in self._active:
-                self._finish(running, "error")
+            self._fail(running, exc)
 
     def _deliver(self, running: _Running, token_ids: list[int], finished: bool, now: float) -> None:
         """Stream a step's tokens of one sequence; finish it when the engine or a stop string ends it."""
@@ -220,7 +217,12 @@ class BatchScheduler(QueueLifecycle):
     def _fail_all(self, error: BaseException) -> None:
         self._engine.abort_all("error")
         for running in list(self._active.values()):
-            running.job.end(Failed(error))
+            self._fail(running, error)
+
+    def _fail(self, running: _Running, error: BaseException) -> None:
+        """End a request with :class:`Failed` (its sequence has already left the engine) and record it."""
+        running.job.end(Failed(error))
+        if running.sequence.seq_id in self._active:
             self._finish(running, "error")
 
     def _end_job(self) -> None:
