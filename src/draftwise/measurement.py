@@ -35,6 +35,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from draftwise.backends.llama_cpp_backend import default_threads  # the CPUs this process may use
+
 __all__ = ["BASELINE_SPREAD_MAX", "PREDICTION_RATIO_RANGE", "CPU_SHARE_MIN", "LOAD_TOLERANCE", "REPEAT_SPREAD_MAX",
            "REPEAT_SUFFIX", "Doubt", "Measurement", "Recorder", "measure", "combine", "backend_threads", "relative_spread",
            "machine_busy", "baseline_moved", "far_from_prediction", "noisy_timings", "with_baseline_repeat",
@@ -133,13 +135,6 @@ def load_average() -> float | None:
         return None
 
 
-def _cpu_count() -> int | None:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count()
-
-
 def _process_cpu_seconds() -> float:
     """CPU seconds of this process's threads plus its waited-for child processes."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -165,7 +160,7 @@ class Recorder:
     def __exit__(self, *exc) -> None:
         wall = time.perf_counter() - self._wall
         cpu = _process_cpu_seconds() - self._cpu
-        self.result = Measurement(wall, cpu, self.threads, _cpu_count(), self._load, load_average())
+        self.result = Measurement(wall, cpu, self.threads, default_threads(), self._load, load_average())
 
 
 def measure(threads: float | None) -> Recorder:
