@@ -87,6 +87,14 @@ def text_of(events) -> str:
     return "".join(e.text for e in events if isinstance(e, TextDelta))
 
 
+def submit_together(scheduler, requests) -> list:
+    """Submit requests so that the engine thread takes them in one go: it cannot take the first before the
+    last is queued (the queue's lock is held, and it is reentrant, so submit can take it too). Without this the
+    thread may start a step with only the first, and the others wait behind a gated step."""
+    with scheduler._wakeup:
+        return [scheduler.submit(r) for r in requests]
+
+
 def scheduler_for(engine, max_waiting: int = 8):
     records, steps = [], []
     return BatchScheduler(engine, decode, records.append, max_waiting, record_step=steps.append), records, steps
@@ -177,7 +185,7 @@ def test_shutdown_fails_waiting_at_once_and_running_after_the_grace(tiny_multi):
     scheduler, records, _ = scheduler_for(engine)
 
     async def scenario():
-        running = [scheduler.submit(request(n, max_tokens=500)) for n in (1, 2)]
+        running = submit_together(scheduler, [request(n, max_tokens=500) for n in (1, 2)])
         for handle in running:
             assert isinstance(await handle.next_event(), TextDelta)
         waiting = scheduler.submit(request(3))
@@ -209,7 +217,7 @@ def test_running_requests_finish_within_the_grace(tiny_multi):
 
     async def scenario():
         engine.gate.clear()
-        handles = [scheduler.submit(request(n, max_tokens=5)) for n in (1, 2)]
+        handles = submit_together(scheduler, [request(n, max_tokens=5) for n in (1, 2)])
         await asyncio.sleep(0.1)
         scheduler.close(30)
         engine.gate.set()
@@ -228,7 +236,7 @@ def test_a_failed_pass_fails_its_requests_and_serving_goes_on(tiny_multi):
 
     async def scenario():
         engine.gate.clear()
-        doomed = [scheduler.submit(request(n)) for n in (1, 2)]
+        doomed = submit_together(scheduler, [request(n) for n in (1, 2)])
         await asyncio.sleep(0.1)
         engine.fail_next = True
         engine.gate.set()
