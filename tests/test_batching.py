@@ -12,9 +12,9 @@ import torch
 from conftest import tiny_llama
 from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
-from draftwise.batching import (
+from draftwise.engine import (
     BatchedDraftModel,
-    BatchedEngine,
+    EngineCore,
     PerSequenceProposers,
     calibrate_pass_costs,
 )
@@ -75,7 +75,7 @@ def ngram() -> PerSequenceProposers:
     return PerSequenceProposers(NgramProposer, "ngram")
 
 
-def run_interleaved(engine: BatchedEngine, schedule: dict[int, list[list[int]]], params=GREEDY,
+def run_interleaved(engine: EngineCore, schedule: dict[int, list[list[int]]], params=GREEDY,
                     cancel_at: dict[int, int] | None = None):
     """Add ``schedule[step]`` prompts before step ``step``; cancel request i before step ``cancel_at[i]``.
     Returns the sequences in arrival order."""
@@ -106,7 +106,7 @@ def test_greedy_outputs_equal_each_request_alone(single, multi, hf, weak_draft_h
     elif method.startswith("draft"):
         proposer = BatchedDraftModel(build_lean(weak_draft_hf, quantization=MODE, num_slots=SLOTS), 96)
         policy = method.split("-")[1]
-    engine = BatchedEngine(multi, proposer, 4, max_num_batched_tokens=48, k_policy=policy,
+    engine = EngineCore(multi, proposer, 4, max_num_batched_tokens=48, k_policy=policy,
                            pass_costs=PassCostCurve(points={1: 1.0, 64: 1.5}), learn_costs=False)
     batch = prompts([5, 70, 170, 12, 33, 9], seed=1)
     schedule = {0: batch[:2], 1: [batch[2]], 3: [batch[3]], 9: [batch[4]], 20: [batch[5]]}
@@ -121,7 +121,7 @@ def test_greedy_outputs_equal_each_request_alone(single, multi, hf, weak_draft_h
 
 def test_speculative_draft_of_the_target_itself_accepts_everything(single, multi, hf):
     draft = BatchedDraftModel(build_lean(hf, quantization=MODE, num_slots=SLOTS), 96)
-    engine = BatchedEngine(multi, draft, 3)
+    engine = EngineCore(multi, draft, 3)
     batch = prompts([7, 40, 90], seed=2)
     results = engine.generate(batch, GREEDY)
     for prompt, result in zip(batch, results):
@@ -132,7 +132,7 @@ def test_speculative_draft_of_the_target_itself_accepts_everything(single, multi
 def test_cancellations_mid_way_leave_the_others_exact(single, multi):
     """Cancelling two running requests (one while its prompt is being prefilled) frees their slots for the
     queued ones at once; the others' outputs are unchanged and a cancelled output is a prefix of its own."""
-    engine = BatchedEngine(multi, ngram(), 4, max_num_batched_tokens=32)
+    engine = EngineCore(multi, ngram(), 4, max_num_batched_tokens=32)
     batch = prompts([20, 150, 8, 60, 15, 44], seed=3)
     sequences = run_interleaved(engine, {0: batch[:5], 4: [batch[5]]}, cancel_at={1: 2, 2: 6})
     for i, (prompt, sequence) in enumerate(zip(batch, sequences)):
@@ -147,7 +147,7 @@ def test_cancellations_mid_way_leave_the_others_exact(single, multi):
 
 
 def test_cancelling_a_waiting_request_and_repeated_cancels(multi):
-    engine = BatchedEngine(multi, None, max_num_seqs=1)
+    engine = EngineCore(multi, None, max_num_seqs=1)
     first, second = engine.add([5, 6, 7], GREEDY), engine.add([8, 9], GREEDY)
     engine.step()
     engine.cancel(second)  # still waiting: leaves the queue
@@ -167,7 +167,7 @@ def test_seeded_sampling_equals_the_request_alone(single, multi, rule):
     params = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=s, sampling=rule, ignore_eos=True)
               for s in (1, 2, 3, 4, 5)]
     batch = prompts([6, 30, 75, 11, 50], seed=4)
-    engine = BatchedEngine(multi, ngram(), 4)
+    engine = EngineCore(multi, ngram(), 4)
     results = engine.generate(batch, params)
     for prompt, p, result in zip(batch, params, results):
         oracle = alone(single, prompt, p) if rule == "coupled" else alone(single, prompt, p, NgramProposer(), 4)
@@ -175,7 +175,7 @@ def test_seeded_sampling_equals_the_request_alone(single, multi, rule):
 
 
 def test_stops_max_tokens_and_statistics(single, multi):
-    engine = BatchedEngine(multi, ngram(), 4, eos_token_ids=[1])
+    engine = EngineCore(multi, ngram(), 4, eos_token_ids=[1])
     batch = prompts([10, 25], seed=5)
     full = alone(single, batch[0])
     stop = full[6]
@@ -194,7 +194,7 @@ def test_stops_max_tokens_and_statistics(single, multi):
 
 def test_prefix_cache_reuse_in_the_batch(single, multi, hf):
     draft = BatchedDraftModel(build_lean(hf, quantization=MODE, num_slots=SLOTS), 96)
-    engine = BatchedEngine(multi, draft, 3, prefix_cache=PrefixCache(64 << 20))
+    engine = EngineCore(multi, draft, 3, prefix_cache=PrefixCache(64 << 20))
     first_prompt = prompts([40], seed=6)[0]
     first = engine.generate([first_prompt], GREEDY)[0]
     follow_up = first_prompt + first.token_ids + [5, 6, 7]
@@ -209,7 +209,7 @@ def test_prefix_cache_reuse_in_the_batch(single, multi, hf):
 
 
 def test_bad_requests_and_settings(multi, single):
-    engine = BatchedEngine(multi, ngram(), 4)
+    engine = EngineCore(multi, ngram(), 4)
     with pytest.raises(ValueError, match="empty"):
         engine.add([], GREEDY)
     with pytest.raises(ValueError, match="outside"):
@@ -219,13 +219,14 @@ def test_bad_requests_and_settings(multi, single):
     with pytest.raises(ValueError, match="0..4"):
         engine.add([3], GREEDY, num_speculative_tokens=5)
     with pytest.raises(ValueError, match="max_num_seqs"):
-        BatchedEngine(multi, max_num_seqs=SLOTS + 1)
-    with pytest.raises(ValueError, match="lean"):
-        BatchedEngine(tiny_llama(0))
+        EngineCore(multi, max_num_seqs=SLOTS + 1)
+    assert EngineCore(tiny_llama(0)).max_num_seqs == 1  # any other backend runs as one slot
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineCore(tiny_llama(0), max_num_seqs=2)
     with pytest.raises(ValueError, match="k_policy"):
-        BatchedEngine(multi, ngram(), k_policy="sometimes")
+        EngineCore(multi, ngram(), k_policy="sometimes")
     with pytest.raises(ValueError, match="slots"):
-        BatchedEngine(multi, BatchedDraftModel(single, 96), 3)
+        EngineCore(multi, BatchedDraftModel(single, 96), 3)
 
 
 # ---------------------------------------------------------------------------------------------- load-aware K
@@ -286,7 +287,7 @@ def knee_costs() -> PassCostCurve:
 def test_load_aware_k_in_the_engine(single, multi):
     """Where rows past the third are dear, one sequence speculates and four do not; when three finish, K rises
     again. Outputs stay exact."""
-    engine = BatchedEngine(multi, ngram(), 6, k_policy="auto", pass_costs=knee_costs(), learn_costs=False)
+    engine = EngineCore(multi, ngram(), 6, k_policy="auto", pass_costs=knee_costs(), learn_costs=False)
     long_prompt = prompts([30], seed=7)[0]
     batch = [long_prompt] + prompts([8, 9, 10], seed=8)
     params = [SamplingParams(max_tokens=60, ignore_eos=True)] + [SamplingParams(max_tokens=12, ignore_eos=True)] * 3
@@ -307,7 +308,7 @@ def test_load_aware_k_in_the_engine(single, multi):
 
 def test_probe_after_plain_steps(multi):
     """A sequence whose acceptance estimate fell below break-even still gets a one-token probe now and then."""
-    engine = BatchedEngine(multi, ngram(), 4, k_policy="auto", pass_costs=linear_costs(0.05), learn_costs=False)
+    engine = EngineCore(multi, ngram(), 4, k_policy="auto", pass_costs=linear_costs(0.05), learn_costs=False)
     sequence = engine.add(prompts([12], seed=9)[0], SamplingParams(max_tokens=80, ignore_eos=True))
     engine.step()
     for _ in range(30):
@@ -323,7 +324,7 @@ def test_calibration_measures_and_frees_the_slots(multi):
     curve = calibrate_pass_costs(multi.model, [1, 4, 9], [0, 1, 2], repeats=1)
     assert sorted(curve.points) == [1, 4, 9] and all(s > 0 for s in curve.points.values())
     assert multi.model.cache.lengths[:3] == [0, 0, 0]
-    engine = BatchedEngine(multi, ngram(), 4, k_policy="auto", max_num_seqs=3, max_num_batched_tokens=64)
+    engine = EngineCore(multi, ngram(), 4, k_policy="auto", max_num_seqs=3, max_num_batched_tokens=64)
     assert set(engine.pass_costs.points) >= {1, 2, 3, 4, 8, 15}
 
 
@@ -352,7 +353,7 @@ def test_stories_batch_equals_alone(stories_batch, stories_path, method):
     else:
         hf_draft = derive_layer_draft(load_model(str(stories_path), device="cpu"), 2).backend.model
         draft = BatchedDraftModel(build_lean(hf_draft, quantization=MODE, num_slots=SLOTS), target.backend.vocab_size)
-        engine = BatchedEngine(target.backend, draft, 4, eos_token_ids=target.eos_token_ids)
+        engine = EngineCore(target.backend, draft, 4, eos_token_ids=target.eos_token_ids)
     results = engine.generate(prompt_ids, params)
     for ids, result in zip(prompt_ids, results):
         oracle = SpeculativeEngine(single_model.backend, eos_token_ids=single_model.eos_token_ids).generate(ids, params)
@@ -368,10 +369,10 @@ def test_build_engine_batches_lean_targets_only(stories_path, draftwise_home, ca
     bundle = build_engine(str(stories_path), ngram_config, quantization=MODE, runtime="lean", max_num_seqs=3,
                           max_num_batched_tokens=100)
     engine = bundle.engine
-    assert isinstance(engine, BatchedEngine) and engine.max_num_seqs == 3 and engine.max_num_batched_tokens == 100
+    assert isinstance(engine, EngineCore) and engine.max_num_seqs == 3 and engine.max_num_batched_tokens == 100
     assert engine.proposer.name == "ngram" and engine.k_policy == "fixed" and engine.prefix_cache is not None
     plain = build_engine(str(stories_path), None, quantization=MODE, runtime="lean", max_num_seqs=2).engine
-    assert isinstance(plain, BatchedEngine) and plain.proposer is None
+    assert isinstance(plain, EngineCore) and plain.proposer is None
     one = build_engine(str(stories_path), ngram_config, quantization=MODE, runtime="lean").engine
     assert isinstance(one, SpeculativeEngine)  # max_num_seqs 1: the single-sequence engine
     with caplog.at_level("WARNING"):

@@ -3,7 +3,7 @@
 The other exactness tests compare speculative decoding with the same engine loop run without a proposer, so
 a bug in the code both sides share (the first token after the prefill, the bonus token, stop handling,
 ``commit_tokens``, ``compact``/``rollback``, prefix reuse) hits the oracle too. The oracles here never touch
-:mod:`draftwise.engine`, :mod:`draftwise.batching`, a backend adapter's cache or the samplers:
+:mod:`draftwise.engine`, :mod:`draftwise.engine.core`, a backend adapter's cache or the samplers:
 
 - oracle A, *full recompute*: for every new token, the model runs over the whole sequence from an empty
   cache and the argmax of the last row is taken. A transformers model is called directly
@@ -33,7 +33,7 @@ from draftwise.backends.lean import LeanCausalLM, build_lean
 from draftwise.backends.lean.rows import chain_rows
 from draftwise.backends.quantization import int8_kernels_available
 from draftwise.backends.torch_backend import TorchCausalLM
-from draftwise.batching import BatchedDraftModel, BatchedEngine, PerSequenceProposers
+from draftwise.engine import BatchedDraftModel, EngineCore, PerSequenceProposers
 from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel, derive_layer_draft, load_model
@@ -458,7 +458,7 @@ def test_batched_engine_matches_the_full_recompute(batched, method, k):
     params = [SamplingParams(max_tokens=NEW_TOKENS)] * 3 + [
         SamplingParams(max_tokens=5), SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=(stop,)),
         SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)]
-    engine = BatchedEngine(target.backend, batch_proposer(method, drafts, target.backend.vocab_size), k,
+    engine = EngineCore(target.backend, batch_proposer(method, drafts, target.backend.vocab_size), k,
                            eos_token_ids=target.eos_token_ids, prefix_cache=PrefixCache(1 << 30))
     results = engine.generate(prompts, params)
     for i, (prompt, p, result) in enumerate(zip(prompts, params, results)):
@@ -487,7 +487,7 @@ def test_batched_engine_context_length_and_first_token_stops(method):
     target, next_token = lean(SLOTS), lean_full_recompute(lean(1).model)
     proposer = (PerSequenceProposers(lambda: NgramProposer(1, 3), "ngram") if method == "ngram"
                 else BatchedDraftModel(lean(SLOTS), target.vocab_size))
-    engine = BatchedEngine(target, proposer, 8, eos_token_ids=(1,), prefix_cache=PrefixCache(1 << 30))
+    engine = EngineCore(target, proposer, 8, eos_token_ids=(1,), prefix_cache=PrefixCache(1 << 30))
     prompts = [TINY_PROMPTS["repeat"], TINY_PROMPTS["once"], TINY_PROMPTS["lily"], [5] * 30, list(range(2, 40))]
     free = SamplingParams(max_tokens=100, ignore_eos=True)
     first_token = decode_loop(next_token, prompts[1], SamplingParams(max_tokens=1), (1,), context)[0][0]

@@ -19,7 +19,7 @@ import pytest
 from conftest import tiny_llama
 from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
-from draftwise.batching import BatchedEngine, PerSequenceProposers
+from draftwise.engine import EngineCore, PerSequenceProposers
 from draftwise.builder import EngineBundle
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
@@ -35,7 +35,7 @@ SLOTS = 4
 WAITING = 4
 
 
-class GatedEngine(BatchedEngine):
+class GatedEngine(EngineCore):
     """A batched engine whose every step waits for :attr:`gate` (set by default); counts its steps."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -160,7 +160,7 @@ def test_queue_limit_and_cancellations_free_slots(tiny_multi):
 
 
 def test_stop_strings_end_a_sequence_in_the_batch(tiny_multi, tiny_single):
-    engine = BatchedEngine(tiny_multi, max_num_seqs=2)
+    engine = EngineCore(tiny_multi, max_num_seqs=2)
     scheduler, records, _ = scheduler_for(engine)
     plain = request(1, max_tokens=12)
     full = decode(SpeculativeEngine(tiny_single).generate(plain.prompt_ids, plain.params).token_ids)

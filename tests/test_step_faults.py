@@ -13,7 +13,7 @@ import pytest
 from conftest import tiny_llama
 from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
-from draftwise.batching import BatchedEngine, PerSequenceProposers, UnattributedStepError
+from draftwise.engine import EngineCore, PerSequenceProposers, UnattributedStepError
 from draftwise.builder import EngineBundle
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.prefix_cache import PrefixCache
@@ -54,8 +54,8 @@ class Poisoned:
         return self.inner(rows, **kwargs)
 
 
-def engine_for(target, prefix_cache=None) -> BatchedEngine:
-    return BatchedEngine(target, PerSequenceProposers(lambda: NgramProposer(1, 3), "ngram"), 3,
+def engine_for(target, prefix_cache=None) -> EngineCore:
+    return EngineCore(target, PerSequenceProposers(lambda: NgramProposer(1, 3), "ngram"), 3,
                          prefix_cache=prefix_cache)
 
 

@@ -242,7 +242,7 @@ def test_one_proposer_serves_an_agent_loop_exactly_and_learns_from_earlier_turns
     first = [3, 17, 42, 5, 60, 61]
     again = engine.generate(first, params)
     assert again.token_ids == plain(tiny_target, first, params).token_ids
-    assert proposer.cache.num_requests == 4  # the last request is archived when the next one starts
+    assert proposer.cache.num_requests == 5  # every request is archived when it ends (finish)
     assert again.stats.num_accepted_tokens >= drafted[0]
 
 
@@ -285,7 +285,7 @@ def test_seeded_sampling_is_reproducible_whatever_ran_before():
     first = engine.generate(prompt, seeded).token_ids
     for seed in range(4):
         engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=100 + seed))
-    assert proposer.cache.num_requests == 4  # the last one is kept when the next request starts
+    assert proposer.cache.num_requests == 5  # each one is archived when it ends
     assert engine.generate(prompt, seeded).token_ids == first
     assert proposer.best_draft(prompt, 4, use_earlier=True).token_ids != ()  # the earlier outputs are there
 

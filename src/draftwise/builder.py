@@ -19,10 +19,10 @@ from draftwise.check.tokenizer import (
     tokenizer_info_from_hf,
 )
 from draftwise.backends.lean.backend import LeanCausalLM
-from draftwise.batching import (
+from draftwise.engine import (
     BATCHED_METHODS,
     BatchedDraftModel,
-    BatchedEngine,
+    EngineCore,
     BatchProposer,
     PerSequenceProposers,
 )
@@ -73,7 +73,7 @@ class EngineBundle:
     """A target model, its optional draft model, and the engine driving them."""
 
     target: LoadedModel
-    engine: SpeculativeEngine | BatchedEngine
+    engine: SpeculativeEngine | EngineCore
     speculative_config: SpeculativeConfig | None = None
     draft: LoadedModel | None = None
 
@@ -387,8 +387,8 @@ def build_engine(
         kv_cache_memory: memory budget (bytes) of the prefix cache that keeps finished sequences' KV states for
             reuse by later requests sharing a prefix (:mod:`draftwise.prefix_cache`); 0 turns reuse off.
         max_num_seqs: requests decoded together. Above 1, a target on the lean runtime with plain decoding or a
-            batchable method (:data:`draftwise.batching.BATCHED_METHODS`) gets a
-            :class:`~draftwise.batching.BatchedEngine` (continuous batching, one KV-cache slot per request, with
+            batchable method (:data:`draftwise.engine.BATCHED_METHODS`) gets a
+            :class:`~draftwise.engine.core.EngineCore` (continuous batching, one KV-cache slot per request, with
             ``k_policy="auto"`` the load-aware K); any other target or method the one-request-at-a-time
             :class:`SpeculativeEngine` (logged).
         max_num_batched_tokens: the batched engine's rows per target pass (prompt chunks included).
@@ -449,8 +449,8 @@ def build_batched_engine(
     max_num_seqs: int,
     max_num_batched_tokens: int = 256,
     prefix_cache: PrefixCache | None = None,
-) -> tuple[BatchedEngine, LoadedModel | None]:
-    """A :class:`BatchedEngine` for a loaded lean target (with ``max_num_seqs`` slots) and a speculative config
+) -> tuple[EngineCore, LoadedModel | None]:
+    """A :class:`EngineCore` for a loaded lean target (with ``max_num_seqs`` slots) and a speculative config
     (None: plain decoding); returns it and the draft model it loaded (if any). ``config.k_policy == "auto"``
     gives the load-aware K (the pass costs are measured here, a few passes).
 
@@ -464,7 +464,7 @@ def build_batched_engine(
     common = dict(eos_token_ids=target.eos_token_ids, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, prefix_cache=prefix_cache)
     if config is None:
-        return BatchedEngine(backend, **common), None
+        return EngineCore(backend, **common), None
     if config.method not in BATCHED_METHODS:
         raise ValueError(f"method {config.method!r} does not run in the batched engine (batched: "
                          f"{', '.join(BATCHED_METHODS)})")
@@ -482,7 +482,7 @@ def build_batched_engine(
             raise ValueError(f"{draft.name}: a draft model in the batched engine needs the lean runtime too "
                              "(--quantization int8 on the CPU, a Llama-family model)")
         proposer = BatchedDraftModel(draft.backend, backend.vocab_size)
-    engine = BatchedEngine(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
+    engine = EngineCore(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
     return engine, draft
 
 

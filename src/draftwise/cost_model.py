@@ -28,7 +28,7 @@ Theorem 3.8, with measured costs instead of their linear one: the speed-up of K 
 plain decoding is ``E(a, K) * verify(1) / (K * draft + verify(K + 1))``.
 
 Batches. When one pass verifies the drafts of several sequences (continuous batching,
-:mod:`draftwise.batching`), a step's time is the pass over all rows: :class:`PassCostCurve` holds the measured
+:mod:`draftwise.engine.core`), a step's time is the pass over all rows: :class:`PassCostCurve` holds the measured
 seconds of a pass over n rows, and :func:`plan_batch_k` picks every sequence's K together to maximise the
 batch's expected committed tokens per second, ``sum_i E_i(K_i) / (T(rows + sum_i K_i) + draft(K))``. A draft
 row is worth ``prod_{j <= K_i + 1} a_ij`` expected tokens to its own sequence but delays every sequence in the

@@ -146,7 +146,7 @@ def load_model(
             vocabulary (FR-Spec, for draft models; :mod:`draftwise.frspec`), applied before quantization;
             the backend's name then ends in ``+fr<kept ids>``. With ``backend="auto"`` it selects PyTorch.
         num_slots: lean runtime only: sequences its KV cache holds (the batched engine,
-            :mod:`draftwise.batching`, runs one request per slot); other backends hold one sequence.
+            :mod:`draftwise.engine.core`, runs one request per slot); other backends hold one sequence.
 
     Raises:
         ModelLoadError: missing file, unreadable model, a registry model that is not pulled, or the llama.cpp

@@ -100,9 +100,8 @@ class Proposer(ABC):
         """
 
     def finish(self) -> None:
-        """The request that :meth:`start` began has ended. The batched engine (one proposer per sequence) calls
-        it when the sequence leaves the batch; the single-sequence engine does not (the next :meth:`start`
-        follows). Default: nothing."""
+        """The request that :meth:`start` began has ended: the engine calls it when the sequence leaves the
+        batch. Default: nothing."""
 
     def export_state(self) -> Any:
         """State worth keeping for a later request that shares a prefix with this one (a draft model's KV

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from draftwise import __version__
-from draftwise.batching import BatchedEngine
+from draftwise.engine import EngineCore
 from draftwise.builder import EngineBundle
 from draftwise.server.body import JSONBodyRoute
 from draftwise.server.errors import APIError, ErrorBoundaryMiddleware, error_body, install_error_handlers
@@ -153,7 +153,7 @@ def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
     builder = RequestBuilder(codec, target.name, target.backend.max_context, target.backend.vocab_size, settings,
                              max_k=bundle.engine.num_speculative_tokens)
     metrics = ServerMetrics(builder.served_names[0])
-    if isinstance(bundle.engine, BatchedEngine):  # a lean multi-slot target: continuous batching
+    if isinstance(bundle.engine, EngineCore):  # a lean multi-slot target: continuous batching
         scheduler = BatchScheduler(bundle.engine, codec.decode, metrics.record, settings.max_waiting_requests,
                                    record_step=metrics.record_step)
     else:

@@ -1,8 +1,8 @@
 """Many clients, one batched engine: continuous batching behind the HTTP server.
 
-The counterpart of :class:`draftwise.server.scheduler.Scheduler` for a :class:`draftwise.batching.BatchedEngine`
+The counterpart of :class:`draftwise.server.scheduler.Scheduler` for a :class:`draftwise.engine.core.EngineCore`
 (a lean target with several KV-cache slots): up to ``engine.max_num_seqs`` requests run at once, one
-:meth:`~draftwise.batching.BatchedEngine.step` (one target pass) at a time in a dedicated thread; the others
+:meth:`~draftwise.engine.core.EngineCore.step` (one target pass) at a time in a dedicated thread; the others
 wait in a FIFO queue of at most ``max_waiting`` requests (beyond it :meth:`BatchScheduler.submit` raises
 :class:`~draftwise.server.scheduler.QueueFullError`, answered 503 ``queue_full``). A request joins the running
 batch at the next step after a slot frees, and leaves it the step it finishes.
@@ -17,7 +17,7 @@ Every request not cancelled by its own client ends with exactly one ``Finished``
 
 Text is produced in the engine thread (detokenization and stop strings, :class:`OutputText`), so a stop string
 stops the sequence at the next step. A failure fails only the requests whose sequences the engine failed
-(:meth:`~draftwise.batching.BatchedEngine.step` confines a failed step to the sequence that caused it where that
+(:meth:`~draftwise.engine.core.EngineCore.step` confines a failed step to the sequence that caused it where that
 can be told apart, and says so in the error where it cannot); the scheduler goes on with the next requests,
 and :attr:`health` turns unhealthy after repeated failures (see :class:`EngineHealth`).
 """
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from draftwise.batching import BatchedEngine, BatchSequence, StepInfo
+from draftwise.engine import EngineCore, BatchSequence, StepInfo
 from draftwise.server.metrics import RequestRecord
 from draftwise.server.scheduler import (
     Failed,
@@ -57,7 +57,7 @@ class _Running:
 
 
 class BatchScheduler(QueueLifecycle):
-    """Runs requests through one :class:`BatchedEngine`, many at once (see the module docstring).
+    """Runs requests through one :class:`EngineCore`, many at once (see the module docstring).
 
     Args:
         engine: the batched engine (this scheduler becomes its only user; its thread runs every step).
@@ -65,10 +65,10 @@ class BatchScheduler(QueueLifecycle):
         record: called with each request's :class:`RequestRecord` (thread-safe).
         max_waiting: requests allowed to wait with no free slot for them; :meth:`submit` raises
             :class:`QueueFullError` beyond (a request arriving while a slot is free never counts).
-        record_step: called with every step's :class:`~draftwise.batching.StepInfo` (metrics), or None.
+        record_step: called with every step's :class:`~draftwise.engine.StepInfo` (metrics), or None.
     """
 
-    def __init__(self, engine: BatchedEngine, decode: Callable[[list[int]], str],
+    def __init__(self, engine: EngineCore, decode: Callable[[list[int]], str],
                  record: Callable[[RequestRecord], None], max_waiting: int,
                  record_step: Callable[[StepInfo], None] | None = None) -> None:
         super().__init__(decode, record, max_waiting, "draftwise-batch-engine")

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from draftwise.stats import SpeculativeStats
 
 if TYPE_CHECKING:
-    from draftwise.batching import StepInfo
+    from draftwise.engine import StepInfo
 
 __all__ = ["ServerMetrics", "RequestRecord", "PREFIX"]
 
@@ -139,7 +139,7 @@ class ServerMetrics:
             self._record_speculation(record.stats)
 
     def record_step(self, step: StepInfo) -> None:
-        """Add one batched engine step (:class:`draftwise.batching.StepInfo`) to the batching histograms."""
+        """Add one batched engine step (:class:`draftwise.engine.StepInfo`) to the batching histograms."""
         labels = self._labels
         self.batch_size.labels(**labels).observe(step.num_sequences)
         self.iteration_tokens.labels(**labels).observe(step.rows)

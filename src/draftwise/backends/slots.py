@@ -1,0 +1,266 @@
+"""The slot backend: what the engine core needs from a target model.
+
+A slot backend holds ``num_slots`` sequences, each in its own KV-cache slot indexed by position, so that a
+rollback is setting a length (gpt-fast's preallocated cache, vLLM's block table). One pass runs *pieces*:
+each piece is one sequence's new tokens (a prompt chunk, or its last committed token and its draft tokens as a
+chain or a tree), written on top of the slot's current length.
+
+Two implementations:
+
+- :class:`LeanSlots`: the lean runtime's multi-slot cache (:mod:`draftwise.backends.lean`); every piece of a
+  pass runs in ONE :meth:`~draftwise.backends.lean.model.LeanLlama.forward_rows` call, and a row's logits do
+  not depend on the other rows of the pass (row-invariant kernels).
+- :class:`OneSlot`: any :class:`~draftwise.backends.base.CausalLM` (transformers, llama.cpp, the lean runtime
+  driving one sequence) as a backend of one slot: one piece per pass, run through ``forward`` or
+  ``forward_tree``.
+
+So every backend runs through the same engine core (:class:`draftwise.engine.core.EngineCore`); only the lean
+runtime batches several sequences into one pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from draftwise.backends.base import CausalLM, KVState
+from draftwise.backends.lean.model import LeanLlama
+from draftwise.backends.lean.rows import RowBatch, chain_rows
+
+__all__ = ["Piece", "PassOutput", "SlotBackend", "LeanSlots", "OneSlot", "concat_rows"]
+
+#: which rows of a piece return logits: every row (a verification), the last one (a prompt chunk that
+#: completes the prompt) or none (an earlier prompt chunk).
+LOGITS_ALL, LOGITS_LAST, LOGITS_NONE = "all", "last", "none"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One sequence's rows in a pass.
+
+    Attributes:
+        slot: the sequence's KV-cache slot.
+        start: the slot's length before the pass (tokens); the first token is written at this position.
+        token_ids: ``[n]`` tokens fed (n >= 1).
+        parents: for a draft tree, ``[n - 1]`` parent of each node after the root (-1 = the root, see
+            :mod:`draftwise.tree`); None for a chain.
+        logits: ``"all"``, ``"last"`` or ``"none"`` (see :data:`LOGITS_ALL`).
+        hidden: also return the final hidden states of every row of the piece.
+    """
+
+    slot: int
+    start: int
+    token_ids: Sequence[int]
+    parents: tuple[int, ...] | None = None
+    logits: str = LOGITS_ALL
+    hidden: bool = False
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of this piece that return logits."""
+        return {LOGITS_ALL: len(self.token_ids), LOGITS_LAST: 1, LOGITS_NONE: 0}[self.logits]
+
+
+@dataclass(frozen=True)
+class PassOutput:
+    """The result of one pass over pieces.
+
+    Attributes:
+        logits: ``[sum of num_logits over the pieces, vocab]`` float32, piece after piece, rows in order.
+        hidden: ``[rows of the pieces with hidden, H]`` piece after piece, or None when no piece asked.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+class SlotBackend(Protocol):
+    """What :class:`draftwise.engine.core.EngineCore` drives.
+
+    Attributes:
+        name: model identity (messages); ``vocab_size``: logits width; ``max_context``: context length (tokens).
+        num_slots: sequences the backend can hold at once.
+        supports_tree: pieces may be trees; ``supports_hidden_states``: pieces may ask for hidden states;
+        supports_export: :meth:`export_slot` / :meth:`import_slot` work (prefix reuse across requests).
+        max_pieces: pieces one pass can hold (1 for :class:`OneSlot`).
+    """
+
+    name: str
+    vocab_size: int
+    max_context: int
+    num_slots: int
+    supports_tree: bool
+    supports_hidden_states: bool
+    supports_export: bool
+    max_pieces: int
+
+    def forward(self, pieces: Sequence[Piece]) -> PassOutput:
+        """Run one pass over ``pieces`` (distinct slots) and write their keys and values into their slots; each
+        slot's length becomes ``start + len(token_ids)``.
+
+        Raises:
+            ValueError: a piece past the context length, ids outside the vocabulary, or more pieces than
+                ``max_pieces``.
+        """
+
+    def length(self, slot: int) -> int:
+        """Tokens the slot holds."""
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Keep the slot's first ``length`` entries (a rollback; 0 empties it)."""
+
+    def compact(self, slot: int, base: int, keep: Sequence[int]) -> None:
+        """Keep the slot's first ``base`` entries and the entries ``base + j`` for ``j`` in ``keep`` (increasing
+        offsets into the last pass): a verified tree's accepted path (a prefix ``keep``: a rollback)."""
+
+    def export_slot(self, slot: int, length: int) -> KVState:
+        """The slot's first ``length`` entries, in a state that later writes do not change."""
+
+    def import_slot(self, slot: int, state: KVState, length: int) -> None:
+        """Replace the slot's contents by the first ``length`` positions of ``state``."""
+
+
+def concat_rows(batches: Sequence[RowBatch]) -> RowBatch:
+    """The rows of several chains in one pass (``tree_mask`` must be None everywhere)."""
+    if len(batches) == 1:
+        return batches[0]
+    return RowBatch(*(torch.cat([getattr(b, name) for b in batches])
+                      for name in ("tokens", "slots", "positions", "cache_index", "context_len")))
+
+
+def _kv_state(payload: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> KVState:
+    return KVState(payload, length, sum(k.nbytes + v.nbytes for k, v in payload))
+
+
+class LeanSlots:
+    """The lean runtime's multi-slot cache as a :class:`SlotBackend`: every piece of a pass in one
+    ``forward_rows`` call. Chains only (a pass over several sequences' trees is not built yet).
+
+    Args:
+        model: the lean decoder; ``name``: its identity.
+    """
+
+    supports_tree = False
+    supports_hidden_states = True
+    supports_export = True
+
+    def __init__(self, model: LeanLlama, name: str = "model") -> None:
+        self.model = model
+        self.name = name
+        self.vocab_size = model.config.vocab_size
+        self.max_context = model.config.max_context
+        self.num_slots = model.cache.num_slots
+        self.max_pieces = self.num_slots
+
+    def forward(self, pieces: Sequence[Piece]) -> PassOutput:
+        batches, logit_rows, hidden_rows, row = [], [], [], 0
+        for piece in pieces:
+            if piece.parents is not None:
+                raise ValueError("the lean multi-slot backend runs chains only")
+            n = len(piece.token_ids)
+            batches.append(chain_rows(list(piece.token_ids), piece.start, piece.slot))
+            logit_rows.extend(range(row + n - piece.num_logits, row + n))
+            if piece.hidden:
+                hidden_rows.extend(range(row, row + n))
+            row += n
+        logits, hidden = self.model.forward_rows(
+            concat_rows(batches), logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+            hidden_rows=torch.tensor(hidden_rows, dtype=torch.long) if hidden_rows else None)
+        for piece in pieces:
+            self.model.cache.lengths[piece.slot] = piece.start + len(piece.token_ids)
+        return PassOutput(logits, hidden)
+
+    def length(self, slot: int) -> int:
+        return self.model.cache.lengths[slot]
+
+    def set_length(self, slot: int, length: int) -> None:
+        self.model.cache.lengths[slot] = length
+
+    def compact(self, slot: int, base: int, keep: Sequence[int]) -> None:
+        keep = [int(j) for j in keep]
+        if keep != list(range(len(keep))):
+            self.model.cache.move_entries(slot, torch.tensor([base + j for j in keep]), base)
+        self.model.cache.lengths[slot] = base + len(keep)
+
+    def export_slot(self, slot: int, length: int) -> KVState:
+        return _kv_state(self.model.cache.export_slot(slot, length), length)
+
+    def import_slot(self, slot: int, state: KVState, length: int) -> None:
+        self.model.cache.import_slot(slot, state.payload, length)
+
+
+class OneSlot:
+    """A :class:`~draftwise.backends.base.CausalLM` as a :class:`SlotBackend` of one slot (slot 0).
+
+    A pass holds one piece, run through ``forward`` (a chain) or ``forward_tree``; lengths map to the
+    backend's ``num_cached`` and ``rollback``. For a backend that cannot export its cache (llama.cpp),
+    :meth:`mark` and :meth:`holds` let the engine tell whether the cache still holds the sequence it left
+    there (another user of the same backend may have changed it), through ``CausalLM.cache_owner``.
+
+    Args:
+        model: the backend.
+    """
+
+    num_slots = 1
+    max_pieces = 1
+
+    def __init__(self, model: CausalLM) -> None:
+        self.lm = model
+        self.name = model.name
+        self.vocab_size = model.vocab_size
+        self.max_context = model.max_context
+        self.supports_tree = bool(model.supports_tree)
+        self.supports_hidden_states = bool(model.supports_hidden_states)
+        self.supports_export = bool(model.supports_cache_export)
+
+    def forward(self, pieces: Sequence[Piece]) -> PassOutput:
+        if len(pieces) != 1:
+            raise ValueError(f"{self.name}: a one-slot backend runs one piece per pass, got {len(pieces)}")
+        piece = pieces[0]
+        if piece.start != self.lm.num_cached:
+            self.lm.rollback(piece.start)
+        tokens = list(piece.token_ids)
+        if piece.parents is not None:
+            out = self.lm.forward_tree(tokens, piece.parents, return_hidden=piece.hidden)
+            logits = out.logits
+        else:
+            hidden = {"return_hidden": True, "hidden_rows": len(tokens)} if piece.hidden else {}
+            out = self.lm.forward(tokens, num_logits=max(1, piece.num_logits), **hidden)
+            logits = out.logits if piece.num_logits else out.logits[:0]
+        return PassOutput(logits, out.hidden if piece.hidden else None)
+
+    def length(self, slot: int) -> int:
+        return self.lm.num_cached
+
+    def set_length(self, slot: int, length: int) -> None:
+        if length == 0:
+            self.lm.reset()
+        elif length != self.lm.num_cached:
+            self.lm.rollback(length)
+
+    def compact(self, slot: int, base: int, keep: Sequence[int]) -> None:
+        self.lm.compact(base, keep)
+
+    def export_slot(self, slot: int, length: int) -> KVState:
+        self.set_length(slot, length)
+        return self.lm.export_cache()
+
+    def import_slot(self, slot: int, state: KVState, length: int) -> None:
+        self.lm.import_cache(state, length)
+
+    def mark(self, slot: int) -> object:
+        """Leave a fresh marker on the backend's cache (its current contents are this engine's) and return it."""
+        marker = object()
+        self.lm.cache_owner = marker
+        return marker
+
+    def unmark(self, slot: int) -> None:
+        """The cache is about to change: it no longer holds what any marker recorded."""
+        self.lm.cache_owner = None
+
+    def holds(self, slot: int, marker: object, length: int) -> bool:
+        """True when the cache still holds what was there at :meth:`mark` (``length`` tokens)."""
+        return self.lm.cache_owner is marker and self.lm.num_cached == length

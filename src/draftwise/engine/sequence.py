@@ -1,0 +1,128 @@
+"""A request inside the engine core: its state, its result, and the rule that commits a step's tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from draftwise.config import SamplingParams
+from draftwise.controller import AcceptanceEstimator, KController
+from draftwise.sampling import Sampler
+from draftwise.stats import SpeculativeStats
+
+__all__ = ["BatchSequence", "GenerationResult", "commit_tokens", "WAITING", "PREFILLING", "DECODING", "FINISHED"]
+
+WAITING, PREFILLING, DECODING, FINISHED = "waiting", "prefilling", "decoding", "finished"
+
+
+@dataclass
+class GenerationResult:
+    """A finished request.
+
+    Attributes:
+        token_ids: generated tokens (stop token excluded).
+        finish_reason: ``"stop"`` (EOS or a stop token id), ``"length"`` (max_tokens or context length),
+            ``"cancelled"`` (the consumer stopped early) or ``"error"`` (the engine failed it).
+        stats: the request's statistics.
+    """
+
+    token_ids: list[int]
+    finish_reason: str
+    stats: SpeculativeStats
+
+
+@dataclass(eq=False)
+class BatchSequence:
+    """One request in an :class:`~draftwise.engine.core.EngineCore`: its handle, and the state the core keeps.
+
+    Attributes:
+        seq_id: unique per engine, in arrival order.
+        prompt: ``[n]`` prompt token ids.
+        params: sampling parameters; ``sampler``: its randomness and rule (:class:`draftwise.sampling.Sampler`).
+        scope: who may share cached state with it (prefix cache, suffix index).
+        max_k: its largest K (the request's own, else the engine's; 0: plain decoding).
+        stop_ids: token ids that end it (its ``stop_token_ids``, and the EOS ids unless ``ignore_eos``).
+        arrival_s: ``time.perf_counter()`` when it was added; ``admitted_s``: when it got a slot.
+        generated: committed output tokens (stop token excluded).
+        stats: its :class:`~draftwise.stats.SpeculativeStats` (``target_time_s`` counts the whole passes it took
+            part in, which it shared with the other sequences).
+        finish_reason: ``""`` while running; then ``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"``.
+        result: the :class:`GenerationResult` once finished.
+        slot: its KV-cache slot while running (-1 otherwise).
+        num_computed: prompt tokens whose keys and values its slot holds (prefill progress, tokens).
+        estimator: its acceptance estimate (seeded from the engine's long-memory estimate).
+        controller: its own K policy (:class:`~draftwise.controller.KController`, e.g. AutoK), or None when the
+            engine plans K for the batch (fixed or load-aware).
+    """
+
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    scope: str
+    max_k: int
+    stop_ids: frozenset[int]
+    estimator: AcceptanceEstimator
+    stats: SpeculativeStats
+    arrival_s: float
+    controller: KController | None = None
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    result: GenerationResult | None = None
+    slot: int = -1
+    num_computed: int = 0
+    admitted_s: float = 0.0
+    first_token_done: bool = False  # the prompt is prefilled and its first output token committed
+    plain_streak: int = 0  # load-aware K: consecutive steps planned at K = 0 while a draft was offered
+    probe_interval: int = 4  # plain steps before a probe with K = 1
+    probing: bool = False
+    prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [rows, H] per prefill chunk (Medusa/EAGLE)
+
+    @property
+    def state(self) -> str:
+        """``"waiting"``, ``"prefilling"``, ``"decoding"`` or ``"finished"``."""
+        if self.finish_reason:
+            return FINISHED
+        if self.slot < 0:
+            return WAITING
+        return DECODING if self.first_token_done else PREFILLING
+
+    @property
+    def context(self) -> list[int]:
+        """Prompt + committed output."""
+        return self.prompt + self.generated
+
+
+def commit_tokens(generated: list[int], tokens: Sequence[int], *, stop_ids: frozenset[int], max_tokens: int,
+                  max_generated: int) -> tuple[list[int], int, str]:
+    """Append a step's tokens to a request's output until a stop condition.
+
+    Args:
+        generated: the request's output so far (appended to in place).
+        tokens: the step's tokens (accepted drafts, then the target's own token).
+        stop_ids: token ids that end the request (the stop token is consumed, not appended).
+        max_tokens: the request's ``max_tokens``.
+        max_generated: output tokens the context can hold (``max_context - len(prompt)``); reaching it ends
+            the request with ``"length"``.
+
+    Returns:
+        ``(tokens appended, tokens consumed incl. a stop token, finish reason or "")``.
+    """
+    chunk: list[int] = []
+    consumed = 0
+    reason = ""
+    for token in tokens:
+        consumed += 1
+        if token in stop_ids:
+            reason = "stop"
+            break
+        chunk.append(token)
+        generated.append(token)
+        if len(generated) >= max_tokens:
+            reason = "length"
+            break
+    if not reason and len(generated) >= max_generated:
+        reason = "length"
+    return chunk, consumed, reason
