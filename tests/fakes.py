@@ -1,9 +1,11 @@
-"""Test doubles: a bigram "model" with exact, batch-invariant logits and a scripted proposer."""
+"""Test doubles: a bigram "model" with exact, batch-invariant logits, a scripted model that behaves by its
+prompt (for the server's scheduler), and scripted proposers."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -53,6 +55,55 @@ class BigramLM(CausalLM):
     def compact(self, base: int, keep) -> None:
         tail = self.tokens[base:]
         self.tokens = self.tokens[:base] + [tail[j] for j in keep]
+
+
+class ScriptedLM(CausalLM):
+    """A model that behaves by the prompt of the sequence in its cache, for scheduler tests through the real
+    engine: ``rule(prompt)`` gives ``(next token, waits, fails)``. Every pass of a sequence whose prompt
+    ``waits`` first waits for :attr:`gate` (60 s at most); one that ``fails`` raises ``RuntimeError("the engine
+    broke")``; otherwise every position predicts the next token (one-hot logits). Records each prompt served
+    (:attr:`served`, in order).
+
+    Args:
+        rule: prompt token ids -> ``(token, waits, fails)``.
+        vocab_size: logits width.
+    """
+
+    def __init__(self, rule: Callable[[list[int]], tuple[int, bool, bool]], vocab_size: int = 256,
+                 max_context: int = 4096, name: str = "scripted") -> None:
+        self.rule = rule
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.name = name
+        self.gate = threading.Event()
+        self.served: list[list[int]] = []
+        self.tokens: list[int] = []
+        self._prompt: list[int] = []
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.tokens)
+
+    def forward(self, token_ids, *, num_logits=None, return_hidden=False, hidden_rows=None) -> ForwardOutput:
+        token_ids = list(token_ids)
+        self._check_forward_args(token_ids)
+        if not self.tokens:  # a prefill: a new request
+            self._prompt = list(token_ids)
+            self.served.append(self._prompt)
+        token, waits, fails = self.rule(self._prompt)
+        if fails:
+            raise RuntimeError("the engine broke")
+        if waits:
+            assert self.gate.wait(60), "gate never opened"
+        self.tokens.extend(token_ids)
+        keep = len(token_ids) if num_logits is None else min(num_logits, len(token_ids))
+        logits = torch.full((keep, self.vocab_size), -1e9)
+        logits[:, token] = 0.0
+        return ForwardOutput(logits=logits)
+
+    def rollback(self, length: int) -> None:
+        self._check_rollback_args(length)
+        del self.tokens[length:]
 
 
 def peaked_table(vocab: int, seed: int, scale: float = 4.0) -> torch.Tensor:

@@ -18,7 +18,6 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -26,15 +25,16 @@ import pytest
 from draftwise.builder import EngineBundle
 from draftwise.commands.common import CliError
 from draftwise.config import SamplingParams
-from draftwise.engine import Generation, GenerationResult, SpeculativeEngine
+from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel
 from draftwise.server import ServerSettings, create_app
 from draftwise.server.errors import APIError, error_body
 from draftwise.server.middleware import bearer_token
 from draftwise.server.requests import GenerationRequest, TextCodec, public_model_name
-from draftwise.server.scheduler import Failed, Finished, QueueFullError, Scheduler, ServerClosingError
+from draftwise.server.batch_scheduler import BatchScheduler
+from draftwise.server.scheduler import Failed, Finished, QueueFullError, ServerClosingError
 from draftwise.server.serving import make_server
-from draftwise.stats import SpeculativeStats
+from fakes import ScriptedLM
 from test_server import _free_port, running
 
 SECRET_PATH = "/secret/place/fake-model.gguf"
@@ -59,42 +59,31 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids if i > BOS)
 
 
-class ScriptedEngine:
-    """Behaves by the prompt's first characters: ``WAIT`` waits for :attr:`gate` before every token, ``FAIL``
-    raises in the first step, anything else yields ``max_tokens`` tokens ``"x"``. Records the prompts served."""
-
-    num_speculative_tokens = 0
+class ScriptedEngine(SpeculativeEngine):
+    """The real engine over a :class:`ScriptedLM` that behaves by the prompt's first characters: ``WAIT`` waits
+    for :attr:`gate` before every pass, ``FAIL`` raises in its first pass, anything else yields ``max_tokens``
+    tokens ``"x"``. Records the prompts served."""
 
     def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.served: list[str] = []
+        def rule(prompt: list[int]) -> tuple[int, bool, bool]:
+            text = CharTokenizer().decode(prompt)
+            return ord("x"), text.startswith("WAIT"), text.startswith("FAIL")
 
-    def stream(self, prompt_ids, params: SamplingParams, **request_options) -> Generation:
-        prompt = CharTokenizer().decode(prompt_ids)
-        self.served.append(prompt)
-        generated: list[int] = []
+        super().__init__(ScriptedLM(rule, vocab_size=256, name=SECRET_PATH))
 
-        def steps():
-            for _ in range(params.max_tokens):
-                if prompt.startswith("FAIL"):
-                    raise RuntimeError("the engine broke")
-                if prompt.startswith("WAIT"):
-                    assert self.gate.wait(60), "gate never opened"
-                generated.append(ord("x"))
-                yield [ord("x")]
+    @property
+    def gate(self):
+        return self.target.gate
 
-        def finish(reason: str) -> GenerationResult:
-            done = len(generated) == params.max_tokens
-            return GenerationResult(list(generated), "length" if done else reason,
-                                    SpeculativeStats(num_generated_tokens=len(generated)))
-
-        return Generation(steps(), finish)
+    @property
+    def served(self) -> list[str]:
+        return [CharTokenizer().decode(prompt) for prompt in self.target.served]
 
 
 def fake_bundle(engine: ScriptedEngine | None = None, name: str = SECRET_PATH) -> EngineBundle:
-    target = LoadedModel(backend=SimpleNamespace(max_context=4096, vocab_size=256, name=name),
-                         tokenizer=CharTokenizer(), name=name, eos_token_ids=())
-    return EngineBundle(target=target, engine=engine or ScriptedEngine())
+    engine = engine or ScriptedEngine()
+    target = LoadedModel(backend=engine.target, tokenizer=CharTokenizer(), name=name, eos_token_ids=())
+    return EngineBundle(target=target, engine=engine)
 
 
 @contextmanager
@@ -462,7 +451,7 @@ async def _next(handle, timeout_s: float = 10):
 def test_shutdown_while_a_request_runs_ends_its_handle():
     """The engine is stuck in a step: shutdown still gives the running request a Failed event at once."""
     engine, records = ScriptedEngine(), []
-    scheduler = Scheduler(engine, CharTokenizer().decode, records.append, max_waiting=4)
+    scheduler = BatchScheduler(engine.core, CharTokenizer().decode, records.append, max_waiting=4)
 
     async def scenario():
         running = scheduler.submit(request(1))
@@ -483,7 +472,7 @@ def test_shutdown_while_a_request_runs_ends_its_handle():
 # ---------------------------------------------------------------------- 5. queue limit and cancellation
 def test_cancelled_waiting_requests_do_not_count_toward_the_queue_limit():
     engine, records = ScriptedEngine(), []
-    scheduler = Scheduler(engine, CharTokenizer().decode, records.append, max_waiting=2)
+    scheduler = BatchScheduler(engine.core, CharTokenizer().decode, records.append, max_waiting=2)
 
     async def scenario():
         running = scheduler.submit(request(1))
@@ -609,7 +598,7 @@ def test_engine_failures_are_counted_and_logged_as_errors_not_aborts(fake, caplo
     assert "the engine broke" in error["message"] and error["type"] == "server_error"
     assert metric(url, "draftwise:request_success_total", finished_reason="error") == errors_before + 1
     assert metric(url, "draftwise:request_success_total", finished_reason="abort") == aborts_before
-    lines = [r.getMessage() for r in caplog.records if r.name.startswith("draftwise.server.scheduler")]
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("draftwise.server")]
     assert any("engine failure: RuntimeError: the engine broke" in line for line in lines), lines
     assert not any("abandoned" in line for line in lines), lines
     again = httpx.post(f"{url}/v1/completions", json={"prompt": "fine", "max_tokens": 2}, timeout=30)

@@ -9,56 +9,32 @@ import threading
 import pytest
 
 from draftwise.config import SamplingParams
-from draftwise.engine import Generation, GenerationResult
+from draftwise.engine import SpeculativeEngine
+from draftwise.server.batch_scheduler import BatchScheduler
 from draftwise.server.requests import GenerationRequest
-from draftwise.server.scheduler import Aborted, Failed, Finished, QueueFullError, Scheduler, TextDelta
-from draftwise.stats import SpeculativeStats
+from draftwise.server.scheduler import Aborted, Failed, Finished, QueueFullError, TextDelta
+from fakes import ScriptedLM
 
 
-class GatedEngine:
-    """Yields one token per step, each step waiting for ``gate`` to be set; records the prompts it served."""
-
-    def __init__(self, steps: int = 3) -> None:
-        self.gate = threading.Event()
-        self.steps = steps
-        self.served: list[int] = []
-        self.closed: list[int] = []
-
-    def stream(self, prompt_ids, params, **request_options) -> Generation:
-        request = prompt_ids[0]
-        self.served.append(request)
-        generated: list[int] = []
-
-        def steps():
-            for _ in range(self.steps):
-                assert self.gate.wait(10)
-                generated.append(request)
-                yield [request]
-
-        def finish(reason: str) -> GenerationResult:
-            if len(generated) < self.steps:
-                self.closed.append(request)
-            return GenerationResult(list(generated), "length" if len(generated) == self.steps else reason,
-                                    SpeculativeStats(num_generated_tokens=len(generated)))
-
-        return Generation(steps(), finish)
+def gated_engine() -> SpeculativeEngine:
+    """The real engine over a model that repeats the prompt's first token, each pass waiting for its gate."""
+    return SpeculativeEngine(ScriptedLM(lambda prompt: (prompt[0], True, False), vocab_size=32))
 
 
-class FailingEngine:
-    def stream(self, prompt_ids, params, **request_options) -> Generation:
-        def steps():
-            raise RuntimeError("boom")
-            yield []
+def failing_engine() -> SpeculativeEngine:
+    return SpeculativeEngine(ScriptedLM(lambda prompt: (0, False, True), vocab_size=32))
 
-        return Generation(steps(), lambda reason: GenerationResult([], reason, SpeculativeStats()))
+
+def scheduler_for(engine: SpeculativeEngine, records, max_waiting: int) -> BatchScheduler:
+    return BatchScheduler(engine.core, decode, records.append, max_waiting=max_waiting)
 
 
 def decode(ids: list[int]) -> str:
     return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def request(n: int, stops: tuple[str, ...] = ()) -> GenerationRequest:
-    return GenerationRequest(f"r{n}", (n,), SamplingParams(max_tokens=8), stops)
+def request(n: int, stops: tuple[str, ...] = (), max_tokens: int = 3) -> GenerationRequest:
+    return GenerationRequest(f"r{n}", (n,), SamplingParams(max_tokens=max_tokens), stops)
 
 
 async def drain(handle) -> list:
@@ -77,8 +53,8 @@ async def until(predicate, timeout_s: float = 10) -> None:
 
 
 def test_fifo_order_queue_limit_and_cancellation():
-    engine, records = GatedEngine(), []
-    scheduler = Scheduler(engine, decode, records.append, max_waiting=2)
+    engine, records = gated_engine(), []
+    scheduler = scheduler_for(engine, records, max_waiting=2)
 
     async def scenario():
         first = scheduler.submit(request(1))
@@ -88,15 +64,15 @@ def test_fifo_order_queue_limit_and_cancellation():
             scheduler.submit(request(4))
         second.cancel()  # waiting: skipped, never reaches the engine
         assert isinstance(await second.next_event(), Aborted)
-        engine.gate.set()
+        engine.target.gate.set()
         return await drain(first), await drain(third)
 
     try:
         first_events, third_events = asyncio.run(scenario())
     finally:
-        engine.gate.set()
+        engine.target.gate.set()
         scheduler.shutdown()
-    assert engine.served == [1, 3]
+    assert engine.target.served == [[1], [3]]
     assert "".join(e.text for e in first_events if isinstance(e, TextDelta)) == "bbb"
     assert isinstance(first_events[-1], Finished) and first_events[-1].finish_reason == "length"
     assert isinstance(third_events[-1], Finished) and third_events[-1].completion_tokens == 3
@@ -104,15 +80,15 @@ def test_fifo_order_queue_limit_and_cancellation():
 
 
 def test_cancelling_a_running_request_stops_the_engine_and_serves_the_next():
-    engine, records = GatedEngine(steps=10**9), []  # never finishes on its own
-    scheduler = Scheduler(engine, decode, records.append, max_waiting=4)
+    engine, records = gated_engine(), []
+    scheduler = scheduler_for(engine, records, max_waiting=4)
 
     async def scenario():
-        engine.gate.set()
-        running = scheduler.submit(request(1))
+        engine.target.gate.set()
+        running = scheduler.submit(request(1, max_tokens=4000))  # does not finish on its own in this test
         first = await running.next_event()
         assert isinstance(first, TextDelta)
-        nxt = scheduler.submit(request(2, stops=("cc",)))  # 'c' * n: the stop string completes at token 2
+        nxt = scheduler.submit(request(2, stops=("cc",), max_tokens=4000))  # the stop completes at token 2
         running.cancel()
         return await drain(nxt)
 
@@ -120,14 +96,14 @@ def test_cancelling_a_running_request_stops_the_engine_and_serves_the_next():
         events = asyncio.run(scenario())
     finally:
         scheduler.shutdown()
-    assert engine.served == [1, 2] and engine.closed == [1, 2]  # both generations were closed early
+    assert engine.target.served == [[1], [2]]  # both generations were stopped early, and the second ran
     assert isinstance(events[-1], Finished) and events[-1].finish_reason == "stop"
     assert events[-1].completion_tokens == 2 and not [e for e in events if isinstance(e, TextDelta)]
     assert [r.finished_reason for r in records] == ["abort", "stop"]
 
 
 def test_engine_failure_is_reported_and_the_worker_survives():
-    scheduler = Scheduler(FailingEngine(), decode, lambda record: None, max_waiting=4)
+    scheduler = scheduler_for(failing_engine(), [], max_waiting=4)
 
     async def scenario():
         return [await drain(scheduler.submit(request(n))) for n in (1, 2)]
@@ -137,4 +113,4 @@ def test_engine_failure_is_reported_and_the_worker_survives():
     finally:
         scheduler.shutdown()
     for events in results:
-        assert isinstance(events[-1], Failed) and "boom" in str(events[-1].error)
+        assert isinstance(events[-1], Failed) and "the engine broke" in str(events[-1].error)

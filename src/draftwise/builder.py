@@ -82,6 +82,11 @@ class EngineBundle:
         """``"plain"`` or the speculative method name."""
         return self.speculative_config.method if self.speculative_config else "plain"
 
+    @property
+    def core(self) -> EngineCore:
+        """The engine core (a :class:`SpeculativeEngine` is a facade over one)."""
+        return self.engine.core if isinstance(self.engine, SpeculativeEngine) else self.engine
+
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
     """Require the draft's id -> token table to agree with the target's (see :mod:`draftwise.check.tokenizer`

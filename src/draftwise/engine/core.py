@@ -50,7 +50,7 @@ from draftwise.config import SamplingParams
 from draftwise.controller import AcceptanceEstimator, KController
 from draftwise.cost_model import PassCostCurve, batch_step_rate, expected_tokens, plan_batch_k
 from draftwise.engine.draft_slots import BatchedDraftModel
-from draftwise.engine.proposers import BatchProposer, PerSequenceProposers
+from draftwise.engine.proposers import BatchProposer
 from draftwise.engine.sequence import DECODING, PREFILLING, BatchSequence, GenerationResult, commit_tokens
 from draftwise.methods import K_POLICIES
 from draftwise.prefix_cache import PrefixCache, PrefixEntry

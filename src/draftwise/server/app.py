@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from draftwise import __version__
-from draftwise.engine import EngineCore
 from draftwise.builder import EngineBundle
 from draftwise.server.body import JSONBodyRoute
 from draftwise.server.errors import APIError, ErrorBoundaryMiddleware, error_body, install_error_handlers
@@ -46,7 +45,6 @@ from draftwise.server.scheduler import (
     Finished,
     QueueFullError,
     RequestHandle,
-    Scheduler,
     ServerClosingError,
     TextDelta,
 )
@@ -64,7 +62,7 @@ class ServerState:
     bundle: EngineBundle
     settings: ServerSettings
     builder: RequestBuilder
-    scheduler: Scheduler | BatchScheduler
+    scheduler: BatchScheduler
     metrics: ServerMetrics
     created: int
 
@@ -105,8 +103,8 @@ def create_app(bundle: EngineBundle, settings: ServerSettings | None = None) -> 
     async def lifespan(app: FastAPI):
         state.scheduler.start()
         logger.info("serving %s (%s) as %s%s", bundle.target.name, bundle.method, ", ".join(state.builder.served_names),
-                    f", up to {bundle.engine.max_num_seqs} requests at once (continuous batching)"
-                    if isinstance(state.scheduler, BatchScheduler) else ", one request at a time")
+                    f", up to {bundle.core.max_num_seqs} requests at once (continuous batching)"
+                    if bundle.core.max_num_seqs > 1 else ", one request at a time")
         yield
         await run_in_threadpool(state.scheduler.shutdown)
 
@@ -153,11 +151,8 @@ def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
     builder = RequestBuilder(codec, target.name, target.backend.max_context, target.backend.vocab_size, settings,
                              max_k=bundle.engine.num_speculative_tokens)
     metrics = ServerMetrics(builder.served_names[0])
-    if isinstance(bundle.engine, EngineCore):  # a lean multi-slot target: continuous batching
-        scheduler = BatchScheduler(bundle.engine, codec.decode, metrics.record, settings.max_waiting_requests,
-                                   record_step=metrics.record_step)
-    else:
-        scheduler = Scheduler(bundle.engine, codec.decode, metrics.record, settings.max_waiting_requests)
+    scheduler = BatchScheduler(bundle.core, codec.decode, metrics.record, settings.max_waiting_requests,
+                               record_step=metrics.record_step)
     metrics.track_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
     return ServerState(bundle, settings, builder, scheduler, metrics, int(time.time()))
 
@@ -171,7 +166,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         engine failures (:class:`~draftwise.server.scheduler.EngineHealth`), so a load balancer stops sending."""
         body = {"status": "ok", "model": state.model_name, "method": state.bundle.method,
                 "requests_running": state.scheduler.num_running, "requests_waiting": state.scheduler.num_waiting,
-                "max_num_seqs": getattr(state.bundle.engine, "max_num_seqs", 1),
+                "max_num_seqs": state.bundle.core.max_num_seqs,
                 "consecutive_engine_failures": state.scheduler.health.consecutive_failures}
         reason = state.scheduler.unhealthy_reason()
         if reason is None:

@@ -1,8 +1,8 @@
-"""Many clients, one batched engine: continuous batching behind the HTTP server.
+"""Many clients, one engine core: continuous batching behind the HTTP server (the server's one scheduler).
 
-The counterpart of :class:`draftwise.server.scheduler.Scheduler` for a :class:`draftwise.engine.core.EngineCore`
-(a lean target with several KV-cache slots): up to ``engine.max_num_seqs`` requests run at once, one
-:meth:`~draftwise.engine.core.EngineCore.step` (one target pass) at a time in a dedicated thread; the others
+For every :class:`draftwise.engine.core.EngineCore` (a lean target with several KV-cache slots, or any
+backend as one slot, which serves one request at a time in arrival order): up to ``engine.max_num_seqs``
+requests run at once, one :meth:`~draftwise.engine.core.EngineCore.step` (one target pass) at a time in a dedicated thread; the others
 wait in a FIFO queue of at most ``max_waiting`` requests (beyond it :meth:`BatchScheduler.submit` raises
 :class:`~draftwise.server.scheduler.QueueFullError`, answered 503 ``queue_full``). A request joins the running
 batch at the next step after a slot frees, and leaves it the step it finishes.
@@ -10,7 +10,7 @@ batch at the next step after a slot frees, and leaves it the step it finishes.
 Cancellation: a waiting request whose client leaves leaves the queue at once (and no longer counts toward its
 limit); a running one is cancelled by the engine thread before the next step, which frees its slot.
 
-Shutdown, as the single-request scheduler's: :meth:`BatchScheduler.close` refuses new requests, fails the
+Shutdown: :meth:`BatchScheduler.close` refuses new requests, fails the
 waiting ones at once, and gives the running ones (all of them) a grace period, after which their handles get
 :class:`~draftwise.server.scheduler.ServerClosingError` and the engine thread drops them at the next step.
 Every request not cancelled by its own client ends with exactly one ``Finished`` or ``Failed`` event.
@@ -221,6 +221,7 @@ class BatchScheduler(QueueLifecycle):
 
     def _fail(self, running: _Running, error: BaseException) -> None:
         """End a request with :class:`Failed` (its sequence has already left the engine) and record it."""
+        logger.error("%s: engine failure: %s: %s", running.job.request.request_id, type(error).__name__, error)
         running.job.end(Failed(error))
         if running.sequence.seq_id in self._active:
             self._finish(running, "error")

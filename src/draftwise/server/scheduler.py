@@ -1,17 +1,15 @@
-"""One engine, many clients: a FIFO queue served by one worker thread.
+"""What the server's scheduler is built from: request events and handles, the waiting queue with its
+lifecycle (:class:`QueueLifecycle`), and the engine's health (:class:`EngineHealth`).
 
-The engine holds one KV cache, so requests run one at a time, in arrival order (fair: nobody is overtaken).
-Generation is synchronous CPU/GPU work, so it runs in a dedicated thread; the asyncio side receives text
-deltas through a per-request :class:`asyncio.Queue`. A request whose client leaves is cancelled: if it is
-still waiting it leaves the queue at once (and no longer counts toward the queue limit), if it is running its
-generation is closed at the next engine step and the engine moves on to the next request.
+The one scheduler, :class:`draftwise.server.batch_scheduler.BatchScheduler`, runs every engine (the lean
+runtime's many slots, or any backend as one slot) in a dedicated thread; the asyncio side receives text deltas
+through a per-request :class:`asyncio.Queue`. A request whose client leaves is cancelled: if it is still
+waiting it leaves the queue at once (and no longer counts toward the queue limit), if it is running the engine
+thread cancels it before the next step.
 
 Every request that is not cancelled by its own client ends with exactly one :class:`Finished` or
-:class:`Failed` event, shutdown included: :meth:`Scheduler.close` fails the waiting requests at once and the
-running one after a grace period, with :class:`ServerClosingError`.
-
-Text is produced in the worker (detokenization and stop strings, :class:`OutputText`), so a stop string
-stops the generation at once, without a round trip through the event loop.
+:class:`Failed` event, shutdown included: :meth:`QueueLifecycle.close` fails the waiting requests at once and
+the running ones after a grace period, with :class:`ServerClosingError`.
 """
 
 from __future__ import annotations
@@ -24,13 +22,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from draftwise.engine import SpeculativeEngine
 from draftwise.server.metrics import RequestRecord
 from draftwise.server.requests import GenerationRequest
-from draftwise.server.text import OutputText
 from draftwise.stats import SpeculativeStats
 
-__all__ = ["EngineHealth", "QueueLifecycle", "Scheduler", "RequestHandle", "TextDelta", "Finished", "Failed", "Aborted", "QueueFullError",
+__all__ = ["EngineHealth", "QueueLifecycle", "RequestHandle", "TextDelta", "Finished", "Failed", "Aborted", "QueueFullError",
            "ServerClosingError"]
 
 logger = logging.getLogger(__name__)
@@ -323,119 +319,3 @@ class QueueLifecycle:
         waited = time.perf_counter() - request.arrival_s
         self._record(RequestRecord(finished_reason, len(request.prompt_ids), 0, waited, None, waited, None))
         logger.info("%s: %s", request.request_id, why)
-
-
-class Scheduler(QueueLifecycle):
-    """Serialises requests through one engine in FIFO order.
-
-    Args:
-        engine: the engine (one request at a time).
-        decode, record, max_waiting: see :class:`QueueLifecycle`.
-    """
-
-    def __init__(self, engine: SpeculativeEngine, decode: Callable[[list[int]], str],
-                 record: Callable[[RequestRecord], None], max_waiting: int) -> None:
-        super().__init__(decode, record, max_waiting, "draftwise-engine")
-        self._engine = engine
-        self._running: _Job | None = None  # guarded by _wakeup
-
-    @property
-    def num_running(self) -> int:
-        """1 while a request is being generated, else 0."""
-        return 0 if self._running is None else 1
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests queued behind the running one (cancelled ones excluded)."""
-        return len(self._waiting)
-
-    def _running_jobs(self) -> list[_Job]:
-        return [] if self._running is None else [self._running]
-
-    # ------------------------------------------------------------------ worker thread
-    def _next_job(self) -> _Job | None:
-        with self._wakeup:
-            while not self._waiting and not self._stopped:
-                self._wakeup.wait()
-            if self._stopped:
-                return None
-            self._running = self._waiting.popleft()
-            return self._running
-
-    def _worker_loop(self) -> None:
-        while (job := self._next_job()) is not None:
-            try:
-                if job.cancelled.is_set():  # cancelled between leaving the queue and now
-                    self._record_unfinished(job, "abort", "abandoned by its client while waiting")
-                else:
-                    self._run(job)
-            finally:
-                with self._wakeup:
-                    self._running = None
-
-    def _run(self, job: _Job) -> None:
-        try:
-            self._execute(job)
-        except Exception as exc:  # the engine failed: report it, keep serving
-            logger.exception("request %s failed in the engine", job.request.request_id)
-            self.health.failed(exc)
-            job.end(Failed(exc))
-            self._record_unfinished(job, "error", f"engine failure: {type(exc).__name__}: {exc}")
-            return
-        self.health.succeeded()
-
-    def _execute(self, job: _Job) -> None:
-        request = job.request
-        started = time.perf_counter()
-        output = OutputText(self._decode, request.prompt_ids, request.stops)
-        generation = self._engine.stream(request.prompt_ids, request.params, scope=request.scope,
-                                         num_speculative_tokens=request.num_speculative_tokens)
-        first_token_at = None
-        chunks = iter(generation)
-        try:
-            for chunk in chunks:
-                if first_token_at is None:
-                    first_token_at = time.perf_counter()
-                text = output.add_tokens(chunk)
-                if text:
-                    job.post(TextDelta(text))
-                if output.stopped or job.cancelled.is_set():
-                    break
-        finally:
-            chunks.close()  # stops the engine if we left early; fills generation.result
-        result = generation.result
-        assert result is not None
-        aborted = job.cancelled.is_set() and not output.stopped
-        if aborted:
-            finish_reason = "abort"  # the client left, or shutdown already failed the request
-        else:
-            tail = output.finish()
-            if tail:
-                job.post(TextDelta(tail))
-            finish_reason = "stop" if output.stopped else result.finish_reason
-            job.end(Finished(finish_reason, output.num_tokens, result.stats))
-        self._finish(job, finish_reason, output.num_tokens, started, first_token_at, result.stats)
-
-    def _finish(self, job: _Job, finish_reason: str, num_tokens: int, started: float,
-                first_token_at: float | None, stats: SpeculativeStats) -> None:
-        request = job.request
-        now = time.perf_counter()
-        self._record(RequestRecord(
-            finished_reason=finish_reason,
-            prompt_tokens=len(request.prompt_ids),
-            generation_tokens=num_tokens,
-            queue_time_s=started - request.arrival_s,
-            ttft_s=None if first_token_at is None else first_token_at - request.arrival_s,
-            e2e_s=now - request.arrival_s,
-            stats=stats,
-        ))
-        logger.info(
-            "%s: %s, %d prompt + %d generated tokens in %.2f s (queued %.2f s), acceptance %s, tau %s",
-            request.request_id, finish_reason, len(request.prompt_ids), num_tokens, now - started,
-            started - request.arrival_s, _two_decimals(stats.acceptance_rate),
-            _two_decimals(stats.mean_accepted_length),
-        )
-
-def _two_decimals(value: float | None) -> str:
-    """A statistic for the log line (``-`` when it is undefined, e.g. no draft tokens)."""
-    return "-" if value is None else f"{value:.2f}"
