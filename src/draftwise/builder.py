@@ -6,6 +6,7 @@ Used by the CLI, the server and the benchmarks, so every entry point builds engi
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,21 +20,22 @@ from draftwise.check.tokenizer import (
     tokenizer_info_from_hf,
 )
 from draftwise.backends.lean.backend import LeanCausalLM
+from draftwise.config import SpeculativeConfig
+from draftwise.controller import KController
 from draftwise.engine import (
     BATCHED_METHODS,
     BatchedDraftModel,
-    EngineCore,
     BatchProposer,
+    EngineCore,
     PerSequenceProposers,
+    SpeculativeEngine,
 )
-from draftwise.config import SpeculativeConfig
-from draftwise.engine import SpeculativeEngine
 from draftwise.methods import METHODS, get_method
 from draftwise.models.loading import LoadedModel, load_model
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import Proposer
 
-__all__ = ["BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS", "TokenizerMismatchError",
+__all__ = ["assemble_engine", "BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS", "TokenizerMismatchError",
            "backend_kind", "build_batched_engine", "build_engine", "build_proposer", "build_head_proposer",
            "check_same_tokenizer", "draft_load_options", "load_draft_model", "load_target_heads",
            "require_target_ids_across_backends"]
@@ -86,6 +88,20 @@ class EngineBundle:
     def core(self) -> EngineCore:
         """The engine core (a :class:`SpeculativeEngine` is a facade over one)."""
         return self.engine.core if isinstance(self.engine, SpeculativeEngine) else self.engine
+
+
+def assemble_engine(target: LoadedModel, proposer: Proposer | None = None, num_speculative_tokens: int = 5, *,
+                    controller_factory: Callable[[], KController] | None = None,
+                    prefix_cache: PrefixCache | None = None) -> SpeculativeEngine:
+    """The one-request engine (:class:`~draftwise.engine.SpeculativeEngine`, a core of one slot) over a loaded
+    target, its proposer (None: plain decoding) and K, with the target's EOS ids; every command that needs one
+    (generate, serve, bench, check, heads data) gets it here.
+
+    Raises:
+        ValueError: see :class:`~draftwise.engine.SpeculativeEngine`.
+    """
+    return SpeculativeEngine(target.backend, proposer, num_speculative_tokens, eos_token_ids=target.eos_token_ids,
+                             controller_factory=controller_factory, prefix_cache=prefix_cache)
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
@@ -420,8 +436,7 @@ def build_engine(
         logger.warning("continuous batching needs the lean runtime (int8 on the CPU, a Llama-family model); "
                        "%s runs one request at a time", target_model.name)
     if speculative_config is None:
-        engine = SpeculativeEngine(target_model.backend, eos_token_ids=target_model.eos_token_ids,
-                                   prefix_cache=PrefixCache(kv_cache_memory))
+        engine = assemble_engine(target_model, prefix_cache=PrefixCache(kv_cache_memory))
         return EngineBundle(target=target_model, engine=engine)
     proposer, draft = build_proposer(speculative_config, target_model, device=device, dtype=dtype,
                                      quantization=quantization, backend=backend, threads=threads, runtime=runtime)
@@ -434,14 +449,9 @@ def build_engine(
         cost_model = calibrate_cost_model(  # cached per model and machine after the first run
             target_model.backend, max_k, draft=draft.backend if draft else None, proposer=proposer
         )
-    engine = SpeculativeEngine(
-        target_model.backend,
-        proposer,
-        max_k,
-        eos_token_ids=target_model.eos_token_ids,
-        controller_factory=k_controller_factory(speculative_config.k_policy, max_k, cost_model),
-        prefix_cache=PrefixCache(kv_cache_memory),
-    )
+    engine = assemble_engine(target_model, proposer, max_k,
+                             controller_factory=k_controller_factory(speculative_config.k_policy, max_k, cost_model),
+                             prefix_cache=PrefixCache(kv_cache_memory))
     return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
 
 

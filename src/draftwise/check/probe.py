@@ -22,7 +22,7 @@ from draftwise import cost_model
 from draftwise.calibration import ForwardCosts, measure_forward_costs
 from draftwise.cost_model import CostModel
 from draftwise.config import SamplingParams
-from draftwise.engine import SpeculativeEngine
+from draftwise.builder import assemble_engine
 from draftwise.models.loading import LoadedModel
 from draftwise.proposers.draft_model import DraftModelProposer
 
@@ -168,8 +168,7 @@ def run_acceptance_probe(
     if target.backend is draft.backend:
         raise ValueError("target and draft share one backend (one KV cache); load the model twice to probe it "
                          "as its own draft")
-    engine = SpeculativeEngine(target.backend, DraftModelProposer(draft.backend, target.backend.vocab_size), k,
-                               eos_token_ids=target.eos_token_ids)
+    engine = assemble_engine(target, DraftModelProposer(draft.backend, target.backend.vocab_size), k)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     result = ProbeResult(k=k, max_tokens=max_tokens)
     for prompt in prompts:

@@ -38,7 +38,14 @@ from draftwise.benchmark import (
     summarize,
     write_json,
 )
-from draftwise.builder import DEFAULT_KV_CACHE_MEMORY, DEMO_DRAFT, DEMO_TARGET, backend_kind, load_draft_model
+from draftwise.builder import (
+    DEFAULT_KV_CACHE_MEMORY,
+    DEMO_DRAFT,
+    DEMO_TARGET,
+    assemble_engine,
+    backend_kind,
+    load_draft_model,
+)
 from draftwise.calibration import ForwardCosts, forward_pass_samples
 from draftwise.commands.common import (
     CliError,
@@ -51,7 +58,6 @@ from draftwise.commands.common import (
     print_table,
     sampling_params_from_args,
 )
-from draftwise.engine import SpeculativeEngine
 from draftwise.methods import K_POLICIES
 from draftwise.models.loading import LoadedModel, load_model
 
@@ -187,7 +193,7 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
     from draftwise.proposers.ngram import NgramProposer
 
     eos = target.eos_token_ids
-    specs = [MethodSpec("plain", "plain", engine=SpeculativeEngine(target.backend, eos_token_ids=eos))]
+    specs = [MethodSpec("plain", "plain", engine=assemble_engine(target))]
     proposers = {}
     if "draft" in methods:
         proposers["draft"] = DraftModelProposer(draft.backend, target.backend.vocab_size)
@@ -198,7 +204,7 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
             for k in (ks if policy == "fixed" else [max(ks)]):
                 label = method_label(kind, k, policy)
                 factory = _controller_factory(policy, k, kind, target, draft, proposer, calibrated)
-                engine = SpeculativeEngine(target.backend, proposer, k, eos_token_ids=eos, controller_factory=factory)
+                engine = assemble_engine(target, proposer, k, controller_factory=factory)
                 specs.append(MethodSpec(label, kind, k, policy, engine=engine))
     for kind in ("medusa", "eagle"):
         if kind in methods:
@@ -240,8 +246,7 @@ def _head_methods(target: LoadedModel, kind: str, heads_dir: str, ks: list[int],
     for k in ks:
         for width in widths:
             config = SpeculativeConfig(method=kind, model=heads_dir, num_speculative_tokens=k, tree_width=width)
-            engine = SpeculativeEngine(target.backend, build_head_proposer(config, target), k,
-                                       eos_token_ids=target.eos_token_ids)
+            engine = assemble_engine(target, build_head_proposer(config, target), k)
             label = method_label(kind, k, "fixed", width)
             specs.append(MethodSpec(label, kind, k, "fixed", engine=engine))
     return specs

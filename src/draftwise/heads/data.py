@@ -165,9 +165,9 @@ def encode_prompt(target: LoadedModel, prompt: BenchPrompt, *, chat: bool, max_p
 
 def greedy_continuation(target: LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
     """The target's greedy continuation (plain decoding; stops at EOS or ``max_new_tokens``; EOS excluded)."""
-    from draftwise.engine import SpeculativeEngine
+    from draftwise.builder import assemble_engine
 
-    engine = SpeculativeEngine(target.backend, eos_token_ids=target.eos_token_ids)
+    engine = assemble_engine(target)
     return list(engine.generate(list(prompt_ids), SamplingParams(max_tokens=max_new_tokens)).token_ids)
 
 
