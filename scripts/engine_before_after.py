@@ -57,7 +57,7 @@ def run(tree: Path, args: list[str]) -> None:
 
 def one_request(tree: Path, out: Path, opts: argparse.Namespace) -> dict[str, float]:
     """tok/s per method of one ``draftwise bench`` run."""
-    run(tree, ["-m", "draftwise.cli", "bench", "--model", TARGET, "--draft", DRAFT, "--category", "coding",
+    run(tree, ["-m", "draftwise.cli", "bench", "--model", TARGET, "--draft", DRAFT, "--prompts", str(QUESTIONS), "--category", "coding",
                "--limit", str(opts.prompts), "--max-tokens", str(opts.max_tokens), "--methods", "plain,draft,ngram",
                "--ks", str(opts.k), "--quantization", opts.quantization, "--no-plots", "--output", str(out)])
     summary = json.loads(out.read_text())["summary"]
