@@ -99,7 +99,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--quantization", default="int8")
-    parser.add_argument("--skip-clients", action="store_true")
+    parser.add_argument("--client-rounds", type=int, default=1,
+                        help="server runs per method and revision, alternating (default 1; 0: none)")
     parser.add_argument("--output", default=None, help="Markdown file for the table")
     opts = parser.parse_args()
 
@@ -116,13 +117,13 @@ def main() -> int:
                         single[name].setdefault(method, []).append(rate)
                     print(f"round {r + 1} {name}: " + ", ".join(f"{m} {v:.2f}" for m, v in rates.items()),
                           file=sys.stderr)
-            multi: dict[str, dict[str, float]] = {"before": {}, "after": {}}
-            if not opts.skip_clients:
+            multi: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
+            for r in range(opts.client_rounds):
                 for i, method in enumerate(("plain", "draft", "ngram")):
-                    for name in (("before", "after") if i % 2 == 0 else ("after", "before")):
-                        multi[name][method] = clients(trees[name], method, prompts, tmp / f"load-{name}-{method}.json",
-                                                      opts)
-                        print(f"{opts.clients} clients {method} {name}: {multi[name][method]:.2f}", file=sys.stderr)
+                    for name in (("before", "after") if (i + r) % 2 == 0 else ("after", "before")):
+                        rate = clients(trees[name], method, prompts, tmp / f"load-{name}-{method}-{r}.json", opts)
+                        multi[name].setdefault(method, []).append(rate)
+                        print(f"{opts.clients} clients {method} {name}: {rate:.2f}", file=sys.stderr)
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
@@ -132,11 +133,12 @@ def main() -> int:
             f"`{opts.before}`, after `{opts.after}`.", "",
             "| workload | method | before tok/s | after tok/s | after / before |", "|---|---|---|---|---|"]
     for method in single["before"]:
-        b, a = statistics.median(single["before"][method]), statistics.median(single["after"].get(method, [0.0]))
+        b, a = statistics.median(single["before"][method]), statistics.median(single["after"][method])
         rows.append(f"| 1 request (median of {opts.rounds}) | {method} | {b:.2f} | {a:.2f} | {a / b:.3f} |")
-    for method, b in multi["before"].items():
-        a = multi["after"][method]
-        rows.append(f"| {opts.clients} clients, serve | {method} | {b:.2f} | {a:.2f} | {a / b:.3f} |")
+    for method in multi["before"]:
+        b, a = statistics.median(multi["before"][method]), statistics.median(multi["after"][method])
+        rows.append(f"| {opts.clients} clients, serve (median of {opts.client_rounds}) | {method} | {b:.2f} | "
+                    f"{a:.2f} | {a / b:.3f} |")
     table = "\n".join(rows)
     print(table)
     if opts.output:

@@ -11,6 +11,7 @@ from torch import nn
 
 from conftest import tiny_llama
 from draftwise.backends import kernels as K
+from draftwise.backends.kernels import selftest
 from draftwise.backends.kernels import (
     KERNEL_ENV,
     KernelError,
@@ -76,7 +77,7 @@ def fake_timer(monkeypatch):
         calls.append(type(module).__name__)
         return {NoisyLinear: 1e-4, RowLoopLinear: 2e-4, SlowRowLoopLinear: 5e-4}.get(type(module), 1e-3)
 
-    monkeypatch.setattr(K, "_call_seconds", timed)
+    monkeypatch.setattr(selftest, "_call_seconds", timed)
     return calls
 
 
@@ -189,7 +190,7 @@ def test_selection_refuses_the_faster_non_invariant_kernel(tmp_path, fake_timer)
 def test_slower_kernels_are_left_unchecked_unless_check_all(tmp_path, fake_timer, monkeypatch):
     checked = []
     real_check = K.check_row_invariance
-    monkeypatch.setattr(K, "check_row_invariance", lambda module, x, rows: checked.append(type(module)) or
+    monkeypatch.setattr(selftest, "check_row_invariance", lambda module, x, rows: checked.append(type(module)) or
                         real_check(module, x, rows))
     candidates = [NOISY, ROWLOOP, SLOW_ROWLOOP]
     choice = select_linear_kernel("int8", SHAPES, cache_dir=tmp_path, candidates=candidates)
@@ -214,7 +215,7 @@ def test_a_variant_found_by_the_check_is_timed_again(tmp_path, monkeypatch, othe
     def timed(module, x, repeats):
         return {NoisyLinear: 1e-4, RowLoopLinear: 2e-4, Other: other_ms * 1e-3}[type(module)]
 
-    monkeypatch.setattr(K, "_call_seconds", timed)
+    monkeypatch.setattr(selftest, "_call_seconds", timed)
     switch = LinearKernel("fake-switch", "int8", "fake", switchable, ({"exact": False}, {"exact": True}))
     other = LinearKernel("fake-other", "int8", "fake", Other)
     choice = select_linear_kernel("int8", SHAPES, cache_dir=tmp_path, candidates=[switch, other])
@@ -232,7 +233,7 @@ def test_timing_stops_for_kernels_far_slower_than_an_invariant_one(tmp_path, mon
         calls.append((type(module), x.shape[0]))
         return {NoisyLinear: 1e-5, RowLoopLinear: 1e-4, SlowRowLoopLinear: 1e-3}[type(module)]
 
-    monkeypatch.setattr(K, "_call_seconds", timed)
+    monkeypatch.setattr(selftest, "_call_seconds", timed)
     choice = select_linear_kernel("int8", SHAPES, cache_dir=tmp_path, candidates=[NOISY, ROWLOOP, SLOW_ROWLOOP])
     assert choice.name == "fake-rowloop"  # 10x the noisy kernel, not cut off by it
     slow = next(t for t in choice.trials if t.name == "fake-rowloop-slow")
@@ -256,7 +257,7 @@ def test_weighted_cost_prefers_decode_time(tmp_path, monkeypatch):
             return 1e-3 if m == 1 else 2e-3
         return 2e-3 if m == 1 else 1e-3
 
-    monkeypatch.setattr(K, "_call_seconds", timed)
+    monkeypatch.setattr(selftest, "_call_seconds", timed)
     choice = select_linear_kernel("int8", SHAPES, cache_dir=tmp_path, candidates=[NOISY, ROWLOOP],
                                   require_invariant=False)
     assert choice.name == "fake-noisy"
@@ -270,9 +271,9 @@ def test_cache_hit_does_not_measure(tmp_path, fake_timer, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("measured on a cache hit")
 
-    monkeypatch.setattr(K, "_call_seconds", fail)
-    monkeypatch.setattr(K, "check_row_invariance", fail)
-    monkeypatch.setattr(K, "_synthetic_layer", fail)
+    monkeypatch.setattr(selftest, "_call_seconds", fail)
+    monkeypatch.setattr(selftest, "check_row_invariance", fail)
+    monkeypatch.setattr(selftest, "_synthetic_layer", fail)
     second = select_linear_kernel("int8", SHAPES, cache_dir=tmp_path, candidates=[NOISY, ROWLOOP])
     assert second.cached and second.name == first.name
     assert second.trials == first.trials and second.reason == first.reason

@@ -27,6 +27,7 @@ from draftwise.commands.common import CliError, speculative_config_from_args
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel, load_model
+from draftwise.proposers.draft_model import fit_vocab
 from draftwise.builder import BuildOptions
 from conftest import tiny_llama
 from gguf_variants import write_gguf_variant
@@ -353,7 +354,8 @@ def test_wider_llama_cpp_draft_is_cut_to_the_targets_width(stories, variants):
     config = SpeculativeConfig(model=str(variants["extra"]), num_speculative_tokens=3, backend="llama.cpp")
     proposer, draft = build_proposer(config, stories, device="cpu", dtype=None, backend="torch", threads=1)
     assert (draft.backend.vocab_size, stories.backend.vocab_size) == (520, 512)
-    assert proposer._fit_vocab(draft.backend.forward([1, 403], num_logits=1).logits[-1]).shape == (512,)
+    logits = draft.backend.forward([1, 403], num_logits=1).logits[-1]
+    assert fit_vocab(logits, proposer.target_vocab_size).shape == (512,)
     proposed: list[int] = []
     _spy_proposals(proposer, proposed)
     for text in PROMPTS:
@@ -380,7 +382,7 @@ def test_narrower_llama_cpp_draft_is_padded_to_a_padded_target(stories_path, dra
     assert target.backend.vocab_size == 520
     config = SpeculativeConfig(model=str(stories_path), num_speculative_tokens=4, backend="llama.cpp")
     proposer, draft = build_proposer(config, target, device="cpu", dtype=None, backend="torch", threads=1)
-    padded = proposer._fit_vocab(draft.backend.forward([1, 403], num_logits=1).logits[-1])
+    padded = fit_vocab(draft.backend.forward([1, 403], num_logits=1).logits[-1], proposer.target_vocab_size)
     assert padded.shape == (520,) and torch.isneginf(padded[512:]).all() and torch.isfinite(padded[:512]).all()
     proposed: list[int] = []
     _spy_proposals(proposer, proposed)

@@ -456,7 +456,7 @@ def test_shutdown_while_a_request_runs_ends_its_handle():
     async def scenario():
         running = scheduler.submit(request(1))
         waiting = scheduler.submit(request(2))
-        await asyncio.to_thread(wait_for, lambda: scheduler.num_running == 1)
+        await asyncio.to_thread(wait_for, lambda: engine.served == ["WAIT 1"])  # the engine is in its step
         await asyncio.to_thread(scheduler.shutdown, 0.2)
         return await _next(running), await _next(waiting)
 
@@ -476,7 +476,7 @@ def test_cancelled_waiting_requests_do_not_count_toward_the_queue_limit():
 
     async def scenario():
         running = scheduler.submit(request(1))
-        await asyncio.to_thread(wait_for, lambda: scheduler.num_running == 1)
+        await asyncio.to_thread(wait_for, lambda: engine.served == ["WAIT 1"])
         first, second = scheduler.submit(request(2)), scheduler.submit(request(3))
         with pytest.raises(QueueFullError):
             scheduler.submit(request(4))

@@ -58,7 +58,7 @@ def test_fifo_order_queue_limit_and_cancellation():
 
     async def scenario():
         first = scheduler.submit(request(1))
-        await until(lambda: scheduler.num_running == 1)
+        await until(lambda: engine.target.served == [[1]])  # the engine is in its first step
         second, third = scheduler.submit(request(2)), scheduler.submit(request(3))
         with pytest.raises(QueueFullError):
             scheduler.submit(request(4))

@@ -24,6 +24,7 @@ __all__ = [
     "AutoK",
     "AutoKMemory",
     "AcceptanceEstimator",
+    "ProbeBackoff",
     "expected_tokens",
     "leviathan_expected_tokens",
     "k_controller_factory",
@@ -198,6 +199,37 @@ def _shrunk(successes: float, trials: float, toward: float, strength: float) -> 
     return (successes + strength * toward) / (trials + strength) if trials + strength > 0 else toward
 
 
+class ProbeBackoff:
+    """When a speculation kept off (its acceptance looked too low) is probed again: after ``interval`` plain
+    steps. A rejected probe doubles the interval up to ``maximum`` (or to a longer interval a caller's budget
+    needs); an accepted one, or speculation turned back on, resets it to ``first``. The one probe schedule of
+    both K policies: a request's :class:`AutoK` (16 -> 256 plain steps by default) and the engine core's
+    load-aware batch plan (4 -> 64).
+
+    Args:
+        first: plain steps before the first probe (>= 1).
+        maximum: cap of the doubling interval (>= first).
+
+    Raises:
+        ValueError: out-of-range arguments.
+    """
+
+    def __init__(self, first: int, maximum: int) -> None:
+        if not 1 <= first <= maximum:
+            raise ValueError(f"need 1 <= first <= maximum, got {first} and {maximum}")
+        self.first = first
+        self.maximum = maximum
+        self.interval = first
+
+    def rejected(self, at_least: int = 0) -> None:
+        """A probe was rejected: double the interval (capped), or take ``at_least`` plain steps if longer."""
+        self.interval = max(min(2 * self.interval, self.maximum), at_least)
+
+    def reset(self) -> None:
+        """A probe was accepted (or speculation came back): the next one is due after ``first`` steps."""
+        self.interval = self.first
+
+
 @dataclass
 class AutoKMemory:
     """What the :class:`AutoK` controllers of one engine learn, kept across its requests.
@@ -319,6 +351,7 @@ class AutoK(KController):
         self.estimator = estimator or self.memory.estimator.seeded(memory_strength)
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
+        self.backoff = ProbeBackoff(probe_interval, max_probe_interval)
         self.probe_k = probe_k
         self.probe_budget = probe_budget
         self.learn_costs = learn_costs
@@ -329,7 +362,6 @@ class AutoK(KController):
         self._disabled = False
         self._unprofitable = False
         self._plain_streak = 0
-        self._interval = probe_interval
         self._next_probe_k = 0 if evidence else probe_k  # > 0: probe with this K when due (first: at once)
         self._probing = 0  # K of the probe in flight
         self._context_len: int | None = None  # tokens in the context (None: unknown, the calibrated one)
@@ -428,7 +460,8 @@ class AutoK(KController):
             if self._disabled:
                 logger.info("speculation re-enabled (acceptance %.2f): K=%d", self.estimator.overall, best)
             self._disabled = self._unprofitable = False
-            self._plain_streak, self._interval, self._next_probe_k = 0, self.probe_interval, 0
+            self._plain_streak, self._next_probe_k = 0, 0
+            self.backoff.reset()
             return best
         if not self.can_pay():
             self._note(SPECULATION_UNPROFITABLE_NOTE)
@@ -450,7 +483,7 @@ class AutoK(KController):
                     self._note(note)
                     logger.info("speculation disabled: acceptance %.2f below break-even %.2f",
                                 self.estimator.overall, self.break_even_acceptance())
-            if self._plain_streak < max(self._interval, self._budget_interval(self._probe_extra_s(self.probe_k))):
+            if self._plain_streak < max(self.backoff.interval, self._budget_interval(self._probe_extra_s(self.probe_k))):
                 self._plain_streak += 1
                 return 0
             self._next_probe_k = self.probe_k
@@ -498,11 +531,10 @@ class AutoK(KController):
             self._next_probe_k = probe
         elif num_accepted == num_drafted and not self._unprofitable:
             self._next_probe_k = min(2 * probe, self.max_k)
-            self._interval = self.probe_interval
+            self.backoff.reset()
         else:
             self._next_probe_k = 0
-            self._interval = max(min(2 * self._interval, self.max_probe_interval),
-                                 self._budget_interval(probe_time_s - self.step_cost(0)))
+            self.backoff.rejected(self._budget_interval(probe_time_s - self.step_cost(0)))
 
     def _budget_interval(self, extra_s: float) -> int:
         """Plain steps needed so that a probe's extra time (seconds beyond a plain step, e.g. a draft model

@@ -27,10 +27,11 @@ from typing import Protocol
 import torch
 
 from draftwise.backends.base import CausalLM, KVState
+from draftwise.backends.lean.backend import LeanCausalLM
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.lean.rows import RowBatch, chain_rows
 
-__all__ = ["Piece", "PassOutput", "SlotBackend", "LeanSlots", "OneSlot", "concat_rows"]
+__all__ = ["Piece", "PassOutput", "SlotBackend", "LeanSlots", "OneSlot", "concat_rows", "as_slot_backend"]
 
 #: which rows of a piece return logits: every row (a verification), the last one (a prompt chunk that
 #: completes the prompt) or none (an earlier prompt chunk).
@@ -264,3 +265,15 @@ class OneSlot:
     def holds(self, slot: int, marker: object, length: int) -> bool:
         """True when the cache still holds what was there at :meth:`mark` (``length`` tokens)."""
         return self.lm.cache_owner is marker and self.lm.num_cached == length
+
+
+def as_slot_backend(target: SlotBackend | CausalLM | LeanLlama) -> SlotBackend:
+    """``target`` as a slot backend: a lean target's multi-slot cache as :class:`LeanSlots`, any other
+    :class:`~draftwise.backends.base.CausalLM` as :class:`OneSlot`; a slot backend as it is."""
+    if isinstance(target, LeanCausalLM):
+        return LeanSlots(target.model, target.name)
+    if isinstance(target, LeanLlama):
+        return LeanSlots(target)
+    if isinstance(target, CausalLM):
+        return OneSlot(target)
+    return target

@@ -43,11 +43,10 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.backends.base import CausalLM, ContextOverflowError
-from draftwise.backends.lean.backend import LeanCausalLM
 from draftwise.backends.lean.model import LeanLlama
-from draftwise.backends.slots import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, LeanSlots, OneSlot, Piece, SlotBackend
+from draftwise.backends.slots import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, Piece, SlotBackend, as_slot_backend
 from draftwise.config import SamplingParams
-from draftwise.controller import AcceptanceEstimator, KController
+from draftwise.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.cost_model import PassCostCurve, batch_step_rate, expected_tokens, plan_batch_k
 from draftwise.engine.draft_slots import BatchedDraftModel
 from draftwise.engine.proposers import BatchProposer
@@ -60,7 +59,7 @@ from draftwise.stats import SpeculativeStats
 from draftwise.verification import verify
 
 __all__ = ["EngineCore", "SequenceOutput", "StepInfo", "UnattributedStepError", "calibrate_pass_costs",
-           "BATCHED_METHODS", "as_slot_backend"]
+           "BATCHED_METHODS"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,18 +122,6 @@ class _LiveSequence:
     scope: str
     tokens: tuple[int, ...]
     marker: object
-
-
-def as_slot_backend(target: SlotBackend | CausalLM | LeanLlama) -> SlotBackend:
-    """``target`` as a slot backend: a lean target's multi-slot cache as :class:`LeanSlots`, any other
-    :class:`~draftwise.backends.base.CausalLM` as :class:`OneSlot`; a slot backend as it is."""
-    if isinstance(target, LeanCausalLM):
-        return LeanSlots(target.model, target.name)
-    if isinstance(target, LeanLlama):
-        return LeanSlots(target)
-    if isinstance(target, CausalLM):
-        return OneSlot(target)
-    return target
 
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -324,7 +311,7 @@ class EngineCore:
                                      per_sequence=True)
         self._live.clear()
         if isinstance(self.proposer, BatchedDraftModel):
-            calibrate_pass_costs(self.proposer.model, sorted({1 << i for i in range(self.max_num_seqs.bit_length())}
+            calibrate_pass_costs(self.proposer.slots.backend, sorted({1 << i for i in range(self.max_num_seqs.bit_length())}
                                                              | {self.max_num_seqs}), slots,
                                  curve=self.proposer.pass_costs, repeats=2)
         logger.info("engine: pass costs measured in %.1f s: %s; %.2f ms per sequence in a pass",
@@ -363,7 +350,8 @@ class EngineCore:
             seq_id=self._next_id, prompt=prompt, params=params, sampler=Sampler(params), scope=scope, max_k=max_k,
             stop_ids=stop_ids, estimator=self.memory.seeded(8.0),
             stats=SpeculativeStats(num_prompt_tokens=len(prompt)),
-            arrival_s=time.perf_counter() if arrival_s is None else arrival_s, controller=controller)
+            arrival_s=time.perf_counter() if arrival_s is None else arrival_s, controller=controller,
+            backoff=ProbeBackoff(4, self.max_probe_interval))
         self._next_id += 1
         self._waiting.append(sequence)
         return sequence
@@ -720,7 +708,7 @@ class EngineCore:
             if ks[i] > 0 or caps[i] == 0:
                 continue
             sequence.plain_streak += 1
-            if sequence.plain_streak < sequence.probe_interval or sum(ks) >= draft_budget:
+            if sequence.plain_streak < sequence.backoff.interval or sum(ks) >= draft_budget:
                 continue
             extra = 0.0 if draft_seconds is None else draft_seconds(max(1, sum(1 for k in ks if k > 0)))
             if batch_step_rate([expected + 1.0], pass_seconds(rows + 1), draft_s + extra) <= now:
@@ -800,8 +788,10 @@ class EngineCore:
         sequence.estimator.observe(num_drafted, num_accepted)
         self.memory.observe(num_drafted, num_accepted)
         if sequence.probing:
-            full = num_accepted == num_drafted
-            sequence.probe_interval = 4 if full else min(2 * sequence.probe_interval, self.max_probe_interval)
+            if num_accepted == num_drafted:
+                sequence.backoff.reset()
+            else:
+                sequence.backoff.rejected()
 
     def _commit(self, sequence: BatchSequence, tokens: Sequence[int]) -> tuple[list[int], int, str]:
         return commit_tokens(sequence.generated, tokens, stop_ids=sequence.stop_ids,

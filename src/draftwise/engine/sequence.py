@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftwise.config import SamplingParams
-from draftwise.controller import AcceptanceEstimator, KController
+from draftwise.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.sampling import Sampler
 from draftwise.stats import SpeculativeStats
 
@@ -54,7 +54,7 @@ class BatchSequence:
         num_computed: prompt tokens whose keys and values its slot holds (prefill progress, tokens).
         estimator: its acceptance estimate (seeded from the engine's long-memory estimate).
         controller: its own K policy (:class:`~draftwise.controller.KController`, e.g. AutoK), or None when the
-            engine plans K for the batch (fixed or load-aware).
+            engine plans K for the batch (fixed or load-aware; ``backoff``: the load-aware plan's probe schedule).
     """
 
     seq_id: int
@@ -76,7 +76,7 @@ class BatchSequence:
     admitted_s: float = 0.0
     first_token_done: bool = False  # the prompt is prefilled and its first output token committed
     plain_streak: int = 0  # load-aware K: consecutive steps planned at K = 0 while a draft was offered
-    probe_interval: int = 4  # plain steps before a probe with K = 1
+    backoff: ProbeBackoff | None = None  # load-aware K: plain steps before a probe with K = 1
     probing: bool = False
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [rows, H] per prefill chunk (Medusa/EAGLE)
 
