@@ -1,6 +1,7 @@
 """The engine core over every backend: a single-sequence backend runs as one slot (requests one after another,
-in arrival order), trees and live-cache reuse go through the core, a tree on a chain-only backend fails only
-its request, and the probe schedule both K policies share."""
+in arrival order), trees and live-cache reuse go through the core, the lean multi-slot backend verifies
+several sequences' trees in one pass, a tree on a chain-only backend fails only its request, and the probe
+schedule both K policies share."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import pytest
 from conftest import tiny_llama
 from draftwise.backends.lean import build_lean
 from draftwise.backends.slots import LeanSlots, OneSlot
-from draftwise.config import SamplingParams
+from draftwise.builder import _suffix_proposers
+from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.controller import ProbeBackoff
 from draftwise.engine import EngineCore, PerSequenceProposers, SpeculativeEngine
 from draftwise.prefix_cache import PrefixCache
-from fakes import BigramLM, ScriptedTreeProposer, peaked_table
+from fakes import BigramLM, ScriptedLM, ScriptedTreeProposer, peaked_table
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -51,16 +53,46 @@ def test_trees_run_through_the_core_on_one_slot_and_equal_plain_decoding():
 
 
 def test_a_tree_on_a_chain_only_backend_fails_only_its_request():
-    model = build_lean(tiny_llama(0).model, quantization="none", name="tiny-batch", num_slots=2)
-    oracle_target = build_lean(tiny_llama(0).model, quantization="none", name="tiny")
-    core = EngineCore(model, PerSequenceProposers.of(ScriptedTreeProposer(3, [1] * 20, 96)), 3)
-    assert isinstance(core.backend, LeanSlots) and not core.backend.supports_tree
+    target = ScriptedLM(lambda prompt: (prompt[0], False, False), vocab_size=40)
+    assert not target.supports_tree
+    core = EngineCore(target, PerSequenceProposers.of(ScriptedTreeProposer(3, [5] * 20, 40)), 3)
     sequence = core.add([5, 6, 7], GREEDY)
     errors = []
     while core.has_work:
         errors += [o.error for o in core.step() if o.error is not None]
     assert sequence.finish_reason == "error" and len(errors) == 1 and "verifies chains only" in str(errors[0])
-    assert EngineCore(model).generate([[5, 6, 7]], GREEDY)[0].token_ids == plain(oracle_target, [5, 6, 7])
+    assert EngineCore(target).generate([[5, 6, 7]], GREEDY)[0].token_ids == [5] * GREEDY.max_tokens
+
+
+def test_the_lean_multi_slot_backend_verifies_several_sequences_trees_in_one_pass():
+    """3 requests, each drafting a tree every step (3 siblings per depth, the right one second, so the accepted
+    path is not a prefix of the pass): their trees share passes, and every output equals its request's plain
+    decoding alone. Suffix trees (width 3) batched the same way are exact too."""
+    hf = tiny_llama(0).model
+    single = build_lean(hf, quantization="none", name="tiny")
+    multi = build_lean(hf, quantization="none", name="tiny-batch", num_slots=3)
+    prompts = [[3, 4, 5, 6] * 6, [10, 11, 12] * 8, [20, 21, 22, 23, 24] * 5]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    oracles = [plain(single, p, params) for p in prompts]
+    scripted = iter([ScriptedTreeProposer(len(p), o, 96, width=3, rank=1, wrong_at=2) for p, o in zip(prompts, oracles)])
+    core = EngineCore(multi, PerSequenceProposers(lambda: next(scripted), "scripted-tree"), 4, max_num_seqs=3)
+    assert isinstance(core.backend, LeanSlots) and core.backend.supports_tree
+    trees_per_pass = []
+    forward = core.backend.forward
+
+    def recording(pieces):
+        trees_per_pass.append(sum(piece.parents is not None for piece in pieces))
+        return forward(pieces)
+
+    core.backend.forward = recording
+    results = core.generate(prompts, params)
+    assert [r.token_ids for r in results] == oracles
+    assert all(r.stats.num_tree_nodes > 0 and r.stats.num_accepted_tokens > 0 for r in results)
+    assert max(trees_per_pass) == 3
+
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_decoding_tree_width=3)
+    suffix = EngineCore(multi, _suffix_proposers(config), 4, max_num_seqs=3)
+    assert [r.token_ids for r in suffix.generate(prompts, params)] == oracles
 
 
 def test_a_backend_without_export_reuses_the_sequence_its_slot_still_holds():

@@ -218,11 +218,39 @@ def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: Bu
         head_subset = HeadSubset(size=config.draft_vocab_size, token_map=config.token_map)
     where = getattr(target.backend, "device", None)
     target_device = where.type if isinstance(where, torch.device) else "cpu"
-    draft = load_model(config.model, max_context=target.backend.max_context, head_subset=head_subset,
-                       num_slots=num_slots,
-                       **draft_load_options(config, options, target_device=target_device))
+    measured = _measured_draft(config, options, target, target_device, head_subset, num_slots)
+    draft = measured or load_model(config.model, max_context=target.backend.max_context, head_subset=head_subset,
+                                   num_slots=num_slots,
+                                   **draft_load_options(config, options, target_device=target_device))
     check_same_tokenizer(target, draft)
     relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
+    return draft
+
+
+def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: LoadedModel, target_device: str,
+                    head_subset, num_slots: int) -> LoadedModel | None:
+    """``--speculative-backend auto`` for a GGUF draft that both backends can run (a CPU target, one slot, no
+    FR-Spec head, llama-cpp-python installed): the draft loaded on the backend that decodes it fastest here,
+    measured once per machine (:func:`draftwise.draft_backend.choose_draft_backend`); None otherwise (the
+    rule of :func:`draft_load_options` applies)."""
+    import dataclasses
+
+    from draftwise.backends.llama_cpp_backend import llama_cpp_available
+    from draftwise.models.loading import resolve_model
+
+    if config.backend != "auto" or target_device != "cpu" or head_subset is not None or num_slots != 1:
+        return None
+    path = resolve_model(config.model or "")
+    if not str(path).endswith(".gguf") or not llama_cpp_available():
+        return None
+    from draftwise.draft_backend import choose_draft_backend
+
+    def load(kind: str) -> LoadedModel:
+        forced = dataclasses.replace(config, backend=kind)
+        return load_model(config.model, max_context=target.backend.max_context, num_slots=1,
+                          **draft_load_options(forced, options, target_device=target_device))
+
+    _, draft = choose_draft_backend(str(path), load, threads=options.threads, quantization=options.quantization)
     return draft
 
 
@@ -502,20 +530,16 @@ def build_batched_engine(
 
 
 def _suffix_proposers(config: SpeculativeConfig) -> PerSequenceProposers:
-    """One suffix proposer per sequence (chains), all sharing one cross-request index (per scope)."""
-    import dataclasses
-
+    """One suffix proposer per sequence (chains, or trees with ``suffix_decoding_tree_width`` > 1: the lean
+    multi-slot backend verifies several sequences' trees in one pass), all sharing one cross-request index (per
+    scope)."""
     from draftwise.proposers.suffix import SuffixCache, suffix_proposer_from_config
 
-    if config.suffix_decoding_tree_width > 1:
-        logger.warning("suffix_decoding_tree_width %d: the batched engine verifies chains; drafting chains",
-                       config.suffix_decoding_tree_width)
-        config = dataclasses.replace(config, suffix_decoding_tree_width=1)
     shared = SuffixCache(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                          config.suffix_decoding_max_cached_tokens)
 
     def make() -> Proposer:
-        proposer = suffix_proposer_from_config(config, supports_tree=False)
+        proposer = suffix_proposer_from_config(config, supports_tree=True)
         proposer.cache = shared
         return proposer
 

@@ -29,9 +29,10 @@ import torch
 from draftwise.backends.base import CausalLM, KVState
 from draftwise.backends.lean.backend import LeanCausalLM
 from draftwise.backends.lean.model import LeanLlama
-from draftwise.backends.lean.rows import RowBatch, chain_rows
+from draftwise.tree import check_parents
+from draftwise.backends.lean.rows import RowBatch, chain_rows, tree_rows
 
-__all__ = ["Piece", "PassOutput", "SlotBackend", "LeanSlots", "OneSlot", "concat_rows", "as_slot_backend"]
+__all__ = ["Piece", "PassOutput", "SlotBackend", "LeanSlots", "OneSlot", "concat_rows", "as_slot_backend", "chunk_counts"]
 
 #: which rows of a piece return logits: every row (a verification), the last one (a prompt chunk that
 #: completes the prompt) or none (an earlier prompt chunk).
@@ -125,11 +126,22 @@ class SlotBackend(Protocol):
 
 
 def concat_rows(batches: Sequence[RowBatch]) -> RowBatch:
-    """The rows of several chains in one pass (``tree_mask`` must be None everywhere)."""
+    """The rows of several pieces (chains and trees, each of its own slot) in one pass; a tree's mask is placed
+    on the diagonal block of its rows (a chain's rows stay all False: they see themselves through the cache)."""
     if len(batches) == 1:
         return batches[0]
-    return RowBatch(*(torch.cat([getattr(b, name) for b in batches])
-                      for name in ("tokens", "slots", "positions", "cache_index", "context_len")))
+    fields = {name: torch.cat([getattr(b, name) for b in batches])
+              for name in ("tokens", "slots", "positions", "cache_index", "context_len")}
+    mask = None
+    if any(b.tree_mask is not None for b in batches):
+        n = sum(len(b) for b in batches)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        row = 0
+        for b in batches:
+            if b.tree_mask is not None:
+                mask[row:row + len(b), row:row + len(b)] = b.tree_mask
+            row += len(b)
+    return RowBatch(**fields, tree_mask=mask)
 
 
 def _kv_state(payload: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> KVState:
@@ -137,14 +149,14 @@ def _kv_state(payload: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> 
 
 
 class LeanSlots:
-    """The lean runtime's multi-slot cache as a :class:`SlotBackend`: every piece of a pass in one
-    ``forward_rows`` call. Chains only (a pass over several sequences' trees is not built yet).
+    """The lean runtime's multi-slot cache as a :class:`SlotBackend`: every piece of a pass (chains and trees,
+    several sequences) in one ``forward_rows`` call.
 
     Args:
         model: the lean decoder; ``name``: its identity.
     """
 
-    supports_tree = False
+    supports_tree = True
     supports_hidden_states = True
     supports_export = True
 
@@ -159,10 +171,12 @@ class LeanSlots:
     def forward(self, pieces: Sequence[Piece]) -> PassOutput:
         batches, logit_rows, hidden_rows, row = [], [], [], 0
         for piece in pieces:
-            if piece.parents is not None:
-                raise ValueError("the lean multi-slot backend runs chains only")
             n = len(piece.token_ids)
-            batches.append(chain_rows(list(piece.token_ids), piece.start, piece.slot))
+            if piece.parents is not None:
+                check_parents(piece.parents)
+                batches.append(tree_rows(list(piece.token_ids), list(piece.parents), piece.start, piece.slot))
+            else:
+                batches.append(chain_rows(list(piece.token_ids), piece.start, piece.slot))
             logit_rows.extend(range(row + n - piece.num_logits, row + n))
             if piece.hidden:
                 hidden_rows.extend(range(row, row + n))
@@ -277,3 +291,17 @@ def as_slot_backend(target: SlotBackend | CausalLM | LeanLlama) -> SlotBackend:
     if isinstance(target, CausalLM):
         return OneSlot(target)
     return target
+
+
+def chunk_counts(remaining: Sequence[int], budget: int, max_pieces: int) -> list[int]:
+    """The one prefill chunker: how many of each item's ``remaining`` tokens the next pass takes, items in
+    order (oldest first), within ``budget`` rows and ``max_pieces`` items; 0 for an item left for a later pass.
+    The engine core chunks prompts with it (its per-step token budget) and the draft model its catch-up."""
+    counts = []
+    for n in remaining:
+        take = min(n, budget) if max_pieces > 0 else 0
+        if take > 0:
+            budget -= take
+            max_pieces -= 1
+        counts.append(max(0, take))
+    return counts

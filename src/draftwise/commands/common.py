@@ -102,8 +102,10 @@ def add_speculative_backend_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-backend", choices=BACKENDS, default=None,
                         help="backend of the draft model alone (methods draft_model and hybrid): llama.cpp runs a "
                         ".gguf draft with llama.cpp's quantized kernels beside a PyTorch target (e.g. --quantization "
-                        "int8), with the same --threads; auto picks llama.cpp for a .gguf draft when llama-cpp-python "
-                        "is installed. The draft's token table must agree with the target's. Default: the target's "
+                        "int8), with the same --threads; auto times one draft token on each backend that can run the "
+                        "draft here (a .gguf draft, a CPU target, llama-cpp-python installed; one request at a time) "
+                        "and keeps the faster, cached per machine ($DRAFTWISE_HOME/draft_backends; the log says what "
+                        "was measured). The draft's token table must agree with the target's. Default: the target's "
                         "--backend")
 
 

@@ -44,7 +44,15 @@ import torch
 
 from draftwise.backends.base import CausalLM, ContextOverflowError
 from draftwise.backends.lean.model import LeanLlama
-from draftwise.backends.slots import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, Piece, SlotBackend, as_slot_backend
+from draftwise.backends.slots import (
+    LOGITS_ALL,
+    LOGITS_LAST,
+    LOGITS_NONE,
+    Piece,
+    SlotBackend,
+    as_slot_backend,
+    chunk_counts,
+)
 from draftwise.config import SamplingParams
 from draftwise.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.cost_model import PassCostCurve, batch_step_rate, expected_tokens, plan_batch_k
@@ -460,7 +468,7 @@ class EngineCore:
         proposals, asked, draft_s = self._draft(decoding, len(decoding) + expected_prefill, draft_budget, in_pass)
         draft_rows = sum(len(p) for p in proposals)
         prefill_budget = max(reserve, self.max_num_batched_tokens - len(decoding) - draft_rows)
-        chunks = self._prefill_chunks(prefilling, prefill_budget)
+        chunks = self._prefill_chunks(prefilling, prefill_budget, self.backend.max_pieces - len(decoding))
 
         pieces = [self._verify_piece(s, p) for s, p in zip(decoding, proposals)]
         pieces += [self._prefill_piece(s, count) for s, count in chunks]
@@ -716,17 +724,13 @@ class EngineCore:
             ks[i], sequence.probing, sequence.plain_streak = 1, True, 0
 
     # ------------------------------------------------------------------ prefill
-    def _prefill_chunks(self, prefilling: list[BatchSequence], budget: int) -> list[tuple[BatchSequence, int]]:
-        """Prompt chunks for this step, oldest sequence first, within ``budget`` rows and the backend's pieces
-        per pass."""
-        chunks = []
-        for sequence in sorted(prefilling, key=lambda s: s.seq_id):
-            if budget <= 0:
-                break
-            count = min(len(sequence.prompt) - sequence.num_computed, budget)
-            chunks.append((sequence, count))
-            budget -= count
-        return chunks
+    def _prefill_chunks(self, prefilling: list[BatchSequence], budget: int, pieces_left: int
+                        ) -> list[tuple[BatchSequence, int]]:
+        """Prompt chunks for this step, oldest sequence first, within ``budget`` rows and the pieces a pass can
+        still hold (:func:`~draftwise.backends.slots.chunk_counts`)."""
+        ordered = sorted(prefilling, key=lambda s: s.seq_id)
+        counts = chunk_counts([len(s.prompt) - s.num_computed for s in ordered], budget, pieces_left)
+        return [(s, count) for s, count in zip(ordered, counts) if count > 0]
 
     # ------------------------------------------------------------------ results
     def _first_token(self, sequence: BatchSequence, logits: torch.Tensor) -> SequenceOutput:

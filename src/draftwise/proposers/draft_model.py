@@ -27,7 +27,15 @@ import torch
 
 from draftwise.backends.base import CausalLM, KVState
 from draftwise.backends.lean.model import LeanLlama
-from draftwise.backends.slots import LOGITS_LAST, LOGITS_NONE, OneSlot, Piece, SlotBackend, as_slot_backend
+from draftwise.backends.slots import (
+    LOGITS_LAST,
+    LOGITS_NONE,
+    OneSlot,
+    Piece,
+    SlotBackend,
+    as_slot_backend,
+    chunk_counts,
+)
 from draftwise.config import SamplingParams
 from draftwise.cost_model import PassCostCurve
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
@@ -67,8 +75,7 @@ class DraftSlots:
     """A draft model drafting chains for one or many sequences (Leviathan et al. 2023 per sequence).
 
     A call: one pass over the tokens each drafting sequence's slot lacks (at least its last committed token;
-    the prompt after joining; longer catch-ups are split into passes of at most ``max_pass_rows`` rows on a
-    multi-slot draft), whose last row per sequence gives the logits of its first draft token; then one pass per
+    the prompt after joining; longer catch-ups are split into passes of at most ``max_pass_rows`` rows), whose last row per sequence gives the logits of its first draft token; then one pass per
     further draft depth over one row per sequence still drafting. Tokens are drawn with each sequence's sampler
     (greedy, coupled with the target's noise, or rejection with ``draft_probs``).
 
@@ -181,27 +188,18 @@ class DraftSlots:
             pending.append((request, list(request.context[common:]), common))
         if not pending:
             return torch.empty(0, self.target_vocab_size)
-        # split into passes of at most max_pass_rows rows (one piece per pass on a one-slot draft); a
-        # request's logits come from its last row
+        # passes of at most max_pass_rows rows; a request's logits come from its last row
         out: dict[int, torch.Tensor] = {}
         while pending:
-            batch, rest, used = [], [], 0
-            for request, toks, start in pending:
-                take = len(toks) if self.backend.max_pieces == 1 else min(len(toks), self.max_pass_rows - used)
-                if take <= 0 or len(batch) >= self.backend.max_pieces:
-                    rest.append((request, toks, start))
-                    continue
-                batch.append((request, toks[:take], start, take == len(toks)))
-                if take < len(toks):
-                    rest.append((request, toks[take:], start + take))
-                used += take
+            counts = chunk_counts([len(toks) for _, toks, _ in pending], self.max_pass_rows, self.backend.max_pieces)
+            batch = [(r, toks[:c], start, c == len(toks)) for (r, toks, start), c in zip(pending, counts) if c > 0]
             logits = self._run([(r, t, start) for r, t, start, _ in batch], want=[done for *_, done in batch])
             row = 0
             for request, _, _, done in batch:
                 if done:
                     out[request.key] = logits[row]
                     row += 1
-            pending = rest
+            pending = [(r, toks[c:], start + c) for (r, toks, start), c in zip(pending, counts) if c < len(toks)]
         return torch.stack([out[r.key] for r in requests])
 
     def _run(self, pieces: list[tuple[DraftRequest, list[int], int]], want: list[bool] | None = None

@@ -259,7 +259,8 @@ class LeanLlama(nn.Module):
         for slot in torch.unique(rows.slots).tolist():
             row_index = (rows.slots == slot).nonzero().flatten()
             context = rows.context_len[row_index]
-            if rows.tree_mask is None:
+            # a tree's rows see themselves through the mask; a chain's rows (mask rows all False) through the cache
+            if rows.tree_mask is None or not bool(rows.tree_mask[row_index[0], row_index[0]]):
                 length = _round_up(int(context.max()), self.block)
                 visible = torch.arange(length)[None, :] < context[:, None]  # [g, L]
                 views.append(SlotView(slot, row_index, visible))
