@@ -9,7 +9,7 @@ import pytest
 
 from conftest import tiny_llama
 from draftwise.backends.lean import build_lean
-from draftwise.backends.slots import LeanSlots, OneSlot
+from draftwise.backends.slots import LeanSlots, OneSlot, chunk_counts
 from draftwise.builder import _suffix_proposers
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.controller import ProbeBackoff
@@ -123,3 +123,11 @@ def test_probe_backoff_doubles_to_its_cap_and_resets():
     assert backoff.interval == 4
     with pytest.raises(ValueError):
         ProbeBackoff(8, 4)
+
+
+def test_the_prefill_chunker_takes_the_oldest_first_within_rows_and_pieces():
+    assert chunk_counts([300, 100, 50], 256, 8) == [256, 0, 0]
+    assert chunk_counts([100, 100, 100], 256, 8) == [100, 100, 56]
+    assert chunk_counts([100, 100, 100], 256, 2) == [100, 100, 0]
+    assert chunk_counts([10, 20], 256, 1) == [10, 0]
+    assert chunk_counts([], 5, 1) == []
