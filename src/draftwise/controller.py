@@ -393,8 +393,8 @@ class AutoK(KController):
         if self._costs is None or self._costs[0] != key:
             scales = list(key[0]) + [key[0][-1] if key[0] else 1.0] * len(self.cost_model.verify_seconds)
             curve = [v * scale for v, scale in zip(self.cost_model.verify_seconds, scales)]
-            model = dataclasses.replace(
-                self.cost_model, verify_seconds=tuple(max(curve[: j + 1]) for j in range(len(curve))),
+            model = dataclasses.replace(  # read non-decreasing by its verify curve (PassCostCurve)
+                self.cost_model, verify_seconds=tuple(curve),
                 draft_seconds_per_token=key[1], draft_prefill_seconds_per_token=key[2])
             self._costs = (key, model)
         return self._costs[1]

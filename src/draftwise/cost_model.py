@@ -222,13 +222,18 @@ class CostModel:
         """
         if num_tokens < 1:
             raise ValueError(f"a verify pass has at least 1 token, got {num_tokens}")
-        curve = self.verify_seconds
-        if num_tokens <= len(curve):
-            seconds = curve[num_tokens - 1]
-        else:
-            slope = max(0.0, curve[-1] - curve[-2]) if len(curve) >= 2 else curve[-1]
-            seconds = curve[-1] + slope * (num_tokens - len(curve))
-        return seconds * self.target_growth(context_len)
+        return self.verify_curve.seconds(num_tokens) * self.target_growth(context_len)
+
+    @property
+    def verify_curve(self) -> PassCostCurve:
+        """The verify times as the one pass-cost curve (:class:`PassCostCurve`, rows = tokens of one sequence):
+        the batched engine's curve type, read the same way (non-decreasing, extended from the last two
+        points)."""
+        curve = self.__dict__.get("_verify_curve")
+        if curve is None:
+            curve = PassCostCurve(smoothing=1.0, points={j + 1: s for j, s in enumerate(self.verify_seconds)})
+            object.__setattr__(self, "_verify_curve", curve)
+        return curve
 
     def relative_verify_cost(self, num_tokens: int) -> float:
         """v_j: a j-token pass / a one-token pass, at the measured context."""

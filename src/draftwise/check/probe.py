@@ -209,17 +209,11 @@ class CostMeasurement:
         """c = draft one-token time / target one-token time."""
         return self.draft_1_token_s / self.target.seconds[1]
 
-    def verify_cost(self, num_tokens: int) -> float:
-        """v_k for predictions: the measured ratio, raised to 1 where noise made a k-token pass look cheaper
-        than a one-token pass (which would predict more than K + 1 tokens per step's worth of speed-up)."""
-        return max(1.0, self.target.relative(num_tokens))
-
     def cost_model(self) -> CostModel:
-        """The measurement as a :class:`~draftwise.cost_model.CostModel` (seconds at the timed context), with
-        k-token passes timed faster than one token raised to the one-token time (see :meth:`verify_cost`)."""
-        first = self.target.seconds[1]
-        timed = ForwardCosts({k: max(first, s) for k, s in self.target.seconds.items()}, self.target.context_len)
-        return CostModel.from_forward_costs(timed, self.draft_1_token_s)
+        """The measurement as a :class:`~draftwise.cost_model.CostModel` (seconds at the timed context). Its
+        verify curve reads non-decreasing (:class:`~draftwise.cost_model.PassCostCurve`, the one rule for a
+        noisy pass time), so a k-token pass timed faster than a shorter one counts as the shorter one."""
+        return CostModel.from_forward_costs(self.target, self.draft_1_token_s)
 
     def warnings(self) -> list[str]:
         """Signs of a noisy measurement (a busy machine): k-token passes timed faster than one token."""
@@ -228,7 +222,7 @@ class CostMeasurement:
             return []
         shown = ", ".join(f"v{k}={self.target.relative(k):.2f}" for k in low)
         return [f"{shown} below 1: a multi-token pass was timed faster than one token, so the timings are noisy "
-                "(is the machine busy?); predictions use 1 there; rerun on an idle machine"]
+                "(is the machine busy?); predictions read the curve non-decreasing there; rerun on an idle machine"]
 
     def to_dict(self) -> dict:
         return {"target": self.target.to_dict(), "draft_1_token_s": self.draft_1_token_s,
@@ -273,7 +267,7 @@ class SpeedupPrediction:
 
 def predict_speedups(alpha: float, costs: CostMeasurement, max_k: int) -> list[SpeedupPrediction]:
     """Predicted speed-up for K = 1..max_k (only the K whose verify pass was timed, without gaps), with
-    :meth:`CostMeasurement.verify_cost` as v_(K+1).
+    the measurement's cost model (its non-decreasing verify curve) for v_(K+1).
 
     Args:
         alpha: the per-token acceptance ``a`` (:attr:`ProbeResult.token_acceptance`), not accepted / drafted.
