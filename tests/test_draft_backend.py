@@ -53,6 +53,17 @@ def test_the_faster_backend_is_chosen_cached_and_reused(tmp_path):
     assert other.backend == "torch" and not other.cached
 
 
+def test_an_unwritable_cache_does_not_fail_the_load(tmp_path, caplog):
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(b"GGUF")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder should be")
+    with caplog.at_level(logging.WARNING, logger="draftwise.draft_backend"):
+        choice, _ = choose_draft_backend(str(draft), fake_load([]), threads=None, quantization=None,
+                                         cache_dir=blocked / "cache", measure=timings(torch=0.02, llama_cpp=0.03))
+    assert choice.backend == "torch" and any("could not cache" in r.getMessage() for r in caplog.records)
+
+
 def test_a_candidate_that_cannot_load_leaves_the_other_and_nothing_is_cached(tmp_path):
     draft = tmp_path / "draft.gguf"
     draft.write_bytes(b"GGUF")

@@ -142,7 +142,10 @@ def choose_draft_backend(path: str, load: Callable[[str], object], *, threads: i
               f"(measured on {cpu_model_name()})")
     choice = DraftBackendChoice(chosen, timings, CONTEXT_TOKENS, reason)
     if len(timings) == 2:  # a choice between two measured candidates is worth keeping
-        write_json_atomic(cache_file, {"key": key, "choice": asdict(choice)})
+        try:
+            write_json_atomic(cache_file, {"key": key, "choice": asdict(choice)})
+        except OSError as exc:  # an unwritable cache costs a measurement next time, not this load
+            logger.warning("could not cache the draft backend choice in %s: %s", cache_file, exc)
     logger.info("draft backend (auto, measured): %s", reason)
     return choice, models[chosen]
 
