@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from draftwise import progress
 from draftwise.files import draftwise_home, write_json_atomic
 from draftwise.machine import cpu_flags, cpu_model_name
 
@@ -118,11 +119,13 @@ def choose_draft_backend(path: str, load: Callable[[str], object], *, threads: i
     cached = _read(cache_file, key)
     if cached is not None:
         logger.info("draft backend (auto, cached): %s", cached.reason)
+        progress.report(f"draft backend (auto, cached): {cached.reason}")
         return cached, load(cached.backend)
     timings: dict[str, float] = {}
     models: dict[str, object] = {}
     errors: dict[str, str] = {}
     for backend in ("torch", "llama.cpp"):
+        progress.report(f"draft backend (auto): timing the draft on {backend}")
         try:
             model = load(backend)
         except Exception as exc:  # noqa: BLE001 - a candidate this machine cannot run
@@ -147,6 +150,7 @@ def choose_draft_backend(path: str, load: Callable[[str], object], *, threads: i
         except OSError as exc:  # an unwritable cache costs a measurement next time, not this load
             logger.warning("could not cache the draft backend choice in %s: %s", cache_file, exc)
     logger.info("draft backend (auto, measured): %s", reason)
+    progress.report(f"draft backend (auto, measured): {reason}")
     return choice, models[chosen]
 
 
