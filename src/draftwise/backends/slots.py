@@ -144,10 +144,6 @@ def concat_rows(batches: Sequence[RowBatch]) -> RowBatch:
     return RowBatch(**fields, tree_mask=mask)
 
 
-def _kv_state(payload: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> KVState:
-    return KVState(payload, length, sum(k.nbytes + v.nbytes for k, v in payload))
-
-
 class LeanSlots:
     """The lean runtime's multi-slot cache as a :class:`SlotBackend`: every piece of a pass (chains and trees,
     several sequences) in one ``forward_rows`` call.
@@ -195,13 +191,10 @@ class LeanSlots:
         self.model.cache.lengths[slot] = length
 
     def compact(self, slot: int, base: int, keep: Sequence[int]) -> None:
-        keep = [int(j) for j in keep]
-        if keep != list(range(len(keep))):
-            self.model.cache.move_entries(slot, torch.tensor([base + j for j in keep]), base)
-        self.model.cache.lengths[slot] = base + len(keep)
+        self.model.cache.keep_path(slot, base, keep)
 
     def export_slot(self, slot: int, length: int) -> KVState:
-        return _kv_state(self.model.cache.export_slot(slot, length), length)
+        return self.model.cache.export_state(slot, length)
 
     def import_slot(self, slot: int, state: KVState, length: int) -> None:
         self.model.cache.import_slot(slot, state.payload, length)

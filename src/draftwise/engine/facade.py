@@ -92,11 +92,22 @@ class SpeculativeEngine:
             OneSlot(target), PerSequenceProposers.of(proposer) if proposer is not None else None,
             num_speculative_tokens, eos_token_ids, max_num_batched_tokens=target.max_context,
             controller_factory=controller_factory, prefix_cache=prefix_cache)
-        self.num_speculative_tokens = self.core.num_speculative_tokens
-        self.eos_token_ids = self.core.eos_token_ids
-        self.prefix_cache = self.core.prefix_cache
         self._active: weakref.ref[Generation] | None = None
         self._sequence: BatchSequence | None = None  # the last request started
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """K, the largest draft depth per step (0 without a proposer)."""
+        return self.core.num_speculative_tokens
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.core.eos_token_ids
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache the core keeps sequences in (None for proposers that read hidden states)."""
+        return self.core.prefix_cache
 
     @property
     def _controller_factory(self) -> Callable[[], KController] | None:

@@ -97,9 +97,7 @@ class LeanCausalLM(CausalLM):
         if not 0 <= base <= self.num_cached or any(b <= a for a, b in zip(keep, keep[1:])) or \
                 (keep and (keep[0] < 0 or base + keep[-1] >= self.num_cached)):
             raise ValueError(f"compact({base}, {keep}) outside a cache of {self.num_cached} entries")
-        if keep != list(range(len(keep))):
-            self.model.cache.move_entries(self._slot, torch.tensor([base + j for j in keep]), base)
-        self._set_length(base + len(keep))
+        self.model.cache.keep_path(self._slot, base, keep)
 
     def rollback(self, length: int) -> None:
         self._check_rollback_args(length)
@@ -111,8 +109,7 @@ class LeanCausalLM(CausalLM):
         length = self.num_cached
         if length == 0:
             return KVState(payload=(), length=0, nbytes=0)
-        payload = self.model.cache.export_slot(self._slot, length)
-        return KVState(payload=payload, length=length, nbytes=sum(k.nbytes + v.nbytes for k, v in payload))
+        return self.model.cache.export_state(self._slot, length)
 
     def import_cache(self, state: KVState, length: int) -> None:
         if not 0 <= length <= state.length:

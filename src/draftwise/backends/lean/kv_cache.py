@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from draftwise.backends.base import KVState
+
 __all__ = ["SlotKVCache"]
 
 
@@ -99,6 +101,20 @@ class SlotKVCache:
             keys[slot, :, :length] = k[:, :length]
             values[slot, :, :length] = v[:, :length]
         self.lengths[slot] = length
+
+    def export_state(self, slot: int, length: int) -> KVState:
+        """:meth:`export_slot` as a :class:`~draftwise.backends.base.KVState` (with the bytes it keeps alive)."""
+        payload = self.export_slot(slot, length)
+        return KVState(payload, length, sum(k.nbytes + v.nbytes for k, v in payload))
+
+    def keep_path(self, slot: int, base: int, keep) -> None:
+        """Keep a slot's first ``base`` entries and the entries ``base + j`` for ``j`` in ``keep`` (increasing
+        offsets into the last pass), packed after them, and set its length: a verified tree's accepted path (a
+        prefix ``keep`` is a rollback)."""
+        keep = [int(j) for j in keep]
+        if keep != list(range(len(keep))):
+            self.move_entries(slot, torch.tensor([base + j for j in keep]), base)
+        self.lengths[slot] = base + len(keep)
 
     def move_entries(self, slot: int, source: torch.Tensor, dest: int) -> None:
         """Copy a slot's entries ``source`` (``[m]`` indexes) to positions ``dest..dest+m-1`` (tree compaction:
