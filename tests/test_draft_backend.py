@@ -70,7 +70,8 @@ def test_a_candidate_that_cannot_load_leaves_the_other_and_nothing_is_cached(tmp
     choice, model = choose_draft_backend(str(draft), fake_load([], fail=("llama.cpp",)), threads=None,
                                          quantization=None, cache_dir=tmp_path / "cache",
                                          measure=timings(torch=0.05, llama_cpp=0.01))
-    assert choice.backend == "torch" and "llama.cpp unavailable (ValueError: llama.cpp cannot run it here)" in choice.reason
+    assert choice.backend == "torch"
+    assert "llama.cpp unavailable (ValueError: llama.cpp cannot run it here)" in choice.reason
     assert not (tmp_path / "cache").exists()
     with pytest.raises(ValueError, match="no draft backend could load"):
         choose_draft_backend(str(draft), fake_load([], fail=("torch", "llama.cpp")), threads=None, quantization=None,

@@ -74,7 +74,8 @@ def test_the_lean_multi_slot_backend_verifies_several_sequences_trees_in_one_pas
     prompts = [[3, 4, 5, 6] * 6, [10, 11, 12] * 8, [20, 21, 22, 23, 24] * 5]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     oracles = [plain(single, p, params) for p in prompts]
-    scripted = iter([ScriptedTreeProposer(len(p), o, 96, width=3, rank=1, wrong_at=2) for p, o in zip(prompts, oracles)])
+    scripted = iter([ScriptedTreeProposer(len(p), o, 96, width=3, rank=1, wrong_at=2)
+                     for p, o in zip(prompts, oracles)])
     core = EngineCore(multi, PerSequenceProposers(lambda: next(scripted), "scripted-tree"), 4, max_num_seqs=3)
     assert isinstance(core.backend, LeanSlots) and core.backend.supports_tree
     trees_per_pass = []

@@ -35,9 +35,9 @@ from draftwise.models.loading import LoadedModel, load_model
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import Proposer
 
-__all__ = ["assemble_engine", "BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS", "TokenizerMismatchError",
-           "backend_kind", "build_batched_engine", "build_engine", "build_proposer", "build_head_proposer",
-           "check_same_tokenizer", "draft_load_options", "load_draft_model", "load_target_heads",
+__all__ = ["assemble_engine", "BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS",
+           "TokenizerMismatchError", "backend_kind", "build_batched_engine", "build_engine", "build_proposer",
+           "build_head_proposer", "check_same_tokenizer", "draft_load_options", "load_draft_model", "load_target_heads",
            "require_target_ids_across_backends"]
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,8 @@ from draftwise.backends.lean.model import LeanLlama
 from draftwise.tree import check_parents
 from draftwise.backends.lean.rows import RowBatch, chain_rows, tree_rows
 
-__all__ = ["Piece", "PassOutput", "SlotBackend", "LeanSlots", "OneSlot", "concat_rows", "as_slot_backend", "chunk_counts"]
+__all__ = ["Piece", "PassOutput", "SlotBackend", "LeanSlots", "OneSlot", "concat_rows", "as_slot_backend",
+           "chunk_counts"]
 
 #: which rows of a piece return logits: every row (a verification), the last one (a prompt chunk that
 #: completes the prompt) or none (an earlier prompt chunk).

@@ -246,7 +246,8 @@ class EngineCore:
         if proposer is not None and num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 with a proposer, got {num_speculative_tokens}")
         if isinstance(proposer, BatchedDraftModel) and proposer.num_slots < self.max_num_seqs:
-            raise ValueError(f"the draft model's cache has {proposer.num_slots} slots for {self.max_num_seqs} sequences")
+            raise ValueError(f"the draft model's cache has {proposer.num_slots} slots for {self.max_num_seqs} "
+                             "sequences")
         if k_policy not in K_POLICIES:
             raise ValueError(f"unknown k_policy {k_policy!r}; choose one of {K_POLICIES}")
         if controller_factory is not None and k_policy != "fixed":
@@ -319,9 +320,9 @@ class EngineCore:
                                      per_sequence=True)
         self._live.clear()
         if isinstance(self.proposer, BatchedDraftModel):
-            calibrate_pass_costs(self.proposer.slots.backend, sorted({1 << i for i in range(self.max_num_seqs.bit_length())}
-                                                             | {self.max_num_seqs}), slots,
-                                 curve=self.proposer.pass_costs, repeats=2)
+            draft_counts = sorted({1 << i for i in range(self.max_num_seqs.bit_length())} | {self.max_num_seqs})
+            calibrate_pass_costs(self.proposer.slots.backend, draft_counts, slots, curve=self.proposer.pass_costs,
+                                 repeats=2)
         logger.info("engine: pass costs measured in %.1f s: %s; %.2f ms per sequence in a pass",
                     time.perf_counter() - t0,
                     ", ".join(f"{n} rows {s * 1e3:.1f} ms" for n, s in sorted(curve.points.items())),

@@ -75,9 +75,10 @@ class DraftSlots:
     """A draft model drafting chains for one or many sequences (Leviathan et al. 2023 per sequence).
 
     A call: one pass over the tokens each drafting sequence's slot lacks (at least its last committed token;
-    the prompt after joining; longer catch-ups are split into passes of at most ``max_pass_rows`` rows), whose last row per sequence gives the logits of its first draft token; then one pass per
-    further draft depth over one row per sequence still drafting. Tokens are drawn with each sequence's sampler
-    (greedy, coupled with the target's noise, or rejection with ``draft_probs``).
+    the prompt after joining; longer catch-ups are split into passes of at most ``max_pass_rows`` rows), whose
+    last row per sequence gives the logits of its first draft token; then one pass per further draft depth
+    over one row per sequence still drafting. Tokens are drawn with each sequence's sampler (greedy, coupled
+    with the target's noise, or rejection with ``draft_probs``).
 
     Args:
         draft: the draft as a slot backend, a lean model (its slots) or any CausalLM (one slot).
