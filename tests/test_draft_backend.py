@@ -113,3 +113,13 @@ def test_forced_backends_measure_nothing(stories_path, draftwise_home):
         bundle = build_engine(str(stories_path), config, device="cpu", threads=1)
         assert (type(bundle.draft.backend).__name__ == "LlamaCppCausalLM") == (backend == "llama.cpp")
     assert _cached_choices() == before
+
+
+@needs_llama_cpp
+def test_auto_with_a_missing_draft_file_says_so_like_a_forced_backend(stories_path, draftwise_home):
+    from draftwise.models.loading import ModelLoadError
+
+    config = SpeculativeConfig(method="draft_model", model="/nope/draft.gguf", num_speculative_tokens=2,
+                               backend="auto")
+    with pytest.raises(ModelLoadError, match="GGUF file not found: /nope/draft.gguf"):
+        build_engine(str(stories_path), config, device="cpu", threads=1)

@@ -234,6 +234,7 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
     measured once per machine (:func:`draftwise.draft_backend.choose_draft_backend`); None otherwise (the
     rule of :func:`draft_load_options` applies)."""
     import dataclasses
+    import os
 
     from draftwise.backends.llama_cpp_backend import llama_cpp_available
     from draftwise.models.loading import resolve_model
@@ -241,8 +242,8 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
     if config.backend != "auto" or target_device != "cpu" or head_subset is not None or num_slots != 1:
         return None
     path = resolve_model(config.model or "")
-    if not str(path).endswith(".gguf") or not llama_cpp_available():
-        return None
+    if not str(path).endswith(".gguf") or not os.path.isfile(path) or not llama_cpp_available():
+        return None  # (a missing file: the usual loader says so)
     from draftwise.draft_backend import choose_draft_backend
 
     def load(kind: str) -> LoadedModel:
