@@ -48,7 +48,7 @@ __all__ = ["QUANTIZATION_CHOICES", "QUANTIZATION_MODES", "Int8Linear", "Quantiza
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_MODES = ("none", "int8")
+QUANTIZATION_MODES = ("none", "int8", "q4k")
 #: what ``--quantization`` accepts: a mode, or ``"auto"`` (the fastest exact mode for the model and machine,
 #: resolved at load by :func:`draftwise.models.loading.resolve_quantization`).
 QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_MODES)
@@ -231,15 +231,21 @@ def quantize_model(model: nn.Module, mode: str | None = "int8", *, kernel: Any =
         return model
     if kernel is None:
         _require_int8_kernels()
+    if mode == "q4k" and kernel is None:
+        from draftwise.backends.kernels.q4k import q4k_linear_factory
+
+        build = q4k_linear_factory()
+        kernel_builder = lambda linear: build(linear.weight, linear.bias)  # noqa: E731
+    else:
+        kernel_builder = None if kernel is None else (lambda linear: kernel.build(linear.weight, linear.bias))
     devices = {p.device.type for p in model.parameters()}
     if devices != {"cpu"}:
         raise QuantizationError(f"{mode} linear kernels run on the CPU only; the model is on {sorted(devices)}")
     make_batch_invariant(model)
     with torch.no_grad():
-        if kernel is None:
-            count = _replace_linears(model)
-        else:
-            count = _replace_linears(model, lambda linear: kernel.build(linear.weight, linear.bias))
+        count = _replace_linears(model) if kernel_builder is None else _replace_linears(model, kernel_builder)
+    described = {"int8": "int8 (per-channel weights, per-token activations)",
+                 "q4k": "Q4_K (int8 where the width is not a multiple of 256)"}
     logger.info("replaced %d linear layers of %s with %s", count, type(model).__name__,
-                "int8 (per-channel weights, per-token activations)" if kernel is None else kernel.name)
+                kernel.name if kernel is not None else described.get(mode, mode))
     return model

@@ -211,7 +211,8 @@ def load_model(
 
         try:
             lean = build_lean(model, quantization=quantization, name=f"{name}+lean", max_context=max_context,
-                              head_ids=head_ids, select_kernels=True, num_slots=num_slots)
+                              head_ids=head_ids, select_kernels=True, num_slots=num_slots,
+                              q4k_source=_q4k_source(path, quantization, label=spec))
         except NotExactError:
             if runtime == "lean":
                 raise
@@ -299,7 +300,17 @@ def select_runtime(runtime: str, model, *, device: str, dtype: torch.dtype, quan
         if reasons:
             raise ValueError(f"the lean runtime cannot run this model: {'; '.join(reasons)}")
         return "lean"
-    return "lean" if not reasons and quantization == "int8" else "transformers"
+    return "lean" if not reasons and quantization in ("int8", "q4k") else "transformers"
+
+
+def _q4k_source(path: str, quantization: str, *, label: str):
+    """The Q4_K rows of a ``.gguf`` file for the ``q4k`` mode (used as they are), else None."""
+    if quantization != "q4k" or not str(path).endswith(".gguf"):
+        return None
+    from draftwise.backends.kernels.q4k import Q4KSource
+
+    progress.report("reading the GGUF's Q4_K blocks", model=label)
+    return Q4KSource(path)
 
 
 def _head_subset_ids(model, head_subset: HeadSubset, tokenizer, eos_ids, name: str) -> list[int] | None:

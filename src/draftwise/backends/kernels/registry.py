@@ -42,6 +42,7 @@ class LinearKernel:
         bytes_per_scale_group: ``(bytes, input channels per group)`` of scales and zero points per output
             channel and group (``group`` None: one per output channel), or None.
         row_invariant_by_construction: documentation only (int32 accumulation); the self-test checks anyway.
+        probe_in_features: input width of the availability probe (a width the kernel accepts).
     """
 
     name: str
@@ -52,6 +53,7 @@ class LinearKernel:
     bytes_per_weight: float = 4.0
     bytes_per_scale_group: tuple[int, int | None] | None = None
     row_invariant_by_construction: bool = False
+    probe_in_features: int = 128
 
     def stored_bytes(self, out_features: int, in_features: int) -> int:
         """Bytes of an ``[out, in]`` weight in this kernel's format, scales included (bias not): what one
@@ -67,8 +69,9 @@ class LinearKernel:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                module = self.factory(torch.randn(32, 128), torch.randn(32), **self.variants[0])
-                y = module(torch.randn(3, 128))
+                width = self.probe_in_features
+                module = self.factory(torch.randn(32, width), torch.randn(32), **self.variants[0])
+                y = module(torch.randn(3, width))
             if tuple(y.shape) != (3, 32) or y.dtype != torch.float32:
                 return f"returned {tuple(y.shape)} {y.dtype} instead of (3, 32) float32"
         except Exception as exc:  # noqa: BLE001 - any failure of a probe means "not on this build / CPU"
@@ -96,6 +99,12 @@ def _build_fbgemm(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     if not int8_kernels_available():
         raise KernelError("fbgemm int8 kernels missing from this torch build")
     return Int8Linear(_float_weight(weight), bias)
+
+
+def _build_q4k(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    from draftwise.backends.kernels.q4k import Q4KLinear
+
+    return Q4KLinear.from_float(_float_weight(weight), bias)
 
 
 def _build_padded(weight: torch.Tensor, bias: torch.Tensor | None, pad_rows: int = 1) -> nn.Module:
@@ -133,6 +142,10 @@ LINEAR_KERNELS: tuple[LinearKernel, ...] = (
                  Int8WeightOnlyLinear, bytes_per_weight=1, bytes_per_scale_group=(4, None)),
     *(LinearKernel(f"int4-g{g}", "int4", f"int4 weights, groups of {g} (bf16 scale and zero), bf16 activations",
                    _build_int4(g), bytes_per_weight=0.5, bytes_per_scale_group=(4, g)) for g in INT4_GROUP_SIZES),
+    LinearKernel("q4k-cpp", "q4k", "GGUF Q4_K weights (4-bit, 6-bit scales and mins per 32), activations per row "
+                 "to int8 per 256, integer sums, fixed-order fp32 accumulation (draftwise's C++ kernel)",
+                 _build_q4k, bytes_per_weight=0.5, bytes_per_scale_group=(24, 256), row_invariant_by_construction=True,
+                 probe_in_features=256),
 )
 
 

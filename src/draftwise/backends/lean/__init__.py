@@ -14,13 +14,14 @@ __all__ = ["LeanCausalLM", "LeanConfig", "LeanLlama", "NotExactError", "Unsuppor
 
 
 def build_lean(hf_model, *, quantization: str | None = "int8", name: str = "model", max_context: int | None = None,
-               num_slots: int = 1, head_ids=None, select_kernels: bool = False) -> LeanCausalLM:
+               num_slots: int = 1, head_ids=None, select_kernels: bool = False, q4k_source=None) -> LeanCausalLM:
     """A :class:`LeanCausalLM` from a loaded transformers Llama-family model (CPU), after a self-test on the real
     weights (:meth:`LeanLlama.check_row_invariance`: k-token passes equal one-token decoding bit for bit).
     ``head_ids``: compute the LM head over these vocabulary ids only (FR-Spec, :mod:`draftwise.frspec`).
     ``select_kernels``: linear kernels from the machine's measured self-test
     (:func:`draftwise.backends.lean.linear.selected_linear_factory`, cached per machine) instead of the mode's
-    default (fbgemm int8, or padded fp32 MKL).
+    default (fbgemm int8, or padded fp32 MKL). ``q4k_source``: for ``quantization="q4k"``, the GGUF file's
+    Q4_K rows (:class:`draftwise.backends.kernels.q4k.Q4KSource`), used as they are.
 
     Raises:
         UnsupportedArchitecture: not a plain Llama-family decoder.
@@ -31,9 +32,10 @@ def build_lean(hf_model, *, quantization: str | None = "int8", name: str = "mode
     from draftwise.backends.lean.model import lean_config_from_hf
 
     if select_kernels:
-        linear = selected_linear_factory(quantization, lean_config_from_hf(hf_model.config, max_context))
+        linear = selected_linear_factory(quantization, lean_config_from_hf(hf_model.config, max_context),
+                                         q4k_source=q4k_source)
     else:
-        linear = linear_factory(quantization)
+        linear = linear_factory(quantization, q4k_source=q4k_source)
     model = LeanLlama(hf_model, linear, max_context=max_context, num_slots=num_slots, head_ids=head_ids)
     if not model.check_row_invariance():
         raise NotExactError(f"{name}: a k-token pass does not reproduce one-token decoding bit for bit on this CPU "

@@ -74,19 +74,24 @@ class PaddedLinear(nn.Module):
         return 4 * (self.weight.numel() + (0 if self.bias is None else self.bias.numel()))
 
 
-def selected_linear_factory(quantization: str | None, config):
+def selected_linear_factory(quantization: str | None, config, q4k_source=None):
     """The linear layers the machine's kernel self-test picks for a lean model's shapes
     (:func:`draftwise.backends.kernels.select_linear_kernel`: fastest row-invariant kernel of the mode, measured
     once per machine and cached), falling back to :func:`linear_factory`'s layer for a shape the self-test did
     not cover (an FR-Spec subset head).
 
     Args:
-        quantization: ``"none"`` or ``"int8"``.
+        quantization: ``"none"``, ``"int8"`` or ``"q4k"`` (one kernel, row-invariant by construction:
+            :func:`draftwise.backends.kernels.q4k.q4k_linear_factory`; the load-time self-test on the real
+            weights checks it).
         config: the model's :class:`draftwise.backends.lean.model.LeanConfig`.
+        q4k_source: the GGUF file's Q4_K rows (:class:`draftwise.backends.kernels.q4k.Q4KSource`) or None.
     """
     from draftwise.backends.kernels import KernelError, linear_kernels, llama_linear_shapes, select_linear_kernel
 
     mode = parse_quantization(quantization)
+    if mode == "q4k":
+        return linear_factory(mode, q4k_source=q4k_source)
     fallback = linear_factory(mode)
     # only kernels with the mode's numerics: int8 = 8-bit weights x 7-bit per-row activations (fbgemm and oneDNN
     # give the same bits), so a model's output does not depend on which one this machine measured faster
@@ -106,11 +111,17 @@ def selected_linear_factory(quantization: str | None, config):
     return build
 
 
-def linear_factory(quantization: str | None):
-    """The row-invariant linear layer class for a quantization mode (``"none"`` or ``"int8"``).
+def linear_factory(quantization: str | None, q4k_source=None):
+    """The row-invariant linear layer factory ``(weight [out, in], bias) -> module`` of a quantization mode:
+    :class:`Int8Linear` for ``"int8"``, :class:`PaddedLinear` for ``"none"``, and for ``"q4k"``
+    :func:`draftwise.backends.kernels.q4k.q4k_linear_factory` (Q4_K blocks from ``q4k_source`` when given).
 
     Raises:
-        ValueError: unknown mode.
+        ValueError: unknown mode. draftwise.backends.kernels.q4k.Q4KError: q4k without its kernel here.
     """
     mode = parse_quantization(quantization)
+    if mode == "q4k":
+        from draftwise.backends.kernels.q4k import q4k_linear_factory
+
+        return q4k_linear_factory(q4k_source)
     return Int8Linear if mode == "int8" else PaddedLinear

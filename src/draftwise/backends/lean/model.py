@@ -346,6 +346,8 @@ class LeanLlama(nn.Module):
             nbytes = getattr(module, "nbytes", None) or getattr(module, "weight_bytes", None)
             if callable(nbytes):
                 total += int(nbytes())
+            elif isinstance(nbytes, int):  # the kernels' modules: a property
+                total += nbytes
             elif isinstance(module, nn.Linear):
                 total += module.weight.numel() * module.weight.element_size()
         norms = sum(layer.input_norm.numel() + layer.post_norm.numel() for layer in self.layers)

@@ -1,0 +1,349 @@
+"""The ``q4k`` mode: 4-bit weights in GGUF's Q4_K super-blocks on a row-invariant C++ kernel.
+
+Format (ggml's k-quants, as GGUF stores them): an ``[out, in]`` weight is cut along ``in`` into super-blocks of
+256 weights, each 8 sub-blocks of 32 with a 6-bit scale ``sc`` and a 6-bit min ``m``, and a super-block's
+float scales ``d`` and ``dmin``; a weight is ``d * sc * q - dmin * m`` with ``q`` in 0..15 (4.5 bits per
+weight in GGUF, 4.75 in the repacked form here, where the 6-bit scales are stored decoded as bytes and ``d``,
+``dmin`` as fp32: 152 bytes per 256 weights, in two planes: quants, then scales; see :func:`_pack`).
+
+Arithmetic (``draftwise_q4k::linear``, ``q4k.cpp``): each activation row is quantized on its own to int8 per
+256 (scale ``amax / 127``), super-block dot products are exact integer sums, and the fp32 accumulation runs
+in one fixed order per output element. So a row's output does not depend on the other rows of the call:
+row-invariant by construction (the self-test checks it anyway).
+
+Where the blocks come from (:class:`Q4KSource`): a weight row that equals, bit for bit, the dequantization
+of a row of a Q4_K tensor of the model's GGUF file keeps that row's blocks as they are (the same weights
+llama.cpp runs); a weight of a float checkpoint is quantized here (:func:`quantize_q4k`, min-max per
+sub-block). The kernel is compiled once per machine at first use (``torch.utils.cpp_extension``, with
+``-march=native``; about a minute) into ``$DRAFTWISE_HOME/extensions/``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from draftwise.backends.kernels.layers import KernelError, _PackedLinear
+from draftwise.files import draftwise_home
+
+__all__ = ["SUPER_BLOCK", "PACKED_BLOCK_BYTES", "Q4KError", "q4k_available", "load_q4k_ops", "q4k_linear",
+           "quantize_q4k", "dequantize_q4k", "pack_gguf_q4k", "Q4KSource", "Q4KLinear", "q4k_linear_factory"]
+
+logger = logging.getLogger(__name__)
+
+#: Weights per super-block (``in_features`` must be a multiple of it).
+SUPER_BLOCK = 256
+#: Bytes of one repacked super-block: fp32 d and dmin, 8 scale bytes, 8 min bytes, 128 bytes of nibbles.
+PACKED_BLOCK_BYTES = 152
+#: Bytes of one GGUF Q4_K super-block: fp16 d and dmin, 12 bytes of packed 6-bit scales and mins, 128 of nibbles.
+GGUF_BLOCK_BYTES = 144
+_SOURCE = Path(__file__).with_name("q4k.cpp")
+#: -march=native: the build is for this CPU (the cache key holds its model and flags); -ffp-contract=off: no
+#: fused multiply-adds but the written ones, so the rounding is the source's.
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+
+
+class Q4KError(KernelError):
+    """The Q4_K kernel cannot be built or used here (no C++ compiler, an unsupported shape)."""
+
+
+# --------------------------------------------------------------------------------------------- the extension
+def _build_key() -> str:
+    from draftwise.machine import cpu_flags, cpu_model_name
+
+    digest = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(), cpu_model_name().encode(),
+                 " ".join(sorted(cpu_flags())).encode()):
+        digest.update(part)
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def load_q4k_ops() -> str:
+    """Compile (once per machine, cached on disk) and load the kernel; returns the library's path.
+
+    Raises:
+        Q4KError: the build failed (no compiler, missing ninja) or the library does not load.
+    """
+    try:
+        from torch.utils import cpp_extension
+    except ImportError as exc:  # pragma: no cover - part of every torch build
+        raise Q4KError(f"torch.utils.cpp_extension unavailable: {exc}") from exc
+    key = _build_key()
+    build_dir = draftwise_home() / "extensions" / f"q4k-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    torch_lib = Path(torch.__file__).parent / "lib"
+    name = f"draftwise_q4k_{key}"
+    library = build_dir / f"{name}.so"
+    if not library.exists():
+        logger.info("compiling the Q4_K kernel for this CPU into %s (once)", build_dir)
+    try:
+        cpp_extension.load(
+            name=name, sources=[str(_SOURCE)], build_directory=str(build_dir), is_python_module=False,
+            extra_cflags=list(_CFLAGS),
+            extra_ldflags=[f"-L{torch_lib}", "-lgomp", f"-Wl,-rpath,{torch_lib}"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - a compiler or loader failure of any kind means "not here"
+        raise Q4KError(f"building the Q4_K kernel failed ({type(exc).__name__}): {_first_error(str(exc))}") from exc
+    return str(library)
+
+
+def _first_error(message: str) -> str:
+    """The compiler's first ``error:`` line of a build log, else the log's last line (at most 300 characters)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return (errors[0] if errors else lines[-1] if lines else "no output")[:300]
+
+
+def q4k_available() -> str | None:
+    """None when the kernel builds and loads here, else why not."""
+    try:
+        load_q4k_ops()
+    except Q4KError as exc:
+        return str(exc)
+    return None
+
+
+def q4k_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [m, in]`` fp32 times the packed weight ``[out, in / 256 * 152]`` uint8 -> ``[m, out]`` fp32.
+
+    Raises:
+        Q4KError: the kernel is not available; RuntimeError: shapes that do not match.
+    """
+    load_q4k_ops()
+    empty = x.new_empty(0)
+    return torch.ops.draftwise_q4k.linear(x, packed, empty if bias is None else bias)
+
+
+# ------------------------------------------------------------------------------------------ format helpers
+def _check_in_features(in_features: int) -> int:
+    if in_features % SUPER_BLOCK:
+        raise Q4KError(f"Q4_K needs in_features divisible by {SUPER_BLOCK}, got {in_features}")
+    return in_features // SUPER_BLOCK
+
+
+def _pack(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, qs: np.ndarray) -> torch.Tensor:
+    """``d, dmin [out, nb]`` fp32, ``sc, mn [out, nb, 8]`` uint8, ``qs [out, nb, 128]`` uint8 (GGUF nibble
+    order) -> packed ``[out, nb * 152]`` uint8 in the kernel's two planes: all quants ``[out, nb, 128]``
+    first, then all meta ``[out, nb, 24]`` (fp32 d, fp32 dmin, 8 scales, 8 mins), 64-byte aligned."""
+    out, nb = d.shape
+    meta = np.empty((out, nb, 24), dtype=np.uint8)
+    meta[..., 0:4] = d.astype("<f4").reshape(out, nb, 1).view(np.uint8)
+    meta[..., 4:8] = dmin.astype("<f4").reshape(out, nb, 1).view(np.uint8)
+    meta[..., 8:16] = sc
+    meta[..., 16:24] = mn
+    packed = torch.empty((out, nb * PACKED_BLOCK_BYTES), dtype=torch.uint8)  # c10's allocator: 64-byte aligned
+    flat = packed.view(-1).numpy()
+    flat[: out * nb * 128] = np.ascontiguousarray(qs, dtype=np.uint8).reshape(-1)
+    flat[out * nb * 128:] = meta.reshape(-1)
+    return packed
+
+
+def _unpack(packed: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """Packed ``[out, nb * 152]`` -> ``d, dmin [out, nb]``, ``sc, mn [out, nb, 8]``, ``qs [out, nb, 128]``."""
+    out, nb = packed.shape[0], packed.shape[1] // PACKED_BLOCK_BYTES
+    flat = packed.contiguous().view(-1).numpy()
+    qs = flat[: out * nb * 128].reshape(out, nb, 128)
+    meta = flat[out * nb * 128:].reshape(out, nb, 24)
+    d = np.ascontiguousarray(meta[..., 0:4]).view("<f4")[..., 0]
+    dmin = np.ascontiguousarray(meta[..., 4:8]).view("<f4")[..., 0]
+    return d, dmin, meta[..., 8:16], meta[..., 16:24], qs
+
+
+def _nibbles_to_quants(qs: np.ndarray) -> np.ndarray:
+    """``qs [..., 128]`` (GGUF order) -> ``[..., 8, 32]`` quants 0..15 per sub-block."""
+    lo, hi = qs.reshape(*qs.shape[:-1], 4, 32) & 0x0F, qs.reshape(*qs.shape[:-1], 4, 32) >> 4
+    return np.stack([lo, hi], axis=-2).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _quants_to_nibbles(q: np.ndarray) -> np.ndarray:
+    """``q [..., 8, 32]`` 0..15 -> ``[..., 128]`` bytes in GGUF order (sub-block 2j low, 2j+1 high)."""
+    pairs = q.reshape(*q.shape[:-2], 4, 2, 32).astype(np.uint8)
+    return (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(*q.shape[:-2], 128)
+
+
+def dequantize_q4k(packed: torch.Tensor) -> torch.Tensor:
+    """Packed ``[out, nb * 152]`` -> float32 weight ``[out, nb * 256]`` (``d*sc*q - dmin*m`` in fp32, the
+    operation order of gguf's dequantizer, so GGUF-sourced rows come back bit for bit)."""
+    d, dmin, sc, mn, qs = _unpack(packed)
+    scale = d[..., None] * sc.astype(np.float32)  # [out, nb, 8]
+    offset = dmin[..., None] * mn.astype(np.float32)
+    q = _nibbles_to_quants(qs).astype(np.float32)
+    weight = scale[..., None] * q - offset[..., None]
+    return torch.from_numpy(np.ascontiguousarray(weight.reshape(packed.shape[0], -1), dtype=np.float32))
+
+
+def quantize_q4k(weight: torch.Tensor) -> torch.Tensor:
+    """Float ``weight [out, in]`` -> packed Q4_K ``[out, in / 256 * 152]`` uint8: per sub-block of 32 the
+    min-max range (min clamped to <= 0) on 16 levels, the 8 sub-block scales and mins on 6 bits against
+    the super-block's largest (ggml's Q4_K layout; a plain min-max fit, without ggml's iterative search).
+
+    Raises:
+        Q4KError: ``in`` not a multiple of 256.
+    """
+    out, in_features = weight.shape
+    nb = _check_in_features(in_features)
+    x = weight.detach().to(torch.float64).cpu().numpy().reshape(out, nb, 8, 32)
+    low = np.minimum(x.min(axis=-1), 0.0)
+    high = np.maximum(x.max(axis=-1), low)
+    step, offset = (high - low) / 15.0, -low  # [out, nb, 8]
+    d = (step.max(axis=-1) / 63.0).astype(np.float32)
+    dmin = (offset.max(axis=-1) / 63.0).astype(np.float32)
+    sc = np.clip(np.rint(np.divide(step, d[..., None], out=np.zeros_like(step), where=d[..., None] > 0)), 0, 63)
+    mn = np.clip(np.rint(np.divide(offset, dmin[..., None], out=np.zeros_like(offset),
+                                   where=dmin[..., None] > 0)), 0, 63)
+    scale = d.astype(np.float64)[..., None] * sc
+    shift = dmin.astype(np.float64)[..., None] * mn
+    q = np.divide(x + shift[..., None], scale[..., None], out=np.zeros_like(x), where=scale[..., None] > 0)
+    q = np.clip(np.rint(q), 0, 15)
+    return _pack(d, dmin, sc.astype(np.uint8), mn.astype(np.uint8), _quants_to_nibbles(q))
+
+
+def pack_gguf_q4k(raw: np.ndarray) -> torch.Tensor:
+    """GGUF Q4_K rows ``[out, nb * 144]`` uint8 -> packed ``[out, nb * 152]`` (the same weights, scales
+    decoded; fp16 ``d``/``dmin`` widen to fp32 exactly)."""
+    out = raw.shape[0]
+    blocks = raw.reshape(out, -1, GGUF_BLOCK_BYTES)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view("<f2")[..., 0].astype(np.float32)
+    dmin = np.ascontiguousarray(blocks[..., 2:4]).view("<f2")[..., 0].astype(np.float32)
+    scales = blocks[..., 4:16].astype(np.uint8)
+    sc = np.empty(scales.shape[:-1] + (8,), dtype=np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = scales[..., 0:4] & 63
+    mn[..., :4] = scales[..., 4:8] & 63
+    sc[..., 4:] = (scales[..., 8:12] & 0x0F) | ((scales[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (scales[..., 8:12] >> 4) | ((scales[..., 4:8] >> 6) << 4)
+    return _pack(d, dmin, sc, mn, np.ascontiguousarray(blocks[..., 16:]))
+
+
+# ------------------------------------------------------------------------------------------ GGUF row source
+def _row_key(row: np.ndarray) -> bytes:
+    return hashlib.blake2b(row.tobytes(), digest_size=16).digest()
+
+
+class Q4KSource:
+    """The Q4_K rows of a GGUF file, found by value: ``rows_for(weight)`` returns the packed blocks of a float
+    weight whose every row is the exact dequantization of some Q4_K row of the file (fused or permuted
+    projections included), else None.
+
+    Args:
+        path: the ``.gguf`` file. Reading dequantizes every Q4_K tensor once (numpy; tens of seconds for 1.5B
+            weights) and keeps a 16-byte digest per row, not the floats.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from gguf import GGMLQuantizationType, GGUFReader
+        from gguf.quants import dequantize
+
+        self.path = str(path)
+        self._reader = GGUFReader(self.path)
+        self._rows: dict[bytes, tuple[int, int]] = {}
+        self._tensors = []
+        for tensor in self._reader.tensors:
+            if tensor.tensor_type != GGMLQuantizationType.Q4_K:
+                continue
+            raw = np.asarray(tensor.data).reshape(int(tensor.shape[-1]) if tensor.shape.size > 1 else 1, -1)
+            index = len(self._tensors)
+            self._tensors.append(raw)
+            floats = dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float32, copy=False)
+            for r in range(floats.shape[0]):
+                self._rows.setdefault(_row_key(floats[r]), (index, r))
+        logger.info("%s: %d Q4_K rows in %d tensors", self.path, len(self._rows), len(self._tensors))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def rows_for(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """Packed ``[out, in / 256 * 152]`` for ``weight [out, in]`` fp32 when all its rows are Q4_K rows of
+        the file (checked bit for bit after repacking), else None."""
+        rows = weight.detach().to(torch.float32).contiguous().numpy()
+        found = []
+        for row in rows:
+            hit = self._rows.get(_row_key(row))
+            if hit is None:
+                return None
+            found.append(hit)
+        raw = np.stack([self._tensors[t][r] for t, r in found])
+        packed = pack_gguf_q4k(raw)
+        if not torch.equal(dequantize_q4k(packed), weight.detach().to(torch.float32)):
+            logger.warning("%s: Q4_K rows matched by digest did not dequantize to the weight; quantizing anew",
+                           self.path)
+            return None
+        return packed
+
+
+# -------------------------------------------------------------------------------------------- the module
+class Q4KLinear(_PackedLinear):
+    """``y = x W^T + b`` with ``W`` in packed Q4_K blocks on the row-invariant kernel
+    (``draftwise_q4k::linear``): ``x [m, in]`` fp32 -> ``[m, out]`` fp32.
+
+    Args:
+        packed: ``[out, in / 256 * 152]`` uint8 from :func:`quantize_q4k` or :meth:`Q4KSource.rows_for`.
+        bias: ``[out]`` or None.
+
+    Raises:
+        Q4KError: the kernel is not available here, or ``packed`` has another width.
+    """
+
+    kernel_name = "q4k-cpp"
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if packed.dim() != 2 or packed.dtype != torch.uint8 or packed.shape[1] % PACKED_BLOCK_BYTES:
+            raise Q4KError(f"packed Q4_K weights are [out, nb * {PACKED_BLOCK_BYTES}] uint8, got "
+                           f"{tuple(packed.shape)} {packed.dtype}")
+        super().__init__(packed.shape[0], packed.shape[1] // PACKED_BLOCK_BYTES * SUPER_BLOCK, bias)
+        load_q4k_ops()
+        if packed.data_ptr() % 32:
+            packed = packed.clone()  # the kernel's aligned loads need 32-byte alignment (c10 gives 64)
+        self.packed = packed.contiguous()  # a plain attribute: read on every call, no module lookup
+        self._bias = self.bias.data if self.bias is not None else torch.empty(0)
+        self._op = torch.ops.draftwise_q4k.linear.default
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q4KLinear:
+        """Quantize ``weight [out, in]`` (``in`` a multiple of 256) with :func:`quantize_q4k`."""
+        return cls(quantize_q4k(weight), bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.numel() + (0 if self.bias is None else 4 * self.out_features)
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._op(rows, self.packed, self._bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in_features]`` -> ``[..., out_features]``; ``[m, in]`` fp32 goes straight to the kernel."""
+        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == self.in_features:
+            return self._op(x, self.packed, self._bias)
+        return super().forward(x)
+
+
+def q4k_linear_factory(source: Q4KSource | None = None):
+    """The lean runtime's layer factory for the ``q4k`` mode: ``build(weight [out, in], bias) -> nn.Module``.
+
+    With a GGUF ``source``, a weight whose rows are all Q4_K rows of the file runs on :class:`Q4KLinear` with
+    those blocks; any other weight of that file (Q6_K, Q8_0, float tensors, a projection fused from mixed
+    types) stays int8, as re-quantizing an already quantized weight would compound two roundings. Without a
+    source (a float checkpoint), every weight with ``in`` a multiple of 256 is quantized to Q4_K
+    (:func:`quantize_q4k`). Weights of other widths run int8.
+
+    Raises:
+        Q4KError: the kernel cannot be built here.
+    """
+    from draftwise.backends.quantization import Int8Linear
+
+    load_q4k_ops()
+
+    def build(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        if weight.shape[1] % SUPER_BLOCK == 0:
+            packed = quantize_q4k(weight) if source is None else source.rows_for(weight)
+            if packed is not None:
+                return Q4KLinear(packed, bias)
+        return Int8Linear(weight, bias)
+
+    return build
