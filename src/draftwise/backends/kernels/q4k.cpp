@@ -36,7 +36,7 @@ namespace {
 constexpr int64_t kSuper = 256;  // weights per super-block
 constexpr int64_t kBlockBytes = 152;  // 128 bytes of quants + 24 of meta
 constexpr int kRowTile = 8;
-constexpr int64_t kPrefetchRows = 4;  // weight rows ahead of the pair being computed  // activation rows computed together against one unpacked weight super-block
+constexpr int64_t kPrefetchRows = 16;  // weight rows ahead of the pair being computed  // activation rows computed together against one unpacked weight super-block
 
 struct Meta {
   float d;
