@@ -221,3 +221,15 @@ def test_a_failing_build_is_a_clear_error(monkeypatch):
         assert "error: no compiler here" in (q4k.q4k_available() or "")
     finally:
         q4k.load_q4k_ops.cache_clear()
+
+
+def test_the_self_test_measures_and_checks_the_q4k_kernel(tmp_path):
+    from draftwise.backends.kernels import linear_kernels, select_linear_kernel
+
+    (kernel,) = linear_kernels("q4k")
+    assert kernel.name == "q4k-cpp" and kernel.available()
+    assert kernel.stored_bytes(8, 512) == 8 * 2 * 152  # 152 bytes per 256 weights
+    choice = select_linear_kernel("q4k", [(96, 256, 2), (64, 512)], cache_dir=tmp_path, repeats=1)
+    assert choice.name == "q4k-cpp"
+    layer = choice.build(torch.randn(64, 512), None)
+    assert isinstance(layer, Q4KLinear)

@@ -65,21 +65,24 @@ def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = Fals
 
 
 def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
-    """--quantization {auto,none,int8}: pass ``args.quantization`` to ``load_model`` / ``build_engine`` (it applies
+    """--quantization {auto,none,int8,q4k}: pass ``args.quantization`` to ``load_model`` / ``build_engine`` (it applies
     to the target and a draft model alike; ``auto``, the default, resolves per model at load)."""
     from draftwise.backends.quantization import QUANTIZATION_CHOICES
 
     parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
                         help="int8: batch-invariant int8 linear layers on the CPU, so a k-token verify pass gives "
                         "the same logits as one-token decoding and costs about one token; none: float weights "
-                        "(fp32 on the CPU: exact but slower, and verification costs grow with k); auto (default): "
+                        "(fp32 on the CPU: exact but slower, and verification costs grow with k); q4k: a GGUF's own "
+                        "4-bit Q4_K blocks on draftwise's row-invariant kernel (compiled once per machine; other "
+                        "layers int8; a float checkpoint is quantized to Q4_K), exact like int8 with fewer bytes "
+                        "per token (docs/q4k.md); auto (default): "
                         "int8 on the CPU for architectures the lean runtime implements (Llama, Qwen2, Mistral "
                         "without sliding window), none elsewhere (GPU, bf16/fp16, other architectures)")
     from draftwise.models.loading import RUNTIMES
 
     parser.add_argument("--runtime", choices=RUNTIMES, default="auto",
                         help="how PyTorch runs the models: lean (draftwise's own Llama-family decoder: preallocated KV "
-                        "cache, batch-invariant by construction), transformers, or auto (default: lean for int8 on "
+                        "cache, batch-invariant by construction), transformers, or auto (default: lean for int8 and q4k on "
                         "the CPU when the architecture is supported, else transformers)")
 
 
