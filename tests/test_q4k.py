@@ -196,7 +196,9 @@ def test_greedy_speculation_equals_plain_in_q4k(q4k_lean, method, k):
 def test_quantize_model_q4k_makes_transformers_row_invariant():
     from draftwise.backends.quantization import quantize_model
 
-    model = quantize_model(q4k_qwen2(), "q4k")
+    from draftwise.backends.kernels.q4k import Q4KKernel
+
+    model = quantize_model(q4k_qwen2(), "q4k", kernel=Q4KKernel())
     assert any(isinstance(m, Q4KLinear) for m in model.modules())
     ids = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

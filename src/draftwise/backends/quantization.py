@@ -232,12 +232,8 @@ def quantize_model(model: nn.Module, mode: str | None = "int8", *, kernel: Any =
     if kernel is None:
         _require_int8_kernels()
     if mode == "q4k" and kernel is None:
-        from draftwise.backends.kernels.q4k import q4k_linear_factory
-
-        build = q4k_linear_factory()
-        kernel_builder = lambda linear: build(linear.weight, linear.bias)  # noqa: E731
-    else:
-        kernel_builder = None if kernel is None else (lambda linear: kernel.build(linear.weight, linear.bias))
+        raise ValueError("q4k: pass kernel=draftwise.backends.kernels.q4k.Q4KKernel() (the kernels import this module)")
+    kernel_builder = None if kernel is None else (lambda linear: kernel.build(linear.weight, linear.bias))
     devices = {p.device.type for p in model.parameters()}
     if devices != {"cpu"}:
         raise QuantizationError(f"{mode} linear kernels run on the CPU only; the model is on {sorted(devices)}")

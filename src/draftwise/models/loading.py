@@ -225,7 +225,12 @@ def load_model(
         _restrict_head(model, head_ids, quantization, name)
     if quantization != "none":
         progress.report(f"quantizing the linear layers ({quantization})", model=spec)
-    quantize_model(model, quantization)
+    if quantization == "q4k":
+        from draftwise.backends.kernels.q4k import Q4KKernel
+
+        quantize_model(model, quantization, kernel=Q4KKernel(_q4k_source(path, quantization, label=spec)))
+    else:
+        quantize_model(model, quantization)
     backend = TorchCausalLM(model, name=name, max_context=max_context)
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids,
                        quantization=quantization)

@@ -323,6 +323,20 @@ class Q4KLinear(_PackedLinear):
         return super().forward(x)
 
 
+class Q4KKernel:
+    """The q4k mode as a ``kernel=`` for :func:`draftwise.backends.quantization.quantize_model`."""
+
+    mode = "q4k"
+    name = "q4k-cpp"
+
+    def __init__(self, source: Q4KSource | None = None) -> None:
+        self._build = q4k_linear_factory(source)
+
+    def build(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        """The layer for ``weight [out, in]`` (Q4_K where it can, else int8)."""
+        return self._build(weight, bias)
+
+
 def q4k_linear_factory(source: Q4KSource | None = None):
     """The lean runtime's layer factory for the ``q4k`` mode: ``build(weight [out, in], bias) -> nn.Module``.
 
@@ -335,8 +349,9 @@ def q4k_linear_factory(source: Q4KSource | None = None):
     Raises:
         Q4KError: the kernel cannot be built here.
     """
-    from draftwise.backends.quantization import Int8Linear
+    from importlib import import_module
 
+    Int8Linear = import_module("draftwise.backends.quantization").Int8Linear  # noqa: N806 - below layers
     load_q4k_ops()
 
     def build(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
