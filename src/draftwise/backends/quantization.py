@@ -232,16 +232,17 @@ def quantize_model(model: nn.Module, mode: str | None = "int8", *, kernel: Any =
     if kernel is None:
         _require_int8_kernels()
     if mode == "q4k" and kernel is None:
-        raise ValueError("q4k: pass kernel=draftwise.backends.kernels.q4k.Q4KKernel() (the kernels import this module)")
-    kernel_builder = None if kernel is None else (lambda linear: kernel.build(linear.weight, linear.bias))
+        raise ValueError("q4k needs kernel=draftwise.backends.kernels.q4k.Q4KKernel() (the kernels import this "
+                         "module, so it cannot build them itself)")
     devices = {p.device.type for p in model.parameters()}
     if devices != {"cpu"}:
         raise QuantizationError(f"{mode} linear kernels run on the CPU only; the model is on {sorted(devices)}")
     make_batch_invariant(model)
     with torch.no_grad():
-        count = _replace_linears(model) if kernel_builder is None else _replace_linears(model, kernel_builder)
-    described = {"int8": "int8 (per-channel weights, per-token activations)",
-                 "q4k": "Q4_K (int8 where the width is not a multiple of 256)"}
+        if kernel is None:
+            count = _replace_linears(model)
+        else:
+            count = _replace_linears(model, lambda linear: kernel.build(linear.weight, linear.bias))
     logger.info("replaced %d linear layers of %s with %s", count, type(model).__name__,
-                kernel.name if kernel is not None else described.get(mode, mode))
+                "int8 (per-channel weights, per-token activations)" if kernel is None else kernel.name)
     return model

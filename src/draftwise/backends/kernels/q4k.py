@@ -58,8 +58,9 @@ def _build_key() -> str:
     from draftwise.machine import cpu_flags, cpu_model_name
 
     digest = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(), cpu_model_name().encode(),
-                 " ".join(sorted(cpu_flags())).encode()):
+    parts = (_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(), cpu_model_name().encode(),
+             " ".join(sorted(cpu_flags())).encode())
+    for part in parts:
         digest.update(part)
     return digest.hexdigest()[:16]
 
