@@ -336,7 +336,20 @@ def _build_draft_model(config: SpeculativeConfig, target: LoadedModel, options: 
     from draftwise.proposers.draft_model import DraftModelProposer
 
     draft = load_draft_model(config, target, options)
-    return BuiltProposer(DraftModelProposer(draft.backend, target.backend.vocab_size), draft)
+    _check_tree_verifier(config, target)
+    return BuiltProposer(DraftModelProposer(draft.backend, target.backend.vocab_size, config.tree_width,
+                                            config.tree_budget), draft)
+
+
+def _check_tree_verifier(config: SpeculativeConfig, target: LoadedModel) -> None:
+    """A draft tree (``tree_width`` > 1) needs a target that verifies trees.
+
+    Raises:
+        ValueError: it does not.
+    """
+    if config.tree_width > 1 and not getattr(target.backend, "supports_tree", False):
+        raise ValueError(f"tree_width {config.tree_width}: the target {target.name} verifies chains only (draft "
+                         "trees need a PyTorch target: --backend torch); use tree_width 1")
 
 
 def _build_ngram(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
@@ -525,7 +538,8 @@ def build_batched_engine(
         if not isinstance(draft.backend, LeanCausalLM):
             raise ValueError(f"{draft.name}: a draft model in the batched engine needs the lean runtime too "
                              "(--quantization int8 on the CPU, a Llama-family model)")
-        proposer = BatchedDraftModel(draft.backend, backend.vocab_size)
+        proposer = BatchedDraftModel(draft.backend, backend.vocab_size, tree_width=config.tree_width,
+                                     tree_budget=config.tree_budget)
     engine = EngineCore(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
     return engine, draft
 

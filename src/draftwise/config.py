@@ -104,9 +104,11 @@ class SpeculativeConfig:
         k_policy: ``"fixed"`` (default: always K = ``num_speculative_tokens``) or ``"auto"`` (a cost-model
             controller picks K in 0..``num_speculative_tokens`` before every step; see
             :class:`draftwise.controller.AutoK`). Not a vLLM field. Medusa and EAGLE use fixed K (the tree depth).
-        tree_width: ``medusa`` / ``eagle``: candidates per expanded tree node (top-k); 1 drafts a single chain
-            of K tokens. Not a vLLM field.
-        tree_budget: ``medusa`` / ``eagle``: at most this many draft nodes per step (default ``K * tree_width``).
+        tree_width: ``medusa`` / ``eagle`` / ``draft_model`` / ``hybrid``: candidates per expanded tree node
+            (top-k) and, for the draft model and EAGLE, frontier nodes expanded per depth (one batched draft pass
+            per depth, EAGLE-2's dynamic tree); 1 drafts a single chain of K tokens. Draft-model trees need the
+            lean runtime for the draft and a target that verifies trees. Not a vLLM field.
+        tree_budget: the same methods: at most this many draft nodes per step (default ``K * tree_width``).
         tree: ``medusa``: an explicit static tree as Medusa "choices", a list of top-k rank paths such as
             ``[[0], [1], [0, 0]]`` (overrides ``tree_width`` / ``tree_budget``; see
             :class:`draftwise.tree.TreeTemplate`).

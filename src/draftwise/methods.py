@@ -77,9 +77,7 @@ def _check_ngram(config: SpeculativeConfig) -> None:
 
 
 def _check_heads(config: SpeculativeConfig) -> None:
-    _in_range("tree_width", config.tree_width, 1, 16)
-    if config.tree_budget is not None:
-        _in_range("tree_budget", config.tree_budget, 1, 256)
+    _check_tree_shape(config)
     if config.tree is not None:
         from draftwise.tree import TreeTemplate
 
@@ -120,17 +118,24 @@ def _check_draft_vocab(config: SpeculativeConfig) -> None:
         raise ValueError("token_map must be a path to a ranked token map file (or null)")
 
 
+def _check_tree_shape(config: SpeculativeConfig) -> None:
+    _in_range("tree_width", config.tree_width, 1, 16)
+    if config.tree_budget is not None:
+        _in_range("tree_budget", config.tree_budget, 1, 256)
+
+
 def _check_draft(config: SpeculativeConfig) -> None:
-    """Fields of a method running a draft model: its own backend and FR-Spec."""
+    """Fields of a method running a draft model: its own backend, FR-Spec and the draft tree's shape."""
     _check_draft_backend(config)
     _check_draft_vocab(config)
+    _check_tree_shape(config)
 
 
 #: The FR-Spec fields (methods running a draft model): the draft's LM head over a frequency-ranked subset.
 DRAFT_VOCAB_FIELDS = ("draft_vocab_size", "token_map")
 
-#: The draft model's own backend (methods that run a draft model).
-DRAFT_FIELDS = ("backend",)
+#: The draft model's own backend and its draft tree's shape (methods that run a draft model).
+DRAFT_FIELDS = ("backend", "tree_width", "tree_budget")
 #: The suffix-decoding fields (method ``suffix``, and ``hybrid``'s suffix side).
 SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
                  "suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens",

@@ -197,3 +197,24 @@ class Sampler:
     def sample(self, logits: torch.Tensor, position: int) -> int:
         """The token at sequence ``position`` from ``logits`` ``[vocab]`` (see :meth:`choose`)."""
         return self.choose(logits, position)[0]
+
+    def candidates(self, logits: torch.Tensor, position: int, n: int) -> tuple[list[int], list[float]]:
+        """The ``n`` best distinct tokens at sequence ``position`` for a deterministic draft tree's children
+        (``logits [vocab]``, a draft's), best first, and their log-probabilities under the processed
+        distribution (temperature / top-k / top-p; plain log-softmax when greedy).
+
+        Greedy and rejection sampling rank by log-probability (deterministic distinct siblings keep SpecInfer's
+        multi-candidate rejection lossless); coupled sampling ranks by the Gumbel-perturbed score with the
+        target's noise at ``position``, so the first candidate is :meth:`choose`'s token. Tokens the processed
+        distribution excludes are left out (fewer than ``n`` may come back).
+        """
+        if self.params.greedy:
+            scores = logits.float()
+        else:
+            scores = processed_scores(logits.unsqueeze(0), self.params)[0]
+        logprobs = torch.log_softmax(scores, dim=-1)
+        rank = scores + self.noise([position], scores.shape[-1])[0] if self.coupled else logprobs
+        top = torch.topk(rank, min(n, rank.shape[-1])).indices.tolist()
+        tokens = [t for t in top if logprobs[t] > float("-inf")]
+        return tokens, [float(logprobs[t]) for t in tokens]
+

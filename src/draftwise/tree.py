@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TreeTemplate", "chain_parents", "check_parents", "node_depths", "path_to", "tree_attention_mask",
-           "tree_position_ids", "children_of"]
+__all__ = ["DraftNode", "TreeTemplate", "best_frontier", "chain_parents", "check_parents", "node_depths", "path_to",
+           "select_tree", "tree_attention_mask", "tree_position_ids", "children_of"]
 
 
 def check_parents(parents: Sequence[int]) -> None:
@@ -80,6 +80,51 @@ def tree_attention_mask(parents: Sequence[int], num_cached: int) -> torch.Tensor
 def tree_position_ids(parents: Sequence[int], num_cached: int) -> torch.Tensor:
     """``[n + 1]`` int64 positions: the root at ``num_cached``, node i at ``num_cached + depth(i)``."""
     return torch.tensor([num_cached] + [num_cached + d for d in node_depths(parents)], dtype=torch.long)
+
+
+@dataclass
+class DraftNode:
+    """A node of a draft tree being grown one depth at a time (EAGLE-2's dynamic tree, Li et al. 2024; the
+    draft model's and the EAGLE head's trees).
+
+    Attributes:
+        token: the node's token id.
+        parent: index of its parent in the node list (-1 = the root, the last committed token).
+        depth: 1 for the root's children.
+        score: cumulative draft log-probability of the root-to-node path (a child never scores above its parent).
+        entry: the drafter's cache entry of this node once it has been fed (expanded), -1 before.
+    """
+
+    token: int
+    parent: int
+    depth: int
+    score: float
+    entry: int = -1
+
+
+def best_frontier(nodes: Sequence[DraftNode], frontier: Sequence[int], width: int) -> list[int]:
+    """The ``width`` best nodes of ``frontier`` (indexes into ``nodes``) by score, in frontier order within
+    ties: the nodes EAGLE-2 expands at the next depth."""
+    return sorted(sorted(frontier, key=lambda i: (-nodes[i].score, i))[:width])
+
+
+def select_tree(nodes: Sequence[DraftNode], budget: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ``budget`` best nodes (EAGLE-2's re-ranking by score; ancestor-closed), renumbered in topological
+    order. ``nodes`` must be in creation order (parents before children).
+
+    Returns:
+        ``(token_ids [m], parents [m])`` with m <= budget (a chain-shaped result is a chain).
+    """
+    ranked = set(sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:budget])
+    for i in list(ranked):  # closure guard: a child never outranks its parent, so this adds nothing
+        while nodes[i].parent >= 0 and nodes[i].parent not in ranked:
+            i = nodes[i].parent
+            ranked.add(i)
+    keep = sorted(ranked)  # creation order is topological
+    index = {old: new for new, old in enumerate(keep)}
+    tokens = tuple(nodes[i].token for i in keep)
+    parents = tuple(-1 if nodes[i].parent < 0 else index[nodes[i].parent] for i in keep)
+    return tokens, parents
 
 
 @dataclass(frozen=True)

@@ -30,14 +30,26 @@ from draftwise.backends.base import CausalLM, KVState
 from draftwise.backends.lean.backend import LeanCausalLM
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.tree import check_parents
-from draftwise.backends.lean.rows import RowBatch, chain_rows, tree_rows
+from draftwise.backends.lean.rows import RowBatch, chain_rows, expansion_rows, tree_rows
 
-__all__ = ["Piece", "PassOutput", "SlotBackend", "LeanSlots", "OneSlot", "concat_rows", "as_slot_backend",
+__all__ = ["Expansion", "Piece", "PassOutput", "SlotBackend", "LeanSlots", "OneSlot", "concat_rows", "as_slot_backend",
            "chunk_counts"]
 
 #: which rows of a piece return logits: every row (a verification), the last one (a prompt chunk that
 #: completes the prompt) or none (an earlier prompt chunk).
 LOGITS_ALL, LOGITS_LAST, LOGITS_NONE = "all", "last", "none"
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """One depth of a draft tree grown one pass per depth: the piece's tokens are nodes written at cache
+    entries ``start, start + 1, ...``; node r has rotary position ``positions[r]`` (the committed length plus
+    its depth minus one) and sees the slot's first ``base`` keys (the committed context), the entries
+    ``ancestors[r]`` (its ancestors' keys written by earlier passes, root side first) and itself."""
+
+    base: int
+    positions: tuple[int, ...]
+    ancestors: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,8 @@ class Piece:
             :mod:`draftwise.tree`); None for a chain.
         logits: ``"all"``, ``"last"`` or ``"none"`` (see :data:`LOGITS_ALL`).
         hidden: also return the final hidden states of every row of the piece.
+        expansion: for one depth of a tree grown one pass per depth (a draft model's tree; backends with
+            ``supports_expansion``), what the nodes see: None for a chain or a whole tree.
     """
 
     slot: int
@@ -60,6 +74,7 @@ class Piece:
     parents: tuple[int, ...] | None = None
     logits: str = LOGITS_ALL
     hidden: bool = False
+    expansion: Expansion | None = None
 
     @property
     def num_logits(self) -> int:
@@ -86,7 +101,8 @@ class SlotBackend(Protocol):
     Attributes:
         name: model identity (messages); ``vocab_size``: logits width; ``max_context``: context length (tokens).
         num_slots: sequences the backend can hold at once.
-        supports_tree: pieces may be trees; ``supports_hidden_states``: pieces may ask for hidden states;
+        supports_tree: pieces may be trees; ``supports_expansion``: pieces may be grown-tree depths
+        (:class:`Expansion`); ``supports_hidden_states``: pieces may ask for hidden states;
         supports_export: :meth:`export_slot` / :meth:`import_slot` work (prefix reuse across requests).
         max_pieces: pieces one pass can hold (1 for :class:`OneSlot`).
     """
@@ -96,6 +112,7 @@ class SlotBackend(Protocol):
     max_context: int
     num_slots: int
     supports_tree: bool
+    supports_expansion: bool
     supports_hidden_states: bool
     supports_export: bool
     max_pieces: int
@@ -133,7 +150,9 @@ def concat_rows(batches: Sequence[RowBatch]) -> RowBatch:
         return batches[0]
     fields = {name: torch.cat([getattr(b, name) for b in batches])
               for name in ("tokens", "slots", "positions", "cache_index", "context_len")}
-    mask = None
+    mask = extra = None
+    if any(b.extra_keys is not None for b in batches):
+        extra = tuple(key for b in batches for key in (b.extra_keys or ((),) * len(b)))
     if any(b.tree_mask is not None for b in batches):
         n = sum(len(b) for b in batches)
         mask = torch.zeros(n, n, dtype=torch.bool)
@@ -142,7 +161,7 @@ def concat_rows(batches: Sequence[RowBatch]) -> RowBatch:
             if b.tree_mask is not None:
                 mask[row:row + len(b), row:row + len(b)] = b.tree_mask
             row += len(b)
-    return RowBatch(**fields, tree_mask=mask)
+    return RowBatch(**fields, tree_mask=mask, extra_keys=extra)
 
 
 class LeanSlots:
@@ -154,6 +173,7 @@ class LeanSlots:
     """
 
     supports_tree = True
+    supports_expansion = True
     supports_hidden_states = True
     supports_export = True
 
@@ -169,7 +189,11 @@ class LeanSlots:
         batches, logit_rows, hidden_rows, row = [], [], [], 0
         for piece in pieces:
             n = len(piece.token_ids)
-            if piece.parents is not None:
+            if piece.expansion is not None:
+                e = piece.expansion
+                batches.append(expansion_rows(list(piece.token_ids), list(e.positions), [list(a) for a in e.ancestors],
+                                              e.base, piece.start, piece.slot))
+            elif piece.parents is not None:
                 check_parents(piece.parents)
                 batches.append(tree_rows(list(piece.token_ids), list(piece.parents), piece.start, piece.slot))
             else:
@@ -215,6 +239,7 @@ class OneSlot:
 
     num_slots = 1
     max_pieces = 1
+    supports_expansion = False
 
     def __init__(self, model: CausalLM) -> None:
         self.lm = model
@@ -229,6 +254,8 @@ class OneSlot:
         if len(pieces) != 1:
             raise ValueError(f"{self.name}: a one-slot backend runs one piece per pass, got {len(pieces)}")
         piece = pieces[0]
+        if piece.expansion is not None:
+            raise ValueError(f"{self.name}: a one-slot backend cannot grow a tree one depth per pass")
         if piece.start != self.lm.num_cached:
             self.lm.rollback(piece.start)
         tokens = list(piece.token_ids)

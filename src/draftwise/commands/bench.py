@@ -83,7 +83,8 @@ def register(subparsers) -> None:
     parser.add_argument("--medusa-heads", default=None, help="heads directory for --methods medusa (draftwise train-heads)")
     parser.add_argument("--eagle-heads", default=None, help="heads directory for --methods eagle (draftwise train-heads)")
     parser.add_argument("--tree-widths", default="1",
-                        help="medusa/eagle: comma-separated draft-tree widths (1 = a chain; default 1)")
+                        help="draft/hybrid/medusa/eagle: comma-separated draft-tree widths (1 = a chain; default 1; "
+                             "draft-model trees need the lean runtime)")
     parser.add_argument("--k-policies", default="fixed", help="fixed, auto or fixed,auto (auto: K_max = max(ks))")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
                         help="FR-Spec: the draft's LM head over the N most frequent tokens only (docs/frspec.md)")
@@ -185,7 +186,8 @@ def method_label(kind: str, k: int, policy: str = "fixed", tree_width: int = 1) 
 def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[str], ks: list[int],
                   policies: list[str], calibrated: dict, heads: dict[str, str] | None = None,
                   tree_widths: list[int] = (1,), anchors: tuple | None = None) -> list[MethodSpec]:
-    """Plain first, then each requested method x policy x K (x tree width for Medusa / EAGLE, fixed K only),
+    """Plain first, then each requested method x policy x K (x tree width for the draft model, and for Medusa /
+    EAGLE at fixed K only),
     sharing the target backend. ``heads`` maps ``"medusa"`` / ``"eagle"`` to heads directories; ``anchors`` is
     ``(target, draft)`` on the transformers runtime for the ``hf`` methods (default: ``target`` and ``draft``)."""
     from draftwise.anchors import hf_runner
@@ -194,15 +196,17 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
 
     eos = target.eos_token_ids
     specs = [MethodSpec("plain", "plain", engine=assemble_engine(target))]
-    proposers = {}
+    proposers = []  # (kind, tree width, proposer)
     if "draft" in methods:
-        proposers["draft"] = DraftModelProposer(draft.backend, target.backend.vocab_size)
+        widths = sorted(set(tree_widths)) if target.backend.supports_tree else [1]
+        proposers += [("draft", w, DraftModelProposer(draft.backend, target.backend.vocab_size, tree_width=w))
+                      for w in widths]
     if "ngram" in methods:
-        proposers["ngram"] = NgramProposer()
-    for kind, proposer in proposers.items():
+        proposers.append(("ngram", 1, NgramProposer()))
+    for kind, width, proposer in proposers:
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                label = method_label(kind, k, policy)
+                label = method_label(kind, k, policy, width)
                 factory = _controller_factory(policy, k, kind, target, draft, proposer, calibrated)
                 engine = assemble_engine(target, proposer, k, controller_factory=factory)
                 specs.append(MethodSpec(label, kind, k, policy, engine=engine))
@@ -594,17 +598,18 @@ def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tr
     for kind, method in (("draft", "draft_model"), ("ngram", "ngram"), ("suffix", "suffix"), ("hybrid", "hybrid")):
         if kind not in methods:
             continue
+        with_draft = kind in ("draft", "hybrid")
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                with_draft = kind in ("draft", "hybrid")
-                try:
-                    config = SpeculativeConfig(method=method, model=draft if with_draft else None,
-                                               num_speculative_tokens=k, k_policy=policy,
-                                               backend=draft_backend if with_draft else None,
-                                               **((draft_vocab or {}) if with_draft else {}))
-                except ValueError as exc:
-                    raise CliError(str(exc)) from exc
-                plan.append((method_label(kind, k, policy), kind, k, config))
+                for width in (sorted(set(tree_widths)) if with_draft else [1]):
+                    try:
+                        config = SpeculativeConfig(method=method, model=draft if with_draft else None,
+                                                   num_speculative_tokens=k, k_policy=policy, tree_width=width,
+                                                   backend=draft_backend if with_draft else None,
+                                                   **((draft_vocab or {}) if with_draft else {}))
+                    except ValueError as exc:
+                        raise CliError(str(exc)) from exc
+                    plan.append((method_label(kind, k, policy, width), kind, k, config))
     for kind in ("medusa", "eagle"):
         if kind in methods:
             for k in ks:

@@ -12,7 +12,7 @@ from draftwise.backends.slots import SlotBackend
 from draftwise.engine.proposers import BatchProposer
 from draftwise.engine.sequence import BatchSequence
 from draftwise.proposers.base import DraftProposal, common_prefix_length
-from draftwise.proposers.draft_model import DraftRequest, DraftSlots
+from draftwise.proposers.draft_model import DraftRequest, DraftSlots, check_tree_shape
 
 __all__ = ["BatchedDraftModel"]
 
@@ -27,14 +27,24 @@ class BatchedDraftModel(BatchProposer):
             CausalLM (one slot, for an engine of one slot).
         target_vocab_size: the target's logits width (draft logits are cut or padded to it).
         max_pass_rows: rows per catch-up pass.
+        tree_width, tree_budget: draft trees (see :class:`~draftwise.proposers.draft_model.DraftRequest`) on a
+            lean draft; width 1 drafts chains.
+
+    Raises:
+        ValueError: ``tree_width`` or ``tree_budget`` < 1, or ``tree_width`` > 1 on a draft that cannot grow trees.
     """
 
     name = "draft_model"
     drafts_first = False
 
     def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int,
-                 max_pass_rows: int = 512) -> None:
+                 max_pass_rows: int = 512, tree_width: int = 1, tree_budget: int | None = None) -> None:
+        check_tree_shape(tree_width, tree_budget)
         self.slots = DraftSlots(draft, target_vocab_size, max_pass_rows)
+        if tree_width > 1 and not self.slots.supports_trees:
+            raise ValueError(f"{self.slots.backend.name}: tree_width {tree_width} needs a draft on the lean runtime")
+        self.tree_width = tree_width
+        self.tree_budget = tree_budget
         self.model: LeanLlama | None = getattr(self.slots.backend, "model", None)  # the lean draft, when lean
         self.pass_costs = self.slots.pass_costs
 
@@ -62,4 +72,5 @@ class BatchedDraftModel(BatchProposer):
             self.slots.adopt(sequence.seq_id, sequence.slot, state, length)
 
     def propose(self, requests: Sequence[tuple[BatchSequence, int]]) -> list[DraftProposal]:
-        return self.slots.draft([DraftRequest(s.seq_id, s.slot, s.context, s.sampler, k) for s, k in requests])
+        return self.slots.draft([DraftRequest(s.seq_id, s.slot, s.context, s.sampler, k, self.tree_width,
+                                              self.tree_budget) for s, k in requests])

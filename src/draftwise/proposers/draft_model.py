@@ -28,9 +28,10 @@ import torch
 from draftwise.backends.base import CausalLM, KVState
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import (
+    LOGITS_ALL,
     LOGITS_LAST,
     LOGITS_NONE,
-    OneSlot,
+    Expansion,
     Piece,
     SlotBackend,
     as_slot_backend,
@@ -40,8 +41,9 @@ from draftwise.config import SamplingParams
 from draftwise.cost_model import PassCostCurve
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import Sampler
+from draftwise.tree import DraftNode, best_frontier, children_of, select_tree
 
-__all__ = ["DraftSlots", "DraftModelProposer", "fit_vocab"]
+__all__ = ["DraftSlots", "DraftModelProposer", "DraftRequest", "check_tree_shape", "fit_vocab"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +64,42 @@ class _DraftState:
 @dataclass(frozen=True)
 class DraftRequest:
     """One sequence's drafting request: ``key`` (its identity), its draft ``slot``, committed ``context``
-    (``[n]`` prompt + output), ``sampler`` and at most ``k`` tokens."""
+    (``[n]`` prompt + output), ``sampler`` and at most ``k`` tokens deep.
+
+    ``width`` > 1 asks for a draft tree (on a backend with ``supports_expansion``): each depth expands the
+    ``width`` best frontier nodes with their ``width`` best children, and the ``budget`` best nodes (None:
+    ``k * width``) form the tree."""
 
     key: int
     slot: int
     context: Sequence[int]
     sampler: Sampler
     k: int
+    width: int = 1
+    budget: int | None = None
+
+
+@dataclass
+class _Growth:
+    """One request's draft while it grows, depth by depth: a chain (``width`` 1: tokens drawn with the
+    request's sampler, their ``probs`` kept for rejection sampling) or a tree (:class:`DraftNode` list).
+
+    Attributes:
+        request: the request; ``room``: its depth limit; ``base``: its committed context length (the slot
+            holds that much before the draft); ``fed``: draft tokens written past ``base``.
+        nodes: the draft's nodes in creation order (a chain's too); ``probs``: a chain's ``[vocab]`` rows.
+        expanded: the nodes whose logits the next pass returns (``[-1]``: the root, after the catch-up).
+        is_tree: a tree (``width`` > 1 on a backend that grows trees), else a chain.
+    """
+
+    request: DraftRequest
+    room: int
+    base: int
+    nodes: list[DraftNode]
+    probs: list[torch.Tensor]
+    expanded: list[int]
+    is_tree: bool
+    fed: int = 0
 
 
 class DraftSlots:
@@ -89,6 +120,8 @@ class DraftSlots:
 
     Attributes:
         pass_costs: the measured seconds of its passes per row count.
+        supports_trees: requests with ``width`` > 1 get draft trees (the backend grows a tree one depth per
+            pass: the lean runtime).
     """
 
     def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int,
@@ -99,6 +132,8 @@ class DraftSlots:
         self.vocab_size = self.backend.vocab_size
         self.pass_costs = PassCostCurve()
         self._cached: dict[int, list[int]] = {}  # key -> tokens in its slot, in order
+        self._grown: dict[int, _Growth] = {}  # key -> its last draft tree (its fed nodes' entries)
+        self.supports_trees = bool(getattr(self.backend, "supports_expansion", False))
 
     def cached(self, key: int) -> list[int]:
         """The tokens ``key``'s slot holds."""
@@ -107,11 +142,13 @@ class DraftSlots:
     def reset(self, key: int, slot: int) -> None:
         """Empty ``key``'s slot."""
         self._cached[key] = []
+        self._grown.pop(key, None)
         self.backend.set_length(slot, 0)
 
     def forget(self, key: int) -> None:
         """``key`` left (its slot is someone else's now)."""
         self._cached.pop(key, None)
+        self._grown.pop(key, None)
 
     def export(self, key: int, slot: int, context: Sequence[int] | None = None) -> _DraftState | None:
         """The slot's kept state: its tokens up to the common prefix with ``context`` (None: all it holds),
@@ -152,30 +189,111 @@ class DraftSlots:
             self.reset(key, slot)
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
-        """A chain of at most ``k`` tokens for each request (fewer near the draft's context end)."""
-        room = [min(r.k, self.backend.max_context - len(r.context)) for r in requests]
-        active = [i for i, k in enumerate(room) if k > 0]
-        tokens: list[list[int]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        logits = self._catch_up([requests[i] for i in active])  # [len(active), V]
-        for depth in range(max((room[i] for i in active), default=0)):
-            feed = []
-            for row, i in enumerate(active):
-                request = requests[i]
-                if depth >= room[i]:
-                    continue
-                token, p = request.sampler.choose(logits[row], len(request.context) + depth)
-                tokens[i].append(token)
-                if p is not None:
-                    probs[i].append(p)
-                if depth + 1 < room[i]:
-                    feed.append(i)
-            if not feed:
+        """A chain (or, with ``width`` > 1, a tree) at most ``k`` tokens deep for each request (shallower near the
+        draft's context end): one catch-up pass, then one pass per depth over every growing draft's expanded
+        nodes (a chain's last token, a tree's ``width`` best frontier nodes)."""
+        growths = []
+        for request in requests:
+            room = min(request.k, self.backend.max_context - len(request.context))
+            tree = request.width > 1 and self.supports_trees
+            if tree:  # a tree writes a node per expanded frontier node
+                room = min(room, (self.backend.max_context - len(request.context)) // request.width)
+            growths.append(_Growth(request, room, len(request.context), [], [], [-1], tree))
+        active = [g for g in growths if g.room > 0]
+        logits = self._catch_up([g.request for g in active])  # [len(active), V]
+        depth = 1
+        while active:
+            row = 0
+            for growth in active:
+                rows = logits[row:row + len(growth.expanded)]
+                row += len(growth.expanded)
+                self._add_children(growth, rows, depth)
+            active = [g for g in active if depth < g.room and self._choose_expanded(g, depth)]
+            if not active:
                 break
-            pieces = [(requests[i], [tokens[i][-1]], len(requests[i].context) + depth) for i in feed]
-            logits = self._run(pieces)
-            active = feed
-        return [DraftProposal(tuple(t), torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+            logits = self._run_depth(active, depth)
+            depth += 1
+        return [self._proposal(g) for g in growths]
+
+    def _add_children(self, growth: _Growth, rows: torch.Tensor, depth: int) -> None:
+        """The children (at ``depth``) of each expanded node from its logits row (``rows [m, V]``)."""
+        request = growth.request
+        position = len(request.context) + depth - 1  # the sequence position the children take
+        for parent, logits in zip(growth.expanded, rows):
+            base_score = 0.0 if parent < 0 else growth.nodes[parent].score
+            if not growth.is_tree:
+                token, p = request.sampler.choose(logits, position)
+                growth.nodes.append(DraftNode(token, parent, depth, 0.0))
+                if p is not None:
+                    growth.probs.append(p)
+                continue
+            tokens, logprobs = request.sampler.candidates(logits, position, request.width)
+            growth.nodes.extend(DraftNode(t, parent, depth, base_score + lp) for t, lp in zip(tokens, logprobs))
+
+    @staticmethod
+    def _choose_expanded(growth: _Growth, depth: int) -> bool:
+        """Set the nodes the next pass feeds (a chain's last node; the best ``width`` of a tree's newest depth);
+        False when there are none."""
+        frontier = [i for i, node in enumerate(growth.nodes) if node.depth == depth]
+        if not growth.is_tree:
+            growth.expanded = frontier[-1:]
+        else:
+            growth.expanded = best_frontier(growth.nodes, frontier, growth.request.width)
+        return bool(growth.expanded)
+
+    def _run_depth(self, active: list[_Growth], depth: int) -> torch.Tensor:
+        """One draft pass feeding every active draft's expanded nodes (depth ``depth``); returns their logits
+        ``[sum of expanded, V]`` in order."""
+        pieces = []
+        for growth in active:
+            request, start = growth.request, growth.base + growth.fed
+            tokens = [growth.nodes[i].token for i in growth.expanded]
+            expansion = None
+            if growth.is_tree:
+                ancestors = []
+                for i in growth.expanded:
+                    chain, node = [], growth.nodes[i].parent
+                    while node >= 0:
+                        chain.append(growth.nodes[node].entry)
+                        node = growth.nodes[node].parent
+                    ancestors.append(tuple(reversed(chain)))
+                expansion = Expansion(growth.base, tuple(growth.base + depth - 1 for _ in tokens), tuple(ancestors))
+            for r, i in enumerate(growth.expanded):
+                growth.nodes[i].entry = start + r
+            growth.fed += len(tokens)
+            pieces.append((request, tokens, start, expansion))
+        return self._run(pieces, logits=LOGITS_ALL)
+
+    def _proposal(self, growth: _Growth) -> DraftProposal:
+        """The grown draft as a proposal; a tree's best ``budget`` nodes (its slot is cut back to the committed
+        context, the fed nodes' entries kept for :meth:`_keep_accepted_path`)."""
+        request = growth.request
+        if not growth.is_tree:
+            tokens = tuple(node.token for node in growth.nodes)
+            return DraftProposal(tokens, torch.stack(growth.probs) if growth.probs else None)
+        if growth.fed:
+            self.backend.set_length(request.slot, growth.base)
+            self._grown[request.key] = growth
+        budget = request.budget if request.budget is not None else request.k * request.width
+        tokens, parents = select_tree(growth.nodes, budget)
+        return DraftProposal(tokens, parents=parents)
+
+    def _keep_accepted_path(self, request: DraftRequest) -> None:
+        """After a tree draft, keep the entries of the fed nodes on the path the target accepted (a prefix of the
+        context past the tree's base): packed after the committed context, so the catch-up feeds only the rest."""
+        growth = self._grown.pop(request.key, None)
+        cached = self.cached(request.key)
+        if growth is None or len(cached) != growth.base or self.backend.length(request.slot) != growth.base:
+            return
+        children, node, keep = children_of([n.parent for n in growth.nodes]), -1, []
+        for token in request.context[growth.base:len(request.context) - 1]:
+            node = next((c for c in children[node] if growth.nodes[c].token == token), -1)
+            if node < 0 or growth.nodes[node].entry < 0:
+                break
+            keep.append(growth.nodes[node].entry - growth.base)
+        if keep:
+            self.backend.compact(request.slot, growth.base, keep)
+            cached.extend(request.context[growth.base:growth.base + len(keep)])
 
     def _catch_up(self, requests: list[DraftRequest]) -> torch.Tensor:
         """Feed every request's slot what it lacks of its context; returns the logits after each context
@@ -183,6 +301,7 @@ class DraftSlots:
         pending = []
         for request in requests:
             self._forget_if_changed(request.key, request.slot)
+            self._keep_accepted_path(request)
             cached = self.cached(request.key)
             common = min(common_prefix_length(cached, request.context), len(request.context) - 1)
             del cached[common:]
@@ -194,7 +313,7 @@ class DraftSlots:
         while pending:
             counts = chunk_counts([len(toks) for _, toks, _ in pending], self.max_pass_rows, self.backend.max_pieces)
             batch = [(r, toks[:c], start, c == len(toks)) for (r, toks, start), c in zip(pending, counts) if c > 0]
-            logits = self._run([(r, t, start) for r, t, start, _ in batch], want=[done for *_, done in batch])
+            logits = self._run([(r, t, start, None) for r, t, start, _ in batch], want=[done for *_, done in batch])
             row = 0
             for request, _, _, done in batch:
                 if done:
@@ -203,40 +322,61 @@ class DraftSlots:
             pending = [(r, toks[c:], start + c) for (r, toks, start), c in zip(pending, counts) if c < len(toks)]
         return torch.stack([out[r.key] for r in requests])
 
-    def _run(self, pieces: list[tuple[DraftRequest, list[int], int]], want: list[bool] | None = None
-             ) -> torch.Tensor:
-        """One draft pass over chains ``(request, tokens, start)``; returns the last row's logits of each piece
-        (``want[i]`` False: none for piece i), cut or padded to the target's width."""
+    def _run(self, pieces: list[tuple[DraftRequest, list[int], int, Expansion | None]], want: list[bool] | None = None,
+             logits: str = LOGITS_LAST) -> torch.Tensor:
+        """One draft pass over pieces ``(request, tokens, start, expansion)`` (a chain when ``expansion`` is None);
+        returns, cut or padded to the target's width, each piece's ``logits`` rows (``want[i]`` False: none for
+        piece i). A chain's fed tokens join its slot's cached tokens; a tree's nodes do not."""
         batch = []
-        for i, (request, toks, start) in enumerate(pieces):
+        for i, (request, toks, start, expansion) in enumerate(pieces):
             readable = [t if t < self.vocab_size else 0 for t in toks]  # an id only the target's vocab has
-            batch.append(Piece(request.slot, start, readable,
-                               logits=LOGITS_LAST if want is None or want[i] else LOGITS_NONE))
+            batch.append(Piece(request.slot, start, readable, logits=logits if want is None or want[i] else LOGITS_NONE,
+                               expansion=expansion))
         t0 = time.perf_counter()
-        logits = self.backend.forward(batch).logits
+        out = self.backend.forward(batch).logits
         self.pass_costs.observe(sum(len(p.token_ids) for p in batch), max(time.perf_counter() - t0, 1e-9))
-        for request, toks, start in pieces:
+        for request, toks, start, expansion in pieces:
             cached = self.cached(request.key)
-            if len(cached) == start:
+            if expansion is None and len(cached) == start:
                 cached.extend(toks)
-        return fit_vocab(logits, self.target_vocab_size)
+        return fit_vocab(out, self.target_vocab_size)
 
 
 class DraftModelProposer(Proposer):
     """Proposes tokens with a draft :class:`CausalLM`: the one-sequence face of :class:`DraftSlots` (the draft
-    as one slot).
+    as one slot; a lean draft through its slot cache, so it can grow trees).
 
     Args:
         draft: the draft model backend.
         target_vocab_size: the target's logits width (see :class:`DraftSlots`).
+        tree_width: 1 drafts chains; w > 1 draft trees (EAGLE-2's expansion, see :class:`DraftRequest`) on a
+            lean draft (others draft chains).
+        tree_budget: nodes per tree at most (None: ``k * tree_width``).
+
+    Raises:
+        ValueError: ``tree_width`` or ``tree_budget`` < 1.
     """
 
     name = "draft_model"
 
-    def __init__(self, draft: CausalLM, target_vocab_size: int) -> None:
+    def __init__(self, draft: CausalLM, target_vocab_size: int, tree_width: int = 1,
+                 tree_budget: int | None = None) -> None:
+        check_tree_shape(tree_width, tree_budget)
         self.draft = draft
         self.target_vocab_size = target_vocab_size
-        self.slots = DraftSlots(OneSlot(draft), target_vocab_size)
+        self.slots = DraftSlots(draft, target_vocab_size)
+        self.tree_width = tree_width if self.slots.supports_trees else 1
+        self.tree_budget = tree_budget
+        if tree_width > 1 and not self.slots.supports_trees:
+            logger.warning("draft model %s: tree_width %d needs the lean runtime; drafting chains", draft.name,
+                           tree_width)
+
+    def tree_nodes(self, k: int) -> int:
+        """Draft nodes a draft ``k`` tokens deep has at most: k for a chain, the tree budget (default
+        ``k * tree_width``) for a tree."""
+        if self.tree_width == 1:
+            return k
+        return self.tree_budget if self.tree_budget is not None else k * self.tree_width
 
     def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
         """Nothing to reset: the draft's cache is reconciled with the context at every :meth:`propose`, and the
@@ -254,7 +394,14 @@ class DraftModelProposer(Proposer):
     def propose(
         self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler
     ) -> DraftProposal:
-        return self.slots.draft([DraftRequest(0, 0, list(context_ids), sampler, k)])[0]
+        request = DraftRequest(0, 0, list(context_ids), sampler, k, self.tree_width, self.tree_budget)
+        return self.slots.draft([request])[0]
+
+
+def check_tree_shape(tree_width: int, tree_budget: int | None) -> None:
+    """Raise ``ValueError`` unless ``tree_width >= 1`` and ``tree_budget`` is None or >= 1."""
+    if tree_width < 1 or (tree_budget is not None and tree_budget < 1):
+        raise ValueError(f"tree_width and tree_budget must be >= 1, got {tree_width} and {tree_budget}")
 
 
 def fit_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:

@@ -26,18 +26,17 @@ from draftwise.config import SamplingParams
 from draftwise.heads.eagle import EagleHead, HeadCache
 from draftwise.proposers.base import DraftProposal, Proposer
 from draftwise.sampling import Sampler
+from draftwise.tree import DraftNode, best_frontier, select_tree
 
 __all__ = ["EagleProposer"]
 
 
 @dataclass
-class _Node:
-    token: int
-    parent: int  # index into the node list, -1 = root
-    depth: int  # 1 for the root's children
-    score: float  # cumulative draft log-probability
-    slot: int = -1  # head-cache index of this node's (feature, token) entry once expanded
-    feature: torch.Tensor | None = None  # predicted feature at this node's position once expanded, [H]
+class _Node(DraftNode):
+    """A tree node with the head's predicted feature at its position once expanded (``[H]``); ``entry`` is its
+    head-cache index."""
+
+    feature: torch.Tensor | None = None
 
 
 class EagleProposer(Proposer):
@@ -92,7 +91,7 @@ class EagleProposer(Proposer):
             nodes = self._children(self._root_feature[None], [None])
             frontier = list(range(len(nodes)))
             for _ in range(2, k + 1):
-                expand = sorted(frontier, key=lambda i: -nodes[i].score)[: self.tree_width]
+                expand = best_frontier(nodes, frontier, self.tree_width)
                 self._expand(nodes, expand, committed)
                 children = self._children(torch.stack([nodes[i].feature for i in expand]), [(i, nodes[i]) for i in expand])
                 frontier = list(range(len(nodes), len(nodes) + len(children)))
@@ -130,22 +129,14 @@ class EagleProposer(Proposer):
             mask[row, past + row] = True
             ancestor = nodes[i].parent
             while ancestor >= 0:
-                mask[row, nodes[ancestor].slot] = True
+                mask[row, nodes[ancestor].entry] = True
                 ancestor = nodes[ancestor].parent
         out = self.head(features, embeds, positions, self._cache, mask)  # [n, H]
         for row, i in enumerate(expand):
-            nodes[i].slot, nodes[i].feature = past + row, out[row]
+            nodes[i].entry, nodes[i].feature = past + row, out[row]
 
     @staticmethod
     def _select(nodes: list[_Node], budget: int) -> DraftProposal:
         """The ``budget`` best nodes (ancestor-closed), renumbered in topological order."""
-        ranked = set(sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:budget])
-        for i in list(ranked):  # closure guard: a child never outranks its parent, so this adds nothing
-            while nodes[i].parent >= 0 and nodes[i].parent not in ranked:
-                i = nodes[i].parent
-                ranked.add(i)
-        keep = sorted(ranked)  # creation order is topological
-        index = {old: new for new, old in enumerate(keep)}
-        tokens = tuple(nodes[i].token for i in keep)
-        parents = tuple(-1 if nodes[i].parent < 0 else index[nodes[i].parent] for i in keep)
+        tokens, parents = select_tree(nodes, budget)
         return DraftProposal(token_ids=tokens, parents=parents)  # a chain-shaped tree is a chain

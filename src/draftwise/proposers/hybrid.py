@@ -41,7 +41,7 @@ from draftwise.proposers.suffix import (
     uses_earlier_requests,
 )
 from draftwise.sampling import Sampler
-from draftwise.tree import children_of
+from draftwise.tree import children_of, node_depths
 
 __all__ = ["HybridProposer", "LearnedState", "StepCosts", "accepted_length"]
 
@@ -195,9 +195,11 @@ class HybridProposer(Proposer):
         return expected / self.costs.verify_cost(len(draft) + 1)
 
     def draft_model_rate(self, k: int, state: LearnedState | None = None) -> float:
-        """Expected committed tokens per second of a step with k draft-model tokens."""
+        """Expected committed tokens per second of a step with a draft-model draft k tokens deep (a chain, or a
+        tree of :meth:`DraftModelProposer.tree_nodes` nodes: one draft pass per depth, the verification over
+        every node)."""
         state = state or self.learned
-        seconds = k * state.draft_seconds_per_token + self.costs.verify_cost(k + 1)
+        seconds = k * state.draft_seconds_per_token + self.costs.verify_cost(self.draft.tree_nodes(k) + 1)
         return expected_tokens(state.acceptance.rates(k)) / seconds
 
     def choose(self, draft: SuffixDraft, k: int, state: LearnedState | None = None) -> str:
@@ -230,7 +232,7 @@ class HybridProposer(Proposer):
             t0 = self.clock()
             proposal = self.draft.propose(context, k, params, sampler)
             if shared and previous == DRAFT_MODEL and len(proposal):
-                self._learn_draft_cost(state, (self.clock() - t0) / len(proposal))
+                self._learn_draft_cost(state, (self.clock() - t0) / proposal.depth)
             predicted = 0.0
         self._pending = _Pending(choice, len(context), proposal.token_ids, proposal.parents, predicted)
         return proposal
@@ -247,7 +249,8 @@ class HybridProposer(Proposer):
                 state.suffix_accepted = self.suffix_decay * state.suffix_accepted + accepted
                 state.suffix_predicted = self.suffix_decay * state.suffix_predicted + pending.predicted
             else:
-                state.acceptance.observe(len(pending.token_ids), accepted)
+                depth = len(pending.token_ids) if pending.parents is None else max(node_depths(pending.parents))
+                state.acceptance.observe(depth, accepted)
         return pending.source
 
     def _learn_draft_cost(self, state: LearnedState, seconds_per_token: float) -> None:

@@ -275,9 +275,11 @@ class LeanLlama(nn.Module):
         entries = rows.cache_index[row_index]
         tree = rows.tree_mask[row_index][:, row_index]  # [g, g] ancestor-or-self
         tails = []
+        extra = rows.extra_keys
         for r in range(len(row_index)):
             own = torch.arange(shared, int(rows.context_len[row_index[r]]))
-            tails.append(torch.cat([own, entries[tree[r]]]))
+            grown = torch.tensor(extra[int(row_index[r])], dtype=torch.long) if extra else own[:0]
+            tails.append(torch.cat([own, grown, entries[tree[r]]]))
         width = _round_up(max(len(t) for t in tails), self.block)
         tail_index = torch.zeros(len(tails), width, dtype=torch.long)
         tail_visible = torch.zeros(len(tails), width, dtype=torch.bool)

@@ -13,6 +13,8 @@ prefill, a verification chain, a draft tree and (with several slots) a batch of 
 A chain (prefill or verification) of n tokens on top of ``L`` cached ones has ``cache_index = positions =
 L..L+n-1`` and ``context_len = cache_index + 1``. A tree of n nodes on top of ``L`` has ``cache_index = L + r``,
 ``positions = L + depth``, ``context_len = L`` and ``tree_mask`` = ancestor-or-self (see :mod:`draftwise.tree`).
+A tree grown one depth per pass (a draft model's tree, :func:`expansion_rows`) also sees, per row, the keys of
+its ancestors written by earlier passes (``extra_keys``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RowBatch", "chain_rows", "tree_rows"]
+__all__ = ["RowBatch", "chain_rows", "expansion_rows", "tree_rows"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class RowBatch:
         context_len: the row sees its slot's keys ``[0, context_len)`` (tokens).
         tree_mask: ``[n, n]`` bool or None: row r also sees row j's key when ``tree_mask[r, j]`` (rows of the
             same slot only).
+        extra_keys: None, or per row the cache entries (beyond ``context_len``, in logical order) it also sees,
+            written by earlier passes: a grown tree's ancestors. Rows with extra keys are tree rows.
     """
 
     tokens: torch.Tensor
@@ -44,6 +48,7 @@ class RowBatch:
     cache_index: torch.Tensor
     context_len: torch.Tensor
     tree_mask: torch.Tensor | None = None
+    extra_keys: tuple[tuple[int, ...], ...] | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -72,3 +77,19 @@ def tree_rows(tokens: list[int], parents: list[int], start: int, slot: int = 0) 
         cache_index=torch.arange(start, start + n, dtype=torch.long),
         context_len=torch.full((n,), start, dtype=torch.long), tree_mask=visible.bool(),
     )
+
+
+def expansion_rows(tokens: list[int], positions: list[int], ancestors: list[list[int]], base: int, start: int,
+                   slot: int = 0) -> RowBatch:
+    """Rows for one depth of a tree grown one pass per depth: node r (token ``tokens[r]`` at rotary position
+    ``positions[r]``) is written at cache entry ``start + r`` and sees the slot's first ``base`` keys (the
+    committed context), the entries ``ancestors[r]`` (its ancestors' keys from earlier passes, root side first)
+    and itself."""
+    n = len(tokens)
+    return RowBatch(
+        tokens=torch.tensor(tokens, dtype=torch.long), slots=torch.full((n,), slot, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long), cache_index=torch.arange(start, start + n, dtype=torch.long),
+        context_len=torch.full((n,), base, dtype=torch.long), tree_mask=torch.eye(n, dtype=torch.bool),
+        extra_keys=tuple(tuple(int(e) for e in a) for a in ancestors),
+    )
+
