@@ -211,7 +211,7 @@ def test_one_proposer_serves_consecutive_requests(tiny_target):
 def test_one_hot_ngram_draft_keeps_sampling_lossless():
     """Bigram target at temperature 0.9 with a prompt whose n-grams always match: the n-gram draft is verified
     as a one-hot q; the sequence distribution must equal the target's (total variation on 5000 draws)."""
-    vocab, length, draws = 3, 3, 5000
+    length, draws = 3, 5000
     table = torch.tensor([[2.0, 0.5, -1.0], [0.0, 2.0, 0.3], [1.5, -0.5, 0.8]])
     target = BigramLM(table)
     prompt = [0, 1, 2, 0, 0, 1, 1, 2, 2, 0]  # every bigram occurs, so every step drafts

@@ -731,12 +731,12 @@ def test_best_of_errors_say_what_is_wrong_with_the_value(client, best_of, words)
 def test_a_4300_digit_max_tokens_is_a_400_that_does_not_echo_it(client):
     """Regression: the context-length message printed prompt + max_tokens, which Python refuses to convert past
     4,300 digits (a 500)."""
-    for field in ("max_tokens",):
-        body = b'{"prompt": "x", "' + field.encode() + b'": ' + b"9" * 4300 + b"}"
+    for name in ("max_tokens",):
+        body = b'{"prompt": "x", "' + name.encode() + b'": ' + b"9" * 4300 + b"}"
         response = _post(client, body)
         assert response.status_code == 400, response.text
         error = response.json()["error"]
-        assert error["param"] == field and error["code"] == "context_length_exceeded"
+        assert error["param"] == name and error["code"] == "context_length_exceeded"
         assert "4300-digit number" in error["message"] and len(error["message"]) < 400
     _assert_served(client)
 

@@ -4,7 +4,6 @@ waiting and running requests, stop strings stopping the engine, engine failures 
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 

@@ -88,7 +88,8 @@ def expansion_rows(tokens: list[int], positions: list[int], ancestors: list[list
     n = len(tokens)
     return RowBatch(
         tokens=torch.tensor(tokens, dtype=torch.long), slots=torch.full((n,), slot, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long), cache_index=torch.arange(start, start + n, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        cache_index=torch.arange(start, start + n, dtype=torch.long),
         context_len=torch.full((n,), base, dtype=torch.long), tree_mask=torch.eye(n, dtype=torch.bool),
         extra_keys=tuple(tuple(int(e) for e in a) for a in ancestors),
     )
