@@ -185,3 +185,30 @@ def test_tree_fields_are_validated_and_refused_where_they_cannot_run(weak_hf):
         BatchedDraftModel(BigramLM(torch.zeros(4, 4)), 4, tree_width=2)
     chain = DraftModelProposer(BigramLM(torch.zeros(4, 4)), 4, tree_width=2)  # a one-slot draft: chains
     assert chain.tree_width == 1
+
+
+def test_sized_tree_keeps_the_nodes_that_pay_for_their_verification():
+    # path probabilities 0.9, 0.8, 0.5, 0.05, 0.01 (scores are log-probabilities)
+    import math
+
+    from draftwise.proposers.draft_model import sized_tree
+
+    nodes = [DraftNode(1, -1, 1, math.log(0.9)), DraftNode(2, 0, 2, math.log(0.8)), DraftNode(3, 1, 3, math.log(0.5)),
+             DraftNode(4, -1, 1, math.log(0.05)), DraftNode(5, 3, 2, math.log(0.01))]
+    flat = sized_tree(nodes, 5, 0.1, lambda rows: 0.1)  # verification costs the same for any size: keep all
+    assert flat == 5
+    steep = sized_tree(nodes, 5, 0.1, lambda rows: 0.1 * rows ** 2)  # verification cost explodes: keep one
+    assert steep == 1
+    # a row costs 10% of a pass: the 0.05 and 0.01 nodes do not pay for theirs, the 0.5 one does
+    assert sized_tree(nodes, 5, 0.1, lambda rows: 0.1 * (1 + 0.1 * (rows - 1))) == 3
+    assert sized_tree(nodes, 2, 0.1, lambda rows: 0.1) == 2  # never past the budget
+
+
+def test_cost_sized_trees_stay_exact(target, weak_hf, oracle):
+    draft = build_lean(weak_hf, quantization=MODE, name="weak")
+    proposer = DraftModelProposer(draft, 96, 3, 12, verify_seconds=lambda rows: 0.01 * (1 + 0.2 * rows))
+    results = [SpeculativeEngine(target, proposer, 4).generate(p, GREEDY) for p in PROMPTS]
+    assert [r.token_ids for r in results] == oracle
+    nodes = sum(r.stats.num_tree_nodes for r in results)
+    steps = sum(len(r.stats.k_history) for r in results)
+    assert 0 < nodes < 12 * steps  # sized below the budget

@@ -19,6 +19,7 @@ from draftwise.check.tokenizer import (
     require_compatible,
     tokenizer_info_from_hf,
 )
+from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.backend import LeanCausalLM
 from draftwise.config import SpeculativeConfig
 from draftwise.controller import KController
@@ -337,8 +338,23 @@ def _build_draft_model(config: SpeculativeConfig, target: LoadedModel, options: 
 
     draft = load_draft_model(config, target, options)
     _check_tree_verifier(config, target)
+    verify = tree_verify_seconds(target.backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
     return BuiltProposer(DraftModelProposer(draft.backend, target.backend.vocab_size, config.tree_width,
-                                            config.tree_budget), draft)
+                                            config.tree_budget, verify), draft)
+
+
+def tree_verify_seconds(target: CausalLM, k: int, tree_width: int, tree_budget: int | None
+                        ) -> Callable[[int], float] | None:
+    """The target's ``rows -> seconds`` verification cost for sizing draft trees (None for a chain): the
+    calibrated verify curve over up to the tree's budget + 1 rows (:func:`draftwise.calibration.calibrate_cost_model`,
+    cached per model and machine)."""
+    if tree_width <= 1:
+        return None
+    from draftwise.calibration import calibrate_cost_model
+
+    budget = tree_budget if tree_budget is not None else k * tree_width
+    costs = calibrate_cost_model(target, budget)
+    return costs.verify_cost
 
 
 def _check_tree_verifier(config: SpeculativeConfig, target: LoadedModel) -> None:
@@ -538,8 +554,9 @@ def build_batched_engine(
         if not isinstance(draft.backend, LeanCausalLM):
             raise ValueError(f"{draft.name}: a draft model in the batched engine needs the lean runtime too "
                              "(--quantization int8 on the CPU, a Llama-family model)")
+        verify = tree_verify_seconds(backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
         proposer = BatchedDraftModel(draft.backend, backend.vocab_size, tree_width=config.tree_width,
-                                     tree_budget=config.tree_budget)
+                                     tree_budget=config.tree_budget, verify_seconds=verify)
     engine = EngineCore(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
     return engine, draft
 

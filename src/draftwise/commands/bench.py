@@ -191,6 +191,7 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
     sharing the target backend. ``heads`` maps ``"medusa"`` / ``"eagle"`` to heads directories; ``anchors`` is
     ``(target, draft)`` on the transformers runtime for the ``hf`` methods (default: ``target`` and ``draft``)."""
     from draftwise.anchors import hf_runner
+    from draftwise.builder import tree_verify_seconds
     from draftwise.proposers.draft_model import DraftModelProposer
     from draftwise.proposers.ngram import NgramProposer
 
@@ -199,8 +200,10 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
     proposers = []  # (kind, tree width, proposer)
     if "draft" in methods:
         widths = sorted(set(tree_widths)) if target.backend.supports_tree else [1]
-        proposers += [("draft", w, DraftModelProposer(draft.backend, target.backend.vocab_size, tree_width=w))
-                      for w in widths]
+        for w in widths:
+            verify = tree_verify_seconds(target.backend, max(ks), w, None)  # None for a chain
+            proposers.append(("draft", w, DraftModelProposer(draft.backend, target.backend.vocab_size, tree_width=w,
+                                                             verify_seconds=verify)))
     if "ngram" in methods:
         proposers.append(("ngram", 1, NgramProposer()))
     for kind, width, proposer in proposers:

@@ -3,7 +3,7 @@ for every decoding sequence of the batch at once."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from draftwise.backends.base import CausalLM
@@ -29,6 +29,8 @@ class BatchedDraftModel(BatchProposer):
         max_pass_rows: rows per catch-up pass.
         tree_width, tree_budget: draft trees (see :class:`~draftwise.proposers.draft_model.DraftRequest`) on a
             lean draft; width 1 drafts chains.
+        verify_seconds: the target's ``rows -> seconds`` pass cost, to size trees by (see
+            :func:`~draftwise.proposers.draft_model.sized_tree`).
 
     Raises:
         ValueError: ``tree_width`` or ``tree_budget`` < 1, or ``tree_width`` > 1 on a draft that cannot grow trees.
@@ -38,9 +40,10 @@ class BatchedDraftModel(BatchProposer):
     drafts_first = False
 
     def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int,
-                 max_pass_rows: int = 512, tree_width: int = 1, tree_budget: int | None = None) -> None:
+                 max_pass_rows: int = 512, tree_width: int = 1, tree_budget: int | None = None,
+                 verify_seconds: Callable[[int], float] | None = None) -> None:
         check_tree_shape(tree_width, tree_budget)
-        self.slots = DraftSlots(draft, target_vocab_size, max_pass_rows)
+        self.slots = DraftSlots(draft, target_vocab_size, max_pass_rows, verify_seconds)
         if tree_width > 1 and not self.slots.supports_trees:
             raise ValueError(f"{self.slots.backend.name}: tree_width {tree_width} needs a draft on the lean runtime")
         self.tree_width = tree_width

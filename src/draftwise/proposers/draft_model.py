@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_leng
 from draftwise.sampling import Sampler
 from draftwise.tree import DraftNode, best_frontier, children_of, select_tree
 
-__all__ = ["DraftSlots", "DraftModelProposer", "DraftRequest", "check_tree_shape", "fit_vocab"]
+__all__ = ["DraftSlots", "DraftModelProposer", "DraftRequest", "check_tree_shape", "fit_vocab", "sized_tree"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class DraftSlots:
             whose embedding is padded differently still yields ``[k, target_vocab]`` distributions; ids the
             target cannot produce are never proposed).
         max_pass_rows: rows per catch-up pass.
+        verify_seconds: ``rows -> seconds`` of the target's verification pass (its cost curve); with it, a draft
+            tree keeps only as many of its best nodes as pay (:func:`sized_tree`), at most the request's budget.
 
     Attributes:
         pass_costs: the measured seconds of its passes per row count.
@@ -125,8 +128,9 @@ class DraftSlots:
     """
 
     def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int,
-                 max_pass_rows: int = 512) -> None:
+                 max_pass_rows: int = 512, verify_seconds: Callable[[int], float] | None = None) -> None:
         self.backend = as_slot_backend(draft)
+        self.verify_seconds = verify_seconds
         self.target_vocab_size = target_vocab_size
         self.max_pass_rows = max_pass_rows
         self.vocab_size = self.backend.vocab_size
@@ -200,6 +204,7 @@ class DraftSlots:
                 room = min(room, (self.backend.max_context - len(request.context)) // request.width)
             growths.append(_Growth(request, room, len(request.context), [], [], [-1], tree))
         active = [g for g in growths if g.room > 0]
+        t0 = time.perf_counter()
         logits = self._catch_up([g.request for g in active])  # [len(active), V]
         depth = 1
         while active:
@@ -213,7 +218,8 @@ class DraftSlots:
                 break
             logits = self._run_depth(active, depth)
             depth += 1
-        return [self._proposal(g) for g in growths]
+        draft_s = time.perf_counter() - t0
+        return [self._proposal(g, draft_s) for g in growths]
 
     def _add_children(self, growth: _Growth, rows: torch.Tensor, depth: int) -> None:
         """The children (at ``depth``) of each expanded node from its logits row (``rows [m, V]``)."""
@@ -264,9 +270,10 @@ class DraftSlots:
             pieces.append((request, tokens, start, expansion))
         return self._run(pieces, logits=LOGITS_ALL)
 
-    def _proposal(self, growth: _Growth) -> DraftProposal:
-        """The grown draft as a proposal; a tree's best ``budget`` nodes (its slot is cut back to the committed
-        context, the fed nodes' entries kept for :meth:`_keep_accepted_path`)."""
+    def _proposal(self, growth: _Growth, draft_s: float) -> DraftProposal:
+        """The grown draft as a proposal; a tree's best ``budget`` nodes, or fewer when the target's cost curve
+        is known (:func:`sized_tree`, with the drafting time ``draft_s`` seconds); its slot is cut back to the
+        committed context, the fed nodes' entries kept for :meth:`_keep_accepted_path`."""
         request = growth.request
         if not growth.is_tree:
             tokens = tuple(node.token for node in growth.nodes)
@@ -275,6 +282,8 @@ class DraftSlots:
             self.backend.set_length(request.slot, growth.base)
             self._grown[request.key] = growth
         budget = request.budget if request.budget is not None else request.k * request.width
+        if self.verify_seconds is not None:
+            budget = sized_tree(growth.nodes, budget, draft_s, self.verify_seconds)
         tokens, parents = select_tree(growth.nodes, budget)
         return DraftProposal(tokens, parents=parents)
 
@@ -352,6 +361,8 @@ class DraftModelProposer(Proposer):
         tree_width: 1 drafts chains; w > 1 draft trees (EAGLE-2's expansion, see :class:`DraftRequest`) on a
             lean draft (others draft chains).
         tree_budget: nodes per tree at most (None: ``k * tree_width``).
+        verify_seconds: the target's ``rows -> seconds`` pass cost; trees are then sized by it (see
+            :class:`DraftSlots`).
 
     Raises:
         ValueError: ``tree_width`` or ``tree_budget`` < 1.
@@ -360,11 +371,11 @@ class DraftModelProposer(Proposer):
     name = "draft_model"
 
     def __init__(self, draft: CausalLM, target_vocab_size: int, tree_width: int = 1,
-                 tree_budget: int | None = None) -> None:
+                 tree_budget: int | None = None, verify_seconds: Callable[[int], float] | None = None) -> None:
         check_tree_shape(tree_width, tree_budget)
         self.draft = draft
         self.target_vocab_size = target_vocab_size
-        self.slots = DraftSlots(draft, target_vocab_size)
+        self.slots = DraftSlots(draft, target_vocab_size, verify_seconds=verify_seconds)
         self.tree_width = tree_width if self.slots.supports_trees else 1
         self.tree_budget = tree_budget
         if tree_width > 1 and not self.slots.supports_trees:
@@ -396,6 +407,34 @@ class DraftModelProposer(Proposer):
     ) -> DraftProposal:
         request = DraftRequest(0, 0, list(context_ids), sampler, k, self.tree_width, self.tree_budget)
         return self.slots.draft([request])[0]
+
+
+def sized_tree(nodes: Sequence[DraftNode], budget: int, draft_s: float, verify_seconds: Callable[[int], float]) -> int:
+    """How many of a draft tree's best nodes to verify: the n <= ``budget`` with the most expected committed
+    tokens per second, ``(1 + sum of the n best nodes' path probabilities) / (draft_s + verify_seconds(n + 1))``.
+
+    A node's path probability (the draft's, ``exp(score)``) estimates the chance the target accepts the path
+    to it, so the sum over the kept nodes estimates the accepted tokens (EAGLE-2's reading of the draft's
+    confidence; Sequoia sizes its trees against the measured verification cost the same way). The drafting time
+    is spent either way; only the verification grows with n.
+
+    Args:
+        nodes: the grown tree, in creation order.
+        budget: nodes at most (>= 1).
+        draft_s: seconds the draft took (this step's).
+        verify_seconds: ``rows -> seconds`` of a target pass (root + nodes).
+
+    Returns:
+        n in 1..budget.
+    """
+    scores = sorted((node.score for node in nodes), reverse=True)[:budget]
+    best_n, best_rate, expected = 1, -1.0, 1.0
+    for n, score in enumerate(scores, start=1):
+        expected += math.exp(score)
+        rate = expected / (draft_s + verify_seconds(n + 1))
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return best_n
 
 
 def check_tree_shape(tree_width: int, tree_budget: int | None) -> None:
