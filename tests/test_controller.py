@@ -394,3 +394,21 @@ def test_engine_calls_start_with_the_request():
     controller = controllers[0]
     # a wrong draft: one token per step; the engine does not report the last step (it ends the request)
     assert controller._context_len == 3 + 20 - 1 and controller._remaining == 1
+
+
+def test_a_draft_model_prior_survives_one_rejected_first_probe():
+    """Measured: a Qwen2.5-Coder 0.5B draft (acceptance 0.86 at fixed K) lost its first probe (the answer's
+    opening token) and, with a prior worth one draft, decoded every later request plainly. The draft-model
+    prior keeps speculating after one rejection; the weak prior still stops."""
+    from draftwise.controller import MODEL_PRIOR_STRENGTH, k_controller_factory
+
+    costs = CostModel((0.08, 0.085, 0.09, 0.095, 0.1), draft_seconds_per_token=0.025,
+                      draft_prefill_seconds_per_token=0.001)
+    after = {}
+    for strength in (1.0, MODEL_PRIOR_STRENGTH):
+        controller = k_controller_factory("auto", 4, costs, prior_strength=strength, learn_costs=False)()
+        controller.start(50, 200)
+        assert controller.choose_k() == 1  # the first probe
+        controller.observe(1, 0, 0.075, 0.085)  # rejected
+        after[strength] = controller.choose_k()
+    assert after[1.0] == 0 and after[MODEL_PRIOR_STRENGTH] > 0

@@ -508,9 +508,18 @@ def build_engine(
             target_model.backend, max_k, draft=draft.backend if draft else None, proposer=proposer
         )
     engine = assemble_engine(target_model, proposer, max_k,
-                             controller_factory=k_controller_factory(speculative_config.k_policy, max_k, cost_model),
+                             controller_factory=k_controller_factory(speculative_config.k_policy, max_k, cost_model,
+                                                                     prior_strength=_prior_strength(speculative_config)),
                              prefix_cache=PrefixCache(kv_cache_memory))
     return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
+
+
+def _prior_strength(config: SpeculativeConfig) -> float:
+    """AutoK's acceptance-prior weight: :data:`~draftwise.controller.MODEL_PRIOR_STRENGTH` for the methods that
+    run a draft model, 1 otherwise."""
+    from draftwise.controller import MODEL_PRIOR_STRENGTH
+
+    return MODEL_PRIOR_STRENGTH if get_method(config.method).model == "draft" else 1.0
 
 
 # ---------------------------------------------------------------------------------------------- batched engine

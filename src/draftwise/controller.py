@@ -258,9 +258,10 @@ class AutoKMemory:
     num_requests: int = 0
 
     @classmethod
-    def fresh(cls, max_k: int) -> AutoKMemory:
-        """Nothing learned yet; the long-memory estimator forgets over about 200 drafts."""
-        return cls(AcceptanceEstimator(max_k, decay=0.995))
+    def fresh(cls, max_k: int, prior_strength: float = 1.0) -> AutoKMemory:
+        """Nothing learned yet; the long-memory estimator forgets over about 200 drafts and starts from its
+        prior with ``prior_strength`` pseudo-trials (see :data:`MODEL_PRIOR_STRENGTH`)."""
+        return cls(AcceptanceEstimator(max_k, decay=0.995, prior_strength=prior_strength))
 
 
 class AutoK(KController):
@@ -581,8 +582,15 @@ class AutoK(KController):
             self._notes.append(note)
 
 
+#: Weight (pseudo-trials) of AutoK's acceptance prior for a draft *model*. A model of the target's family is
+#: expected to agree with it most of the time; with the default weight of 1, the first probe's one rejected
+#: token (the opening token of a chat answer is the hardest to guess) put the estimate below break-even, and
+#: the engine's memory carried that to every later request, which then decoded plainly.
+MODEL_PRIOR_STRENGTH = 4.0
+
+
 def k_controller_factory(k_policy: str, max_k: int, cost_model: CostModel | None = None,
-                         **auto_options) -> Callable[[], KController]:
+                         prior_strength: float = 1.0, **auto_options) -> Callable[[], KController]:
     """A per-request controller factory for one :class:`draftwise.engine.SpeculativeEngine`.
 
     For ``"auto"`` the factory owns one :class:`AutoKMemory` and hands it to every controller it makes, so
@@ -593,6 +601,7 @@ def k_controller_factory(k_policy: str, max_k: int, cost_model: CostModel | None
         k_policy: ``"fixed"`` (always ``max_k``) or ``"auto"`` (:class:`AutoK`).
         max_k: K, or the maximum K for ``"auto"``.
         cost_model: required for ``"auto"``.
+        prior_strength: weight of the acceptance prior (:data:`MODEL_PRIOR_STRENGTH` for a draft model).
         auto_options: extra keyword arguments for :class:`AutoK`.
 
     Raises:
@@ -603,6 +612,6 @@ def k_controller_factory(k_policy: str, max_k: int, cost_model: CostModel | None
     if k_policy == "auto":
         if cost_model is None:
             raise ValueError("k_policy 'auto' needs a cost model (see draftwise.calibration.calibrate_cost_model)")
-        memory = AutoKMemory.fresh(max_k)
+        memory = AutoKMemory.fresh(max_k, prior_strength)
         return lambda: AutoK(cost_model, max_k, memory=memory, **auto_options)
     raise ValueError(f"unknown k_policy {k_policy!r}; choose 'fixed' or 'auto'")

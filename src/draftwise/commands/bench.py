@@ -261,7 +261,7 @@ def _head_methods(target: LoadedModel, kind: str, heads_dir: str, ks: list[int],
 
 def _controller_factory(policy, k, kind, target, draft, proposer, calibrated):
     from draftwise.calibration import calibrate_cost_model
-    from draftwise.controller import k_controller_factory
+    from draftwise.controller import MODEL_PRIOR_STRENGTH, k_controller_factory
 
     if policy == "fixed":
         return k_controller_factory("fixed", k)
@@ -269,7 +269,8 @@ def _controller_factory(policy, k, kind, target, draft, proposer, calibrated):
     if key not in calibrated:
         calibrated[key] = calibrate_cost_model(target.backend, k, draft=draft.backend if kind == "draft" else None,
                                                proposer=proposer if kind != "draft" else None)
-    return k_controller_factory("auto", k, calibrated[key])
+    strength = MODEL_PRIOR_STRENGTH if kind == "draft" else 1.0
+    return k_controller_factory("auto", k, calibrated[key], prior_strength=strength)
 
 
 def run(args: argparse.Namespace) -> int:
