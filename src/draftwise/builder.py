@@ -508,8 +508,9 @@ def build_engine(
             target_model.backend, max_k, draft=draft.backend if draft else None, proposer=proposer
         )
     engine = assemble_engine(target_model, proposer, max_k,
-                             controller_factory=k_controller_factory(speculative_config.k_policy, max_k, cost_model,
-                                                                     prior_strength=_prior_strength(speculative_config)),
+                             controller_factory=k_controller_factory(
+                                 speculative_config.k_policy, max_k, cost_model,
+                                 prior_strength=_prior_strength(speculative_config)),
                              prefix_cache=PrefixCache(kv_cache_memory))
     return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
 
