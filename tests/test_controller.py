@@ -154,7 +154,9 @@ def test_learned_costs_follow_the_measured_times():
         k = controller.choose_k()
         controller.observe(k, k, 1.0 * k, 0.2)
     assert controller.verify_scale == pytest.approx(2.0, rel=0.01)
-    assert controller.draft_seconds_per_token >= 0.5  # learned from the drafting steps before K went to 0
+    # learned from the drafting steps (all K = 4) before K went to 0: 4 s per step, which with one K cannot be
+    # split into per-token and per-step parts (fit_draft_cost keeps the calibrated 0 s per token)
+    assert controller.costs().draft_cost(4) >= 2.0
     assert controller.history[0] == 4 and controller.history[-1] == 0
     assert SPECULATION_UNPROFITABLE_NOTE in controller.notes()
 
@@ -412,3 +414,24 @@ def test_a_draft_model_prior_survives_one_rejected_first_probe():
         controller.observe(1, 0, 0.075, 0.085)  # rejected
         after[strength] = controller.choose_k()
     assert after[1.0] == 0 and after[MODEL_PRIOR_STRENGTH] > 0
+
+
+def test_draft_cost_fit_separates_a_step_overhead_from_the_cost_per_token():
+    from draftwise.controller import fit_draft_cost
+
+    def moments(steps):
+        n = len(steps)
+        return [sum(k for k, _ in steps) / n, sum(t for _, t in steps) / n, sum(k * k for k, _ in steps) / n,
+                sum(k * t for k, t in steps) / n]
+
+    # a 2-token catch-up pass costs 1.8 one-token passes of 25 ms: t = 20 ms + 25 ms x K
+    steps = [(k, 0.020 + 0.025 * k) for k in (1, 2, 3, 4, 3, 2)]
+    b, a = fit_draft_cost(moments(steps), 0.026)
+    assert b == pytest.approx(0.025) and a == pytest.approx(0.020)
+    # K = 1 only: the calibrated per-token time stays, the rest is the step's overhead
+    b, a = fit_draft_cost(moments([(1, 0.045)] * 5), 0.026)
+    assert b == pytest.approx(0.026) and a == pytest.approx(0.019)
+    # a stale (too slow) calibration gives way to the measurement
+    b, a = fit_draft_cost(moments([(1, 0.01)] * 5), 2.0)
+    assert b == pytest.approx(0.01) and a == 0.0
+

@@ -245,6 +245,10 @@ class AutoKMemory:
             steps the draft time per token was learned from.
         draft_seconds_per_token: learned proposer time per draft token at the calibrated context
             (None: the cost model's).
+        draft_step_seconds: learned fixed cost of a drafting step beyond that (None: the cost model's); see
+            :func:`fit_draft_cost`.
+        draft_moments: running means ``[K, t, K^2, K t]`` of the drafting steps' K and seconds t (None before
+            the first), which the two draft costs are fitted to.
         catch_up_seconds_per_token: learned draft prefill time per caught-up token (None: the cost model's).
         num_requests: requests started.
     """
@@ -253,6 +257,8 @@ class AutoKMemory:
     verify_scales: list[float] = dataclasses.field(default_factory=list)
     verify_samples: list[int] = dataclasses.field(default_factory=list)
     draft_seconds_per_token: float | None = None
+    draft_step_seconds: float | None = None
+    draft_moments: list[float] | None = None
     catch_up_seconds_per_token: float | None = None
     draft_samples: int = 0
     num_requests: int = 0
@@ -383,6 +389,12 @@ class AutoK(KController):
         return self.cost_model.draft_seconds_per_token if learned is None else learned
 
     @property
+    def draft_step_seconds(self) -> float:
+        """A drafting step's fixed cost beyond K x :attr:`draft_seconds_per_token` (learned, else calibrated)."""
+        learned = self.memory.draft_step_seconds
+        return self.cost_model.draft_step_seconds if learned is None else learned
+
+    @property
     def catch_up_seconds_per_token(self) -> float:
         """A draft model's prefill time per caught-up token (learned, else calibrated)."""
         learned = self.memory.catch_up_seconds_per_token
@@ -390,13 +402,14 @@ class AutoK(KController):
 
     def costs(self) -> CostModel:
         """The cost model with the learned corrections applied."""
-        key = (tuple(self.memory.verify_scales), self.draft_seconds_per_token, self.catch_up_seconds_per_token)
+        key = (tuple(self.memory.verify_scales), self.draft_seconds_per_token, self.catch_up_seconds_per_token,
+               self.draft_step_seconds)
         if self._costs is None or self._costs[0] != key:
             scales = list(key[0]) + [key[0][-1] if key[0] else 1.0] * len(self.cost_model.verify_seconds)
             curve = [v * scale for v, scale in zip(self.cost_model.verify_seconds, scales)]
             model = dataclasses.replace(  # read non-decreasing by its verify curve (PassCostCurve)
                 self.cost_model, verify_seconds=tuple(curve),
-                draft_seconds_per_token=key[1], draft_prefill_seconds_per_token=key[2])
+                draft_seconds_per_token=key[1], draft_prefill_seconds_per_token=key[2], draft_step_seconds=key[3])
             self._costs = (key, model)
         return self._costs[1]
 
@@ -555,12 +568,17 @@ class AutoK(KController):
         growth = model.draft_growth(context_len)
         # nearly in sync, or a proposer without catch-up (n-gram lookup, heads): the time is the drafting
         if behind <= 2 or self.catch_up_seconds_per_token <= 0:
-            per_token = draft_time_s / (num_drafted * growth)
             memory.draft_samples += 1
             weight = max(w, 1.0 / memory.draft_samples)  # calibration may be stale: the first measurement wins
-            memory.draft_seconds_per_token = self.draft_seconds_per_token + weight * (per_token - self.draft_seconds_per_token)
+            t = draft_time_s / growth
+            sample = [num_drafted, t, num_drafted * num_drafted, num_drafted * t]
+            moments = memory.draft_moments or sample
+            memory.draft_moments = [m + weight * (x - m) for m, x in zip(moments, sample)]
+            memory.draft_seconds_per_token, memory.draft_step_seconds = fit_draft_cost(
+                memory.draft_moments, model.draft_seconds_per_token)
             return
-        catch_up_s = max(0.0, draft_time_s - num_drafted * self.draft_seconds_per_token * growth)
+        drafting_s = (num_drafted * self.draft_seconds_per_token + self.draft_step_seconds) * growth
+        catch_up_s = max(0.0, draft_time_s - drafting_s)
         middle = None if context_len is None else max(0, context_len - behind // 2)
         per_token = catch_up_s / ((behind - 1) * model.draft_growth(middle))
         current = self.catch_up_seconds_per_token
@@ -580,6 +598,29 @@ class AutoK(KController):
     def _note(self, note: str) -> None:
         if note not in self._notes:
             self._notes.append(note)
+
+
+def fit_draft_cost(moments: Sequence[float], calibrated_per_token: float) -> tuple[float, float]:
+    """A drafting step's seconds as ``a + b K`` from running means ``[K, t, K^2, K t]`` of its steps: ``(b, a)``
+    (seconds per draft token, fixed seconds per drafting step).
+
+    With K spread over the steps, the least-squares line (both terms >= 0). With one K only (a request's
+    first steps), the two cannot be told apart: b is the smaller of the calibrated one-token time and the
+    measured time per token, and the rest is the step's fixed cost. A draft model's K = 1 step is its
+    catch-up pass over two tokens (the previous draft's last token and the bonus token; about 1.4 one-token
+    passes on llama.cpp), which read as a time per token made K look expensive and kept it small.
+    """
+    mean_k, mean_t, mean_kk, mean_kt = moments
+    if mean_k <= 0:
+        return calibrated_per_token, 0.0
+    variance = mean_kk - mean_k * mean_k
+    if variance > 0.1:
+        b = (mean_kt - mean_k * mean_t) / variance
+        a = mean_t - b * mean_k
+        if b > 0 and a >= 0:
+            return b, a
+    b = min(calibrated_per_token, mean_t / mean_k) if calibrated_per_token > 0 else 0.0
+    return b, max(0.0, mean_t - b * mean_k)
 
 
 #: Weight (pseudo-trials) of AutoK's acceptance prior for a draft *model*. A model of the target's family is

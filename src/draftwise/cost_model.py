@@ -168,6 +168,10 @@ class CostModel:
         context_len: tokens of context under the measured passes (0: costs do not depend on context).
         target_context_growth, draft_context_growth: relative growth of the target's and the draft's pass
             times per token of context beyond ``context_len`` (e.g. 2e-4: 20% slower 1,000 tokens later).
+        draft_step_seconds: a drafting step's fixed cost beyond K x ``draft_seconds_per_token`` (a draft
+            model's first pass feeds the previous step's last draft token and the bonus token, which on
+            llama.cpp costs about 1.4 one-token passes); 0 by default, learned online by
+            :class:`draftwise.controller.AutoK`.
 
     Raises:
         ValueError: empty or non-positive verify times, or negative costs.
@@ -180,13 +184,14 @@ class CostModel:
     context_len: int = 0
     target_context_growth: float = 0.0
     draft_context_growth: float = 0.0
+    draft_step_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify_seconds", tuple(float(v) for v in self.verify_seconds))
         if not self.verify_seconds or min(self.verify_seconds) <= 0:
             raise ValueError(f"verify_seconds must be non-empty and positive, got {self.verify_seconds}")
         for name in ("draft_seconds_per_token", "draft_prefill_seconds_per_token", "context_len",
-                     "target_context_growth", "draft_context_growth"):
+                     "target_context_growth", "draft_context_growth", "draft_step_seconds"):
             if not (getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -240,8 +245,11 @@ class CostModel:
         return self.verify_cost(num_tokens) / self.verify_cost(1)
 
     def draft_cost(self, k: int, context_len: int | None = None) -> float:
-        """Seconds the proposer takes to draft ``k`` tokens at ``context_len`` tokens of context."""
-        return k * self.draft_seconds_per_token * self.draft_growth(context_len)
+        """Seconds the proposer takes to draft ``k`` tokens at ``context_len`` tokens of context: ``k`` x the
+        time per token, plus the step's fixed cost when ``k`` > 0."""
+        if k <= 0:
+            return 0.0
+        return (k * self.draft_seconds_per_token + self.draft_step_seconds) * self.draft_growth(context_len)
 
     def step_cost(self, k: int, context_len: int | None = None) -> float:
         """Seconds of one step with K draft tokens: ``draft_cost(K) + verify_cost(K + 1)``."""
@@ -301,7 +309,7 @@ class CostModel:
         return {"verify_seconds": list(self.verify_seconds), "draft_seconds_per_token": self.draft_seconds_per_token,
                 "source": self.source, "draft_prefill_seconds_per_token": self.draft_prefill_seconds_per_token,
                 "context_len": self.context_len, "target_context_growth": self.target_context_growth,
-                "draft_context_growth": self.draft_context_growth}
+                "draft_context_growth": self.draft_context_growth, "draft_step_seconds": self.draft_step_seconds}
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
@@ -313,7 +321,7 @@ class CostModel:
         return cls(tuple(data["verify_seconds"]), float(data.get("draft_seconds_per_token", 0.0)),
                    str(data.get("source", "")), float(data.get("draft_prefill_seconds_per_token", 0.0)),
                    int(data.get("context_len", 0)), float(data.get("target_context_growth", 0.0)),
-                   float(data.get("draft_context_growth", 0.0)))
+                   float(data.get("draft_context_growth", 0.0)), float(data.get("draft_step_seconds", 0.0)))
 
 
 # ---------------------------------------------------------------------------------------------- batches
