@@ -340,7 +340,7 @@ def _build_draft_model(config: SpeculativeConfig, target: LoadedModel, options: 
     _check_tree_verifier(config, target)
     verify = tree_verify_seconds(target.backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
     return BuiltProposer(DraftModelProposer(draft.backend, target.backend.vocab_size, config.tree_width,
-                                            config.tree_budget, verify), draft)
+                                            config.tree_budget, verify, window=config.draft_window), draft)
 
 
 def tree_verify_seconds(target: CausalLM, k: int, tree_width: int, tree_budget: int | None
@@ -566,7 +566,8 @@ def build_batched_engine(
                              "(--quantization int8 on the CPU, a Llama-family model)")
         verify = tree_verify_seconds(backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
         proposer = BatchedDraftModel(draft.backend, backend.vocab_size, tree_width=config.tree_width,
-                                     tree_budget=config.tree_budget, verify_seconds=verify)
+                                     tree_budget=config.tree_budget, verify_seconds=verify,
+                                     window=config.draft_window)
     engine = EngineCore(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
     return engine, draft
 

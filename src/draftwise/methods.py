@@ -129,13 +129,15 @@ def _check_draft(config: SpeculativeConfig) -> None:
     _check_draft_backend(config)
     _check_draft_vocab(config)
     _check_tree_shape(config)
+    if config.draft_window is not None:
+        _in_range("draft_window", config.draft_window, 32, 1 << 20)
 
 
 #: The FR-Spec fields (methods running a draft model): the draft's LM head over a frequency-ranked subset.
 DRAFT_VOCAB_FIELDS = ("draft_vocab_size", "token_map")
 
 #: The draft model's own backend and its draft tree's shape (methods that run a draft model).
-DRAFT_FIELDS = ("backend", "tree_width", "tree_budget")
+DRAFT_FIELDS = ("backend", "tree_width", "tree_budget", "draft_window")
 #: The suffix-decoding fields (method ``suffix``, and ``hybrid``'s suffix side).
 SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
                  "suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens",

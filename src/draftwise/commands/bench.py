@@ -19,6 +19,7 @@ servers (the first URL is the baseline).
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -85,6 +86,10 @@ def register(subparsers) -> None:
     parser.add_argument("--tree-widths", default="1",
                         help="draft/hybrid/medusa/eagle: comma-separated draft-tree widths (1 = a chain; default 1; "
                              "draft-model trees need the lean runtime)")
+    parser.add_argument("--draft-windows", default="full",
+                        help="draft/hybrid: comma-separated draft windows, 'full' (the whole context; default) or a "
+                             "token count >= 32: the draft reads only the context's first 4 and most recent tokens "
+                             "(draft_window, docs/draft_trees.md)")
     parser.add_argument("--k-policies", default="fixed", help="fixed, auto or fixed,auto (auto: K_max = max(ks))")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
                         help="FR-Spec: the draft's LM head over the N most frequent tokens only (docs/frspec.md)")
@@ -177,17 +182,19 @@ def parse_ks(text: str) -> list[int]:
     return ks
 
 
-def method_label(kind: str, k: int, policy: str = "fixed", tree_width: int = 1) -> str:
-    """A method's name in tables and JSON: ``"draft K=4"``, ``"ngram auto(K<=4)"``, ``"eagle K=4 w=2"``."""
+def method_label(kind: str, k: int, policy: str = "fixed", tree_width: int = 1, window: int | None = None) -> str:
+    """A method's name in tables and JSON: ``"draft K=4"``, ``"ngram auto(K<=4)"``, ``"eagle K=4 w=2"``,
+    ``"draft K=4 win=256"`` (a draft window)."""
     label = f"{kind} K={k}" if policy == "fixed" else f"{kind} auto(K<={k})"
-    return label + (f" w={tree_width}" if tree_width > 1 else "")
+    return label + (f" w={tree_width}" if tree_width > 1 else "") + (f" win={window}" if window else "")
 
 
 def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[str], ks: list[int],
                   policies: list[str], calibrated: dict, heads: dict[str, str] | None = None,
-                  tree_widths: list[int] = (1,), anchors: tuple | None = None) -> list[MethodSpec]:
-    """Plain first, then each requested method x policy x K (x tree width for the draft model, and for Medusa /
-    EAGLE at fixed K only),
+                  tree_widths: list[int] = (1,), anchors: tuple | None = None,
+                  windows: list[int | None] = (None,)) -> list[MethodSpec]:
+    """Plain first, then each requested method x policy x K (x tree width x draft window for the draft model; x
+    tree width for Medusa / EAGLE at fixed K only),
     sharing the target backend. ``heads`` maps ``"medusa"`` / ``"eagle"`` to heads directories; ``anchors`` is
     ``(target, draft)`` on the transformers runtime for the ``hf`` methods (default: ``target`` and ``draft``)."""
     from draftwise.anchors import hf_runner
@@ -197,19 +204,20 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
 
     eos = target.eos_token_ids
     specs = [MethodSpec("plain", "plain", engine=assemble_engine(target))]
-    proposers = []  # (kind, tree width, proposer)
+    proposers = []  # (kind, tree width, draft window, proposer)
     if "draft" in methods:
         widths = sorted(set(tree_widths)) if target.backend.supports_tree else [1]
         for w in widths:
             verify = tree_verify_seconds(target.backend, max(ks), w, None)  # None for a chain
-            proposers.append(("draft", w, DraftModelProposer(draft.backend, target.backend.vocab_size, tree_width=w,
-                                                             verify_seconds=verify)))
+            for window in windows:
+                proposers.append(("draft", w, window, DraftModelProposer(
+                    draft.backend, target.backend.vocab_size, tree_width=w, verify_seconds=verify, window=window)))
     if "ngram" in methods:
-        proposers.append(("ngram", 1, NgramProposer()))
-    for kind, width, proposer in proposers:
+        proposers.append(("ngram", 1, None, NgramProposer()))
+    for kind, width, window, proposer in proposers:
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                label = method_label(kind, k, policy, width)
+                label = method_label(kind, k, policy, width, window)
                 factory = _controller_factory(policy, k, kind, target, draft, proposer, calibrated)
                 engine = assemble_engine(target, proposer, k, controller_factory=factory)
                 specs.append(MethodSpec(label, kind, k, policy, engine=engine))
@@ -298,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
 
     heads = _heads_dirs(args, methods)
     tree_widths = _tree_widths(args.tree_widths)
+    windows = draft_windows(args.draft_windows)
     if "hf" in methods and args.backend != "torch":
         raise CliError("--methods hf runs transformers' own generate and needs --backend torch")
     needs_draft = bool({"draft", "hf"} & set(methods))
@@ -310,7 +319,8 @@ def run(args: argparse.Namespace) -> int:
     draft = _load_draft(args, target, options) if needs_draft else None
     anchors = _anchor_models(args, methods, target, draft, options)
     calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
-    specs = build_methods(target, draft, methods, ks, policies, {}, heads, tree_widths, anchors=anchors)
+    specs = build_methods(target, draft, methods, ks, policies, {}, heads, tree_widths, anchors=anchors,
+                          windows=windows)
     if args.baseline_repeat:
         specs = measurement.with_baseline_repeat(specs)
     config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
@@ -370,6 +380,27 @@ def _heads_dirs(args: argparse.Namespace, methods: list[str]) -> dict[str, str |
         if kind in methods and not heads[kind]:
             raise CliError(f"--methods {kind} needs --{kind}-heads DIR (train them with: draftwise train-heads)")
     return heads
+
+
+def draft_windows(text: str) -> list[int | None]:
+    """``--draft-windows``: comma-separated ``full`` (None) or token counts >= 32.
+
+    Raises:
+        CliError: anything else.
+    """
+    windows: list[int | None] = []
+    for item in (w.strip() for w in text.split(",")):
+        if not item:
+            continue
+        if item == "full":
+            windows.append(None)
+        elif item.isdigit() and int(item) >= 32:
+            windows.append(int(item))
+        else:
+            raise CliError(f"--draft-windows takes 'full' or token counts >= 32, got {item!r}")
+    if not windows:
+        raise CliError("--draft-windows needs at least one value ('full' or a token count)")
+    return list(dict.fromkeys(windows))
 
 
 def _tree_widths(text: str) -> list[int]:
@@ -572,7 +603,7 @@ def _agent_methods(args: argparse.Namespace, params):
     plan = agent_method_plan(methods, parse_ks(args.ks), _csv(args.k_policies, K_POLICIES, "--k-policies"),
                              _tree_widths(args.tree_widths), _heads_dirs(args, methods), args.draft,
                              draft_vocab={"draft_vocab_size": args.draft_vocab_size, "token_map": args.token_map},
-                             draft_backend=args.speculative_backend)
+                             draft_backend=args.speculative_backend, windows=draft_windows(args.draft_windows))
     chat_template = _chat_template(args.chat_template)
     specs = [_engine_method(label, kind, k, spec_config, args, params, chat_template)
              for label, kind, k, spec_config in plan]
@@ -585,11 +616,12 @@ def _agent_methods(args: argparse.Namespace, params):
 
 def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tree_widths: list[int],
                       heads: dict[str, str | None], draft: str | None, draft_vocab: dict | None = None, *,
-                      draft_backend: str | None = None) -> list[tuple]:
+                      draft_backend: str | None = None, windows: list[int | None] = (None,)) -> list[tuple]:
     """``(label, kind, k, SpeculativeConfig | None)`` per in-process method, plain first, in the order and with
     the labels of the prompts workload (draft and ngram per policy and K; Medusa / EAGLE per K and tree width).
     ``draft_vocab`` (``draft_vocab_size`` / ``token_map``) and ``draft_backend`` (the draft model's own backend,
-    ``--speculative-backend``) go to the methods that run the draft model.
+    ``--speculative-backend``) and ``windows`` (``draft_window`` values, None: the whole context) go to the methods
+    that run the draft model.
 
     Raises:
         CliError: an invalid configuration (e.g. an unknown ``draft_backend``).
@@ -605,15 +637,17 @@ def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tr
         with_draft = kind in ("draft", "hybrid")
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                for width in (sorted(set(tree_widths)) if with_draft else [1]):
+                for width, window in itertools.product(sorted(set(tree_widths)) if with_draft else [1],
+                                                       windows if with_draft else [None]):
                     try:
                         config = SpeculativeConfig(method=method, model=draft if with_draft else None,
                                                    num_speculative_tokens=k, k_policy=policy, tree_width=width,
                                                    backend=draft_backend if with_draft else None,
-                                                   **((draft_vocab or {}) if with_draft else {}))
+                                                   **({**(draft_vocab or {}), "draft_window": window}
+                                                      if with_draft else {}))
                     except ValueError as exc:
                         raise CliError(str(exc)) from exc
-                    plan.append((method_label(kind, k, policy, width), kind, k, config))
+                    plan.append((method_label(kind, k, policy, width, window), kind, k, config))
     for kind in ("medusa", "eagle"):
         if kind in methods:
             for k in ks:

@@ -11,7 +11,7 @@ from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import SlotBackend
 from draftwise.engine.proposers import BatchProposer
 from draftwise.engine.sequence import BatchSequence
-from draftwise.proposers.base import DraftProposal, common_prefix_length
+from draftwise.proposers.base import DraftProposal
 from draftwise.proposers.draft_model import DraftRequest, DraftSlots, check_tree_shape
 
 __all__ = ["BatchedDraftModel"]
@@ -31,9 +31,12 @@ class BatchedDraftModel(BatchProposer):
             lean draft; width 1 drafts chains.
         verify_seconds: the target's ``rows -> seconds`` pass cost, to size trees by (see
             :func:`~draftwise.proposers.draft_model.sized_tree`).
+        window: each sequence's draft reads at most this many tokens of its context (None: all; see
+            :class:`~draftwise.proposers.draft_model.DraftSlots`).
 
     Raises:
-        ValueError: ``tree_width`` or ``tree_budget`` < 1, or ``tree_width`` > 1 on a draft that cannot grow trees.
+        ValueError: ``tree_width`` or ``tree_budget`` < 1, ``tree_width`` > 1 on a draft that cannot grow trees, or
+            ``window`` too small.
     """
 
     name = "draft_model"
@@ -41,9 +44,9 @@ class BatchedDraftModel(BatchProposer):
 
     def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int,
                  max_pass_rows: int = 512, tree_width: int = 1, tree_budget: int | None = None,
-                 verify_seconds: Callable[[int], float] | None = None) -> None:
+                 verify_seconds: Callable[[int], float] | None = None, window: int | None = None) -> None:
         check_tree_shape(tree_width, tree_budget)
-        self.slots = DraftSlots(draft, target_vocab_size, max_pass_rows, verify_seconds)
+        self.slots = DraftSlots(draft, target_vocab_size, max_pass_rows, verify_seconds, window)
         if tree_width > 1 and not self.slots.supports_trees:
             raise ValueError(f"{self.slots.backend.name}: tree_width {tree_width} needs a draft on the lean runtime")
         self.tree_width = tree_width
@@ -70,7 +73,7 @@ class BatchedDraftModel(BatchProposer):
     def import_state(self, sequence: BatchSequence, state: Any, length: int) -> None:
         if state is None:
             return  # open() emptied the slot
-        length = min(length, len(state.tokens), common_prefix_length(state.tokens, sequence.prompt))
+        length = self.slots.reusable(state, sequence.prompt, length)
         if length > 0:
             self.slots.adopt(sequence.seq_id, sequence.slot, state, length)
 

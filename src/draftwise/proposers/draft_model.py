@@ -22,7 +22,7 @@ import logging
 import time
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,18 +44,27 @@ from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_leng
 from draftwise.sampling import Sampler
 from draftwise.tree import DraftNode, best_frontier, children_of, select_tree
 
-__all__ = ["DraftSlots", "DraftModelProposer", "DraftRequest", "check_tree_shape", "fit_vocab", "sized_tree"]
+__all__ = ["DraftSlots", "DraftModelProposer", "DraftRequest", "WINDOW_SINKS", "check_tree_shape", "check_window",
+           "fit_vocab", "sized_tree", "window_view"]
 
 logger = logging.getLogger(__name__)
+
+#: Tokens a windowed draft keeps from the context's start, the "attention sinks" (StreamingLLM, Xiao et al. 2023):
+#: a model whose first tokens are cut away attends badly to the rest.
+WINDOW_SINKS = 4
+#: The smallest draft window (tokens) accepted.
+MIN_WINDOW = 32
 
 
 @dataclass(frozen=True)
 class _DraftState:
     """A draft model's kept state: the tokens its slot holds and the exported keys/values (None when the
-    draft's backend cannot export its cache)."""
+    draft's backend cannot export its cache); ``cut``: where a windowed draft's recent part starts in the
+    sequence (0: the whole context; see :func:`window_view`)."""
 
     tokens: tuple[int, ...]
     kv: KVState | None
+    cut: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +78,11 @@ class DraftRequest:
 
     ``width`` > 1 asks for a draft tree (on a backend with ``supports_expansion``): each depth expands the
     ``width`` best frontier nodes with their ``width`` best children, and the ``budget`` best nodes (None:
-    ``k * width``) form the tree."""
+    ``k * width``) form the tree.
+
+    ``offset``: sequence positions the context skips (0, or for a windowed draft's view of it, see
+    :func:`window_view`): a token at view index i >= :data:`WINDOW_SINKS` has sequence position ``i + offset``,
+    which the sampler draws at (coupled noise, seeds)."""
 
     key: int
     slot: int
@@ -78,6 +91,22 @@ class DraftRequest:
     k: int
     width: int = 1
     budget: int | None = None
+    offset: int = 0
+
+
+def window_view(context: Sequence[int], cut: int) -> tuple[list[int], int]:
+    """A windowed draft's view of ``context`` (``[n]`` token ids): the first :data:`WINDOW_SINKS` tokens and those
+    from ``cut`` on (the whole context when ``cut`` <= WINDOW_SINKS); returns ``(view, offset)``, ``offset`` the
+    number of tokens skipped (``cut - WINDOW_SINKS``, or 0)."""
+    if cut <= WINDOW_SINKS:
+        return list(context), 0
+    return list(context[:WINDOW_SINKS]) + list(context[cut:]), cut - WINDOW_SINKS
+
+
+def check_window(window: int | None) -> None:
+    """Raise ValueError unless ``window`` is None (the whole context) or >= :data:`MIN_WINDOW` tokens."""
+    if window is not None and window < MIN_WINDOW:
+        raise ValueError(f"draft_window must be >= {MIN_WINDOW} tokens (or null for the whole context), got {window}")
 
 
 @dataclass
@@ -120,6 +149,15 @@ class DraftSlots:
         max_pass_rows: rows per catch-up pass.
         verify_seconds: ``rows -> seconds`` of the target's verification pass (its cost curve); with it, a draft
             tree keeps only as many of its best nodes as pay (:func:`sized_tree`), at most the request's budget.
+        window: None: the draft reads the whole context. An int (tokens, >= :data:`MIN_WINDOW`): the draft reads
+            at most this many, the first :data:`WINDOW_SINKS` and the most recent ones (StreamingLLM's sinks and
+            window, Xiao et al. 2023); when a sequence's view outgrows it, the view restarts from its last
+            ``window // 2`` tokens (one catch-up of that many). A long prompt then costs the draft a prefill of
+            at most ``window`` tokens. Lossless: the draft's context changes what it proposes, never what the
+            target accepts.
+
+    Raises:
+        ValueError: ``window`` below :data:`MIN_WINDOW`.
 
     Attributes:
         pass_costs: the measured seconds of its passes per row count.
@@ -128,8 +166,11 @@ class DraftSlots:
     """
 
     def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int,
-                 max_pass_rows: int = 512, verify_seconds: Callable[[int], float] | None = None) -> None:
+                 max_pass_rows: int = 512, verify_seconds: Callable[[int], float] | None = None,
+                 window: int | None = None) -> None:
+        check_window(window)
         self.backend = as_slot_backend(draft)
+        self.window = window
         self.verify_seconds = verify_seconds
         self.target_vocab_size = target_vocab_size
         self.max_pass_rows = max_pass_rows
@@ -137,6 +178,7 @@ class DraftSlots:
         self.pass_costs = PassCostCurve()
         self._cached: dict[int, list[int]] = {}  # key -> tokens in its slot, in order
         self._grown: dict[int, _Growth] = {}  # key -> its last draft tree (its fed nodes' entries)
+        self._cuts: dict[int, int] = {}  # key -> where its windowed view's recent part starts (window_view)
         self.supports_trees = bool(getattr(self.backend, "supports_expansion", False))
 
     def cached(self, key: int) -> list[int]:
@@ -144,7 +186,11 @@ class DraftSlots:
         return self._cached.setdefault(key, [])
 
     def reset(self, key: int, slot: int) -> None:
-        """Empty ``key``'s slot."""
+        """Empty ``key``'s slot (and forget its window)."""
+        self._empty(key, slot)
+        self._cuts.pop(key, None)
+
+    def _empty(self, key: int, slot: int) -> None:
         self._cached[key] = []
         self._grown.pop(key, None)
         self.backend.set_length(slot, 0)
@@ -153,19 +199,27 @@ class DraftSlots:
         """``key`` left (its slot is someone else's now)."""
         self._cached.pop(key, None)
         self._grown.pop(key, None)
+        self._cuts.pop(key, None)
 
     def export(self, key: int, slot: int, context: Sequence[int] | None = None) -> _DraftState | None:
-        """The slot's kept state: its tokens up to the common prefix with ``context`` (None: all it holds),
-        with their keys/values when the backend can export; None when it holds nothing."""
-        cached = self.cached(key)
-        length = len(cached) if context is None else common_prefix_length(cached, context)
+        """The slot's kept state: its tokens up to the common prefix with ``context``'s view (None: all it
+        holds), with their keys/values when the backend can export; None when it holds nothing."""
+        cached, cut = self.cached(key), self._cuts.get(key, 0)
+        length = len(cached) if context is None else common_prefix_length(cached, window_view(context, cut)[0])
         if length <= 0:
             return None
         kv = self.backend.export_slot(slot, length) if self.backend.supports_export else None
-        return _DraftState(tuple(cached[:length]), kv)
+        return _DraftState(tuple(cached[:length]), kv, cut)
+
+    def reusable(self, state: _DraftState, prompt: Sequence[int], length: int) -> int:
+        """How many of ``state``'s tokens hold for a sequence whose first ``length`` tokens match the ``prompt``
+        the state was kept for (the state's tokens are a windowed view when its ``cut`` > 0)."""
+        view, offset = window_view(prompt, state.cut)
+        shared = length - offset if length > WINDOW_SINKS else length
+        return max(0, min(shared, len(state.tokens), common_prefix_length(state.tokens, view)))
 
     def adopt(self, key: int, slot: int, state: _DraftState | None, length: int | None = None) -> None:
-        """Load a kept state (its first ``length`` tokens; None: all); None empties the slot.
+        """Load a kept state (its first ``length`` tokens; None: all; its window with it); None empties the slot.
 
         A state without keys/values comes from a draft backend that cannot export its cache (llama.cpp): the
         slot then keeps only the part of its live contents that equals the state's tokens, and the next call
@@ -173,7 +227,12 @@ class DraftSlots:
         """
         if state is None:
             self.reset(key, slot)
-        elif state.kv is not None:
+            return
+        if state.cut > 0:
+            self._cuts[key] = state.cut
+        else:
+            self._cuts.pop(key, None)
+        if state.kv is not None:
             n = len(state.tokens) if length is None else min(length, len(state.tokens))
             self.backend.import_slot(slot, state.kv, n)
             self._cached[key] = list(state.tokens[:n])
@@ -190,14 +249,31 @@ class DraftSlots:
         if self.backend.length(slot) != len(self.cached(key)):
             logger.debug("draft slot %d holds %d tokens, not the %d fed here: starting it afresh", slot,
                          self.backend.length(slot), len(self.cached(key)))
-            self.reset(key, slot)
+            self._empty(key, slot)
+
+    def _windowed(self, request: DraftRequest) -> DraftRequest:
+        """``request`` with its context as the draft reads it (:func:`window_view` at the key's cut; a new cut
+        when the view would outgrow the window)."""
+        if self.window is None:
+            return request
+        length, cut = len(request.context), self._cuts.get(request.key, 0)
+        if cut >= length - 1:  # a shorter or new context: the old cut says nothing about it
+            cut = 0
+        if len(window_view(request.context, cut)[0]) > self.window:
+            cut = length - self.window // 2
+        if cut > WINDOW_SINKS:
+            self._cuts[request.key] = cut
+        else:
+            self._cuts.pop(request.key, None)
+        view, offset = window_view(request.context, cut)
+        return replace(request, context=view, offset=offset) if offset else request
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[DraftProposal]:
         """A chain (or, with ``width`` > 1, a tree) at most ``k`` tokens deep for each request (shallower near the
         draft's context end): one catch-up pass, then one pass per depth over every growing draft's expanded
         nodes (a chain's last token, a tree's ``width`` best frontier nodes)."""
         growths = []
-        for request in requests:
+        for request in map(self._windowed, requests):
             room = min(request.k, self.backend.max_context - len(request.context))
             tree = request.width > 1 and self.supports_trees
             if tree:  # a tree writes a node per expanded frontier node
@@ -224,7 +300,7 @@ class DraftSlots:
     def _add_children(self, growth: _Growth, rows: torch.Tensor, depth: int) -> None:
         """The children (at ``depth``) of each expanded node from its logits row (``rows [m, V]``)."""
         request = growth.request
-        position = len(request.context) + depth - 1  # the sequence position the children take
+        position = len(request.context) + request.offset + depth - 1  # the sequence position the children take
         for parent, logits in zip(growth.expanded, rows):
             base_score = 0.0 if parent < 0 else growth.nodes[parent].score
             if not growth.is_tree:
@@ -363,19 +439,21 @@ class DraftModelProposer(Proposer):
         tree_budget: nodes per tree at most (None: ``k * tree_width``).
         verify_seconds: the target's ``rows -> seconds`` pass cost; trees are then sized by it (see
             :class:`DraftSlots`).
+        window: the draft reads at most this many tokens of a long context (None: all; see :class:`DraftSlots`).
 
     Raises:
-        ValueError: ``tree_width`` or ``tree_budget`` < 1.
+        ValueError: ``tree_width`` or ``tree_budget`` < 1, ``window`` below :data:`MIN_WINDOW`.
     """
 
     name = "draft_model"
 
     def __init__(self, draft: CausalLM, target_vocab_size: int, tree_width: int = 1,
-                 tree_budget: int | None = None, verify_seconds: Callable[[int], float] | None = None) -> None:
+                 tree_budget: int | None = None, verify_seconds: Callable[[int], float] | None = None,
+                 window: int | None = None) -> None:
         check_tree_shape(tree_width, tree_budget)
         self.draft = draft
         self.target_vocab_size = target_vocab_size
-        self.slots = DraftSlots(draft, target_vocab_size, verify_seconds=verify_seconds)
+        self.slots = DraftSlots(draft, target_vocab_size, verify_seconds=verify_seconds, window=window)
         self.tree_width = tree_width if self.slots.supports_trees else 1
         self.tree_budget = tree_budget
         if tree_width > 1 and not self.slots.supports_trees:
