@@ -84,18 +84,22 @@ def test_the_draft_reads_only_the_window_and_recuts_when_it_outgrows_it(weak_hf)
     fed = []
     forward = slots.backend.forward
     slots.backend.forward = lambda pieces: fed.append(sum(len(p.token_ids) for p in pieces)) or forward(pieces)
+    slots.draft([DraftRequest(0, 0, list(range(2, 70)), Sampler(GREEDY), 1)])  # 68 = 2W + sinks: whole
+    assert fed == [68] and slots.cached(0) == list(range(2, 70))
+    fed.clear()
     context = list(range(2, 90))
     slots.draft([DraftRequest(0, 0, context, Sampler(GREEDY), 1)])
-    cut = len(context) - WINDOW // 2
-    assert slots.cached(0) == window_view(context, cut)[0] and fed == [WINDOW_SINKS + WINDOW // 2]
-    grown = context + [7] * (WINDOW - WINDOW_SINKS - WINDOW // 2)  # the view is exactly the window now
+    cut = len(context) - WINDOW
+    assert slots.cached(0) == window_view(context, cut)[0]
+    assert fed == [WINDOW]  # the sinks' entries stay
+    grown = context + [7] * WINDOW  # the view is 2W + sinks now
     fed.clear()
     slots.draft([DraftRequest(0, 0, grown, Sampler(GREEDY), 1)])
-    assert fed == [len(grown) - len(context)]  # same cut: only the new tokens are fed
+    assert fed == [WINDOW] and len(slots.cached(0)) == 2 * WINDOW + WINDOW_SINKS  # same cut: the new tokens only
     fed.clear()
     slots.draft([DraftRequest(0, 0, grown + [8], Sampler(GREEDY), 1)])  # one more: a new cut
-    assert slots.cached(0) == window_view(grown + [8], len(grown) + 1 - WINDOW // 2)[0]
-    assert fed == [WINDOW // 2]  # the sinks' entries stay
+    assert slots.cached(0) == window_view(grown + [8], len(grown) + 1 - WINDOW)[0]
+    assert fed == [WINDOW]
     fed.clear()
     slots.draft([DraftRequest(0, 0, [5, 6, 7], Sampler(GREEDY), 1)])  # a short new context: read whole
     assert slots.cached(0) == [5, 6, 7] and fed == [3]
@@ -130,16 +134,16 @@ def test_turns_with_prefix_reuse_keep_the_window_and_stay_exact(hf, weak_hf):
     """A kept draft state carries its cut: the next turn's draft catches up on the new tokens only."""
     multi = build_lean(hf, quantization=MODE, name="tiny-turns", num_slots=1)
     draft = build_lean(weak_hf, quantization=MODE, name="weak-turns", num_slots=1)
-    proposer = BatchedDraftModel(draft, 96, window=128)
+    proposer = BatchedDraftModel(draft, 96, window=64)
     warm = EngineCore(multi, proposer, 4, prefix_cache=PrefixCache(1 << 30))
     cold = EngineCore(build_lean(hf, quantization=MODE, name="tiny-cold", num_slots=1),
                       BatchedDraftModel(build_lean(weak_hf, quantization=MODE, name="weak-cold", num_slots=1), 96,
-                                        window=128), 4)
+                                        window=64), 4)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     fed = []
     forward = proposer.slots.backend.forward
     proposer.slots.backend.forward = lambda pieces: fed.append(sum(len(p.token_ids) for p in pieces)) or forward(pieces)
-    conversation = [(i * 7) % 90 + 2 for i in range(150)]  # cut at 86: a view of 68 tokens, 109 by the end
+    conversation = [(i * 7) % 90 + 2 for i in range(150)]  # cut at 86: a view of 68 tokens, 109 by the end (< 2W + sinks)
     for extra in ([], [11, 12, 13], [20, 21]):
         conversation = conversation + extra
         fed.clear()
@@ -155,7 +159,7 @@ def test_the_window_is_validated_everywhere():
         SpeculativeConfig(method="draft_model", model="d", draft_window=8)
     with pytest.raises(ValueError, match="draft_window"):
         SpeculativeConfig(method="ngram", draft_window=64)  # a field ngram does not read
-    assert SpeculativeConfig(method="hybrid", model="d", draft_window=128).draft_window == 128
+    assert SpeculativeConfig(method="hybrid", model="d", draft_window=64).draft_window == 64
     with pytest.raises(ValueError, match="draft_window"):
         DraftSlots(tiny_llama(0), 96, window=4)
     assert draft_windows("full,256,256") == [None, 256]

@@ -109,11 +109,11 @@ class SpeculativeConfig:
             per depth, EAGLE-2's dynamic tree); 1 drafts a single chain of K tokens. Draft-model trees need the
             lean runtime for the draft and a target that verifies trees. Not a vLLM field.
         tree_budget: the same methods: at most this many draft nodes per step (default ``K * tree_width``).
-        draft_window: ``draft_model`` / ``hybrid``: the draft model reads at most this many tokens (>= 32) of a
-            longer context: the first 4 (attention sinks) and the most recent, restarting from the last half
-            when it outgrows them (StreamingLLM, Xiao et al. 2023). A long prompt then costs the draft a prefill
-            of at most this many tokens instead of the whole prompt; the output is unchanged (the target
-            verifies). None (default): the whole context. Not a vLLM field.
+        draft_window: ``draft_model`` / ``hybrid``: W (>= 32 tokens): the draft model reads only the first 4
+            tokens (attention sinks) and the most recent W to 2W of a context longer than 2W + 4 (StreamingLLM,
+            Xiao et al. 2023). A long prompt then costs the draft a prefill of W tokens instead of the whole
+            prompt; the output is unchanged (the target verifies), acceptance may fall where the draft needs the
+            cut part (summarization). None (default): the whole context. Not a vLLM field.
         tree: ``medusa``: an explicit static tree as Medusa "choices", a list of top-k rank paths such as
             ``[[0], [1], [0, 0]]`` (overrides ``tree_width`` / ``tree_budget``; see
             :class:`draftwise.tree.TreeTemplate`).

@@ -149,12 +149,12 @@ class DraftSlots:
         max_pass_rows: rows per catch-up pass.
         verify_seconds: ``rows -> seconds`` of the target's verification pass (its cost curve); with it, a draft
             tree keeps only as many of its best nodes as pay (:func:`sized_tree`), at most the request's budget.
-        window: None: the draft reads the whole context. An int (tokens, >= :data:`MIN_WINDOW`): the draft reads
-            at most this many, the first :data:`WINDOW_SINKS` and the most recent ones (StreamingLLM's sinks and
-            window, Xiao et al. 2023); when a sequence's view outgrows it, the view restarts from its last
-            ``window // 2`` tokens (one catch-up of that many). A long prompt then costs the draft a prefill of
-            at most ``window`` tokens. Lossless: the draft's context changes what it proposes, never what the
-            target accepts.
+        window: None: the draft reads the whole context. An int W (tokens, >= :data:`MIN_WINDOW`): the draft
+            reads the first :data:`WINDOW_SINKS` tokens and the most recent ones, at least W and at most 2W of them
+            (StreamingLLM's sinks and window, Xiao et al. 2023): a context longer than ``2W + sinks`` is cut to its
+            last W, and the view grows with the sequence until it outgrows 2W and is cut again (one catch-up of
+            W tokens). A long prompt then costs the draft a prefill of W tokens. Lossless: the draft's context
+            changes what it proposes, never what the target accepts.
 
     Raises:
         ValueError: ``window`` below :data:`MIN_WINDOW`.
@@ -259,8 +259,8 @@ class DraftSlots:
         length, cut = len(request.context), self._cuts.get(request.key, 0)
         if cut >= length - 1:  # a shorter or new context: the old cut says nothing about it
             cut = 0
-        if len(window_view(request.context, cut)[0]) > self.window:
-            cut = length - self.window // 2
+        if len(window_view(request.context, cut)[0]) > 2 * self.window + WINDOW_SINKS:
+            cut = length - self.window
         if cut > WINDOW_SINKS:
             self._cuts[request.key] = cut
         else:
