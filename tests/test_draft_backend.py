@@ -35,10 +35,13 @@ def test_the_faster_backend_is_chosen_cached_and_reused(tmp_path):
     draft.write_bytes(b"GGUF")
     loaded: list[str] = []
     choice, model = choose_draft_backend(str(draft), fake_load(loaded), threads=2, quantization="int8",
-                                         cache_dir=tmp_path / "cache", measure=timings(torch=0.076, llama_cpp=0.041))
+                                         cache_dir=tmp_path / "cache", measure=timings(torch=0.076, llama_cpp=0.041),
+                                         measure_prefill=timings(torch=0.005, llama_cpp=0.01))
     assert choice.backend == "llama.cpp" and model.backend.kind == "llama.cpp" and not choice.cached
     assert choice.seconds_per_token == {"torch": 0.076, "llama.cpp": 0.041}
+    assert choice.prefill_seconds_per_token == {"torch": 0.005, "llama.cpp": 0.01}
     assert "llama.cpp 41.0 ms, torch 76.0 ms" in choice.reason
+    assert "torch 200 tok/s, llama.cpp 100 tok/s" in choice.reason
     assert len(list((tmp_path / "cache").iterdir())) == 1
 
     def no_measuring(backend):
@@ -48,8 +51,10 @@ def test_the_faster_backend_is_chosen_cached_and_reused(tmp_path):
     again, model = choose_draft_backend(str(draft), fake_load(loaded), threads=2, quantization="int8",
                                         cache_dir=tmp_path / "cache", measure=no_measuring)
     assert again.cached and again.backend == "llama.cpp" and loaded == ["llama.cpp"]
+    assert again.prefill_seconds_per_token == {"torch": 0.005, "llama.cpp": 0.01}
     other, _ = choose_draft_backend(str(draft), fake_load([]), threads=1, quantization="int8",  # another key
-                                    cache_dir=tmp_path / "cache", measure=timings(torch=0.03, llama_cpp=0.04))
+                                    cache_dir=tmp_path / "cache", measure=timings(torch=0.03, llama_cpp=0.04),
+        measure_prefill=lambda backend: 0.01)
     assert other.backend == "torch" and not other.cached
 
 
@@ -60,7 +65,8 @@ def test_an_unwritable_cache_does_not_fail_the_load(tmp_path, caplog):
     blocked.write_text("a file where the cache folder should be")
     with caplog.at_level(logging.WARNING, logger="draftwise.draft_backend"):
         choice, _ = choose_draft_backend(str(draft), fake_load([]), threads=None, quantization=None,
-                                         cache_dir=blocked / "cache", measure=timings(torch=0.02, llama_cpp=0.03))
+                                         cache_dir=blocked / "cache", measure=timings(torch=0.02, llama_cpp=0.03),
+        measure_prefill=lambda backend: 0.01)
     assert choice.backend == "torch" and any("could not cache" in r.getMessage() for r in caplog.records)
 
 
@@ -69,13 +75,15 @@ def test_a_candidate_that_cannot_load_leaves_the_other_and_nothing_is_cached(tmp
     draft.write_bytes(b"GGUF")
     choice, model = choose_draft_backend(str(draft), fake_load([], fail=("llama.cpp",)), threads=None,
                                          quantization=None, cache_dir=tmp_path / "cache",
-                                         measure=timings(torch=0.05, llama_cpp=0.01))
+                                         measure=timings(torch=0.05, llama_cpp=0.01),
+        measure_prefill=lambda backend: 0.01)
     assert choice.backend == "torch"
     assert "llama.cpp unavailable (ValueError: llama.cpp cannot run it here)" in choice.reason
     assert not (tmp_path / "cache").exists()
     with pytest.raises(ValueError, match="no draft backend could load"):
         choose_draft_backend(str(draft), fake_load([], fail=("torch", "llama.cpp")), threads=None, quantization=None,
-                             cache_dir=tmp_path / "cache", measure=timings(torch=0.05, llama_cpp=0.01))
+                             cache_dir=tmp_path / "cache", measure=timings(torch=0.05, llama_cpp=0.01),
+        measure_prefill=lambda backend: 0.01)
 
 
 @needs_llama_cpp

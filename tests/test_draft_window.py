@@ -126,7 +126,8 @@ def test_coupled_sampling_with_a_window_gives_the_plain_text(target, weak_hf):
         params = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
         for prompt in PROMPTS[1:]:
             plain = SpeculativeEngine(target).generate(prompt, params).token_ids
-            windowed = SpeculativeEngine(target, DraftModelProposer(draft, 96, window=WINDOW), 4).generate(prompt, params)
+            proposer = DraftModelProposer(draft, 96, window=WINDOW)
+            windowed = SpeculativeEngine(target, proposer, 4).generate(prompt, params)
             assert windowed.token_ids == plain
 
 
@@ -143,7 +144,8 @@ def test_turns_with_prefix_reuse_keep_the_window_and_stay_exact(hf, weak_hf):
     fed = []
     forward = proposer.slots.backend.forward
     proposer.slots.backend.forward = lambda pieces: fed.append(sum(len(p.token_ids) for p in pieces)) or forward(pieces)
-    conversation = [(i * 7) % 90 + 2 for i in range(150)]  # cut at 86: a view of 68 tokens, 109 by the end (< 2W + sinks)
+    # cut at 86: a view of 68 tokens, 109 by the end (< 2W + sinks)
+    conversation = [(i * 7) % 90 + 2 for i in range(150)]
     for extra in ([], [11, 12, 13], [20, 21]):
         conversation = conversation + extra
         fed.clear()

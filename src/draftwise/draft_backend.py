@@ -5,7 +5,10 @@ The output does not depend on the draft's numerics (verification accepts a draft
 target's own choice, and rejection sampling is lossless for any draft distribution), so the draft may run on
 whatever is fastest: the lean PyTorch runtime or llama.cpp on the GGUF file as it is. Neither is assumed. At
 load, each candidate decodes one token at a time on the draft's real weights on top of ``context`` tokens
-(seconds per token, the best of a few), and the faster one is kept. The choice is cached per draft file and
+(seconds per token, the best of a few), and the faster one is kept. Each candidate's prefill rate (one pass
+over ``context`` tokens) is measured and reported beside it: a draft catches up on the whole prompt once per
+request, and a backend that decodes fast may prefill slowly (``docs/draft_trees.md``: llama.cpp's 0.5B draft
+decodes in half the lean runtime's time and prefills at half its rate here). The choice is cached per draft file and
 machine (CPU model and flags, torch and llama-cpp-python versions, threads, quantization) under
 ``draftwise_home()/draft_backends/``, like the kernel self-test, so later loads measure nothing.
 """
@@ -17,7 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,11 +29,12 @@ from draftwise import progress
 from draftwise.files import draftwise_home, write_json_atomic
 from draftwise.machine import cpu_flags, cpu_model_name
 
-__all__ = ["DraftBackendChoice", "choose_draft_backend", "draft_backend_cache_dir", "seconds_per_token"]
+__all__ = ["DraftBackendChoice", "choose_draft_backend", "draft_backend_cache_dir", "prefill_seconds_per_token",
+           "seconds_per_token"]
 
 logger = logging.getLogger(__name__)
 
-CACHE_SCHEMA = 1
+CACHE_SCHEMA = 2
 #: context (tokens) the candidates decode on top of, and one-token passes timed per candidate
 CONTEXT_TOKENS = 256
 TIMED_TOKENS = 8
@@ -44,6 +48,8 @@ class DraftBackendChoice:
         backend: ``"torch"`` or ``"llama.cpp"``.
         seconds_per_token: measured one-token decode time per candidate (seconds).
         context: tokens the timed passes ran on top of.
+        prefill_seconds_per_token: measured prefill time per prompt token per candidate (seconds; one pass over
+            ``context`` tokens; empty when not measured).
         reason: one line saying what was measured and chosen.
         cached: the choice came from the cache (nothing measured now).
     """
@@ -53,6 +59,7 @@ class DraftBackendChoice:
     context: int
     reason: str
     cached: bool = False
+    prefill_seconds_per_token: dict[str, float] = field(default_factory=dict)
 
 
 def draft_backend_cache_dir() -> Path:
@@ -78,6 +85,23 @@ def seconds_per_token(backend, context: int = CONTEXT_TOKENS, tokens: int = TIME
     return best
 
 
+def prefill_seconds_per_token(backend, context: int = CONTEXT_TOKENS, passes: int = 2) -> float:
+    """Best time (seconds) per token of one prefill pass of ``context`` tokens (a synthetic prompt of valid ids)
+    over ``passes`` passes on an empty cache; leaves the cache empty."""
+    context = max(1, min(context, backend.max_context - 1))
+    ids = [(5 * i + 2) % backend.vocab_size for i in range(context)]
+    best = float("inf")
+    try:
+        for _ in range(passes):
+            backend.reset()
+            t0 = time.perf_counter()
+            backend.forward(ids, num_logits=1)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        backend.reset()
+    return best / context
+
+
 def _llama_cpp_version() -> str | None:
     from importlib import metadata
 
@@ -97,8 +121,11 @@ def _cache_key(path: str, threads: int | None, quantization: str | None) -> dict
 
 def choose_draft_backend(path: str, load: Callable[[str], object], *, threads: int | None,
                          quantization: str | None, cache_dir: Path | None = None,
-                         measure: Callable[[object], float] = seconds_per_token) -> tuple[DraftBackendChoice, object]:
-    """Load the GGUF draft ``path`` on each candidate backend, time it, keep the fastest.
+                         measure: Callable[[object], float] = seconds_per_token,
+                         measure_prefill: Callable[[object], float] = prefill_seconds_per_token,
+                         ) -> tuple[DraftBackendChoice, object]:
+    """Load the GGUF draft ``path`` on each candidate backend, time it, keep the one that decodes fastest (its
+    prefill rate is reported, not weighed: how long the prompts are is not known at load).
 
     Args:
         path: the draft's ``.gguf`` file.
@@ -106,6 +133,7 @@ def choose_draft_backend(path: str, load: Callable[[str], object], *, threads: i
         threads, quantization: the load options that change the speed (part of the cache key).
         cache_dir: where choices are cached (default :func:`draft_backend_cache_dir`).
         measure: ``CausalLM -> seconds per token`` (default :func:`seconds_per_token`).
+        measure_prefill: ``CausalLM -> prefill seconds per token`` (default :func:`prefill_seconds_per_token`).
 
     Returns:
         ``(choice, loaded draft on the chosen backend)``.
@@ -122,6 +150,7 @@ def choose_draft_backend(path: str, load: Callable[[str], object], *, threads: i
         progress.report(f"draft backend (auto, cached): {cached.reason}")
         return cached, load(cached.backend)
     timings: dict[str, float] = {}
+    prefill: dict[str, float] = {}
     models: dict[str, object] = {}
     errors: dict[str, str] = {}
     for backend in ("torch", "llama.cpp"):
@@ -132,6 +161,7 @@ def choose_draft_backend(path: str, load: Callable[[str], object], *, threads: i
             errors[backend] = f"{type(exc).__name__}: {exc}"
             continue
         timings[backend] = measure(model.backend)
+        prefill[backend] = measure_prefill(model.backend)
         models[backend] = model
         if len(models) == 2:  # keep only the faster one loaded
             slower = max(timings, key=timings.get)
@@ -141,9 +171,10 @@ def choose_draft_backend(path: str, load: Callable[[str], object], *, threads: i
     chosen = min(timings, key=timings.get)
     measured = ", ".join(f"{b} {s * 1e3:.1f} ms" for b, s in sorted(timings.items(), key=lambda kv: kv[1]))
     skipped = "".join(f"; {b} unavailable ({e})" for b, e in errors.items())
-    reason = (f"{chosen}: one draft token on top of {CONTEXT_TOKENS} tokens took {measured}{skipped} "
-              f"(measured on {cpu_model_name()})")
-    choice = DraftBackendChoice(chosen, timings, CONTEXT_TOKENS, reason)
+    rates = ", ".join(f"{b} {1 / s:.0f} tok/s" for b, s in sorted(prefill.items(), key=lambda kv: kv[1]) if s > 0)
+    reason = (f"{chosen}: one draft token on top of {CONTEXT_TOKENS} tokens took {measured}{skipped}; "
+              f"prefill of {CONTEXT_TOKENS} tokens {rates} (measured on {cpu_model_name()})")
+    choice = DraftBackendChoice(chosen, timings, CONTEXT_TOKENS, reason, prefill_seconds_per_token=prefill)
     if len(timings) == 2:  # a choice between two measured candidates is worth keeping
         try:
             write_json_atomic(cache_file, {"key": key, "choice": asdict(choice)})
