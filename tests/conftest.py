@@ -93,6 +93,17 @@ def stories_draft(draftwise_home, stories_path):
     return derive_layer_draft(load_model(str(stories_path), device="cpu"), num_layers=2)
 
 
+def first_layer_copy(model):
+    """A copy of a transformers Llama ``model`` keeping only its first decoder layer: a real, imperfect draft
+    for that model (same embeddings and head)."""
+    import copy
+
+    weak = copy.deepcopy(model)
+    weak.model.layers = weak.model.layers[:1]
+    weak.config.num_hidden_layers = 1
+    return weak
+
+
 def tiny_llama(seed: int, vocab: int = 96, layers: int = 2, max_context: int = 256):
     """A tiny random Llama (fp32, eager attention) with peaked logits, as a :class:`TorchCausalLM`."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -4,12 +4,11 @@ chunked prefills, cancellations), with or without speculation; load-aware K; the
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import first_layer_copy, tiny_llama
 from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
 from draftwise.engine import (
@@ -51,10 +50,7 @@ def multi(hf):
 @pytest.fixture(scope="module")
 def weak_draft_hf(hf):
     """The target's first layer: a real, imperfect draft."""
-    model = copy.deepcopy(hf)
-    model.model.layers = model.model.layers[:1]
-    model.config.num_hidden_layers = 1
-    return model
+    return first_layer_copy(hf)
 
 
 def prompts(lengths, seed: int = 0, vocab: int = 96) -> list[list[int]]:

@@ -4,13 +4,12 @@ the target's distribution; a grown tree's rows see exactly what a chain's would.
 
 from __future__ import annotations
 
-import copy
 import itertools
 
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import first_layer_copy, tiny_llama
 from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
 from draftwise.backends.slots import LOGITS_ALL, LOGITS_LAST, Expansion, LeanSlots, Piece
@@ -33,10 +32,7 @@ def hf():
 @pytest.fixture(scope="module")
 def weak_hf(hf):
     """The target's first layer: a real, imperfect draft."""
-    model = copy.deepcopy(hf)
-    model.model.layers = model.model.layers[:1]
-    model.config.num_hidden_layers = 1
-    return model
+    return first_layer_copy(hf)
 
 
 @pytest.fixture(scope="module")

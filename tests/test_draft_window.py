@@ -5,11 +5,10 @@ drawn at the sequence's positions, not the view's."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 
-from conftest import tiny_llama
+from conftest import first_layer_copy, tiny_llama
 from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
 from draftwise.commands.bench import CliError, draft_windows, method_label
@@ -33,10 +32,7 @@ def hf():
 
 @pytest.fixture(scope="module")
 def weak_hf(hf):
-    model = copy.deepcopy(hf)
-    model.model.layers = model.model.layers[:1]
-    model.config.num_hidden_layers = 1
-    return model
+    return first_layer_copy(hf)
 
 
 @pytest.fixture(scope="module")

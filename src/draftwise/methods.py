@@ -130,8 +130,11 @@ def _check_draft(config: SpeculativeConfig) -> None:
     _check_draft_vocab(config)
     _check_tree_shape(config)
     if config.draft_window is not None:
-        _in_range("draft_window", config.draft_window, 32, 1 << 20)
+        _in_range("draft_window", config.draft_window, MIN_DRAFT_WINDOW, 1 << 20)
 
+
+#: The smallest ``draft_window`` (tokens) accepted.
+MIN_DRAFT_WINDOW = 32
 
 #: The FR-Spec fields (methods running a draft model): the draft's LM head over a frequency-ranked subset.
 DRAFT_VOCAB_FIELDS = ("draft_vocab_size", "token_map")

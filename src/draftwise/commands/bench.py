@@ -59,7 +59,7 @@ from draftwise.commands.common import (
     print_table,
     sampling_params_from_args,
 )
-from draftwise.methods import K_POLICIES
+from draftwise.methods import K_POLICIES, MIN_DRAFT_WINDOW
 from draftwise.models.loading import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -383,7 +383,7 @@ def _heads_dirs(args: argparse.Namespace, methods: list[str]) -> dict[str, str |
 
 
 def draft_windows(text: str) -> list[int | None]:
-    """``--draft-windows``: comma-separated ``full`` (None) or token counts >= 32.
+    """``--draft-windows``: comma-separated ``full`` (None) or token counts >= ``MIN_DRAFT_WINDOW`` (32).
 
     Raises:
         CliError: anything else.
@@ -394,10 +394,10 @@ def draft_windows(text: str) -> list[int | None]:
             continue
         if item == "full":
             windows.append(None)
-        elif item.isdigit() and int(item) >= 32:
+        elif item.isdigit() and int(item) >= MIN_DRAFT_WINDOW:
             windows.append(int(item))
         else:
-            raise CliError(f"--draft-windows takes 'full' or token counts >= 32, got {item!r}")
+            raise CliError(f"--draft-windows takes 'full' or token counts >= {MIN_DRAFT_WINDOW}, got {item!r}")
     if not windows:
         raise CliError("--draft-windows needs at least one value ('full' or a token count)")
     return list(dict.fromkeys(windows))

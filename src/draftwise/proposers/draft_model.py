@@ -39,6 +39,7 @@ from draftwise.backends.slots import (
     chunk_counts,
 )
 from draftwise.config import SamplingParams
+from draftwise.methods import MIN_DRAFT_WINDOW
 from draftwise.cost_model import PassCostCurve
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import Sampler
@@ -52,8 +53,6 @@ logger = logging.getLogger(__name__)
 #: Tokens a windowed draft keeps from the context's start, the "attention sinks" (StreamingLLM, Xiao et al. 2023):
 #: a model whose first tokens are cut away attends badly to the rest.
 WINDOW_SINKS = 4
-#: The smallest draft window (tokens) accepted.
-MIN_WINDOW = 32
 
 
 @dataclass(frozen=True)
@@ -104,9 +103,10 @@ def window_view(context: Sequence[int], cut: int) -> tuple[list[int], int]:
 
 
 def check_window(window: int | None) -> None:
-    """Raise ValueError unless ``window`` is None (the whole context) or >= :data:`MIN_WINDOW` tokens."""
-    if window is not None and window < MIN_WINDOW:
-        raise ValueError(f"draft_window must be >= {MIN_WINDOW} tokens (or null for the whole context), got {window}")
+    """Raise ValueError unless ``window`` is None (the whole context) or >= :data:`MIN_DRAFT_WINDOW` tokens."""
+    if window is not None and window < MIN_DRAFT_WINDOW:
+        raise ValueError(f"draft_window must be >= {MIN_DRAFT_WINDOW} tokens (or null for the whole context), "
+                         f"got {window}")
 
 
 @dataclass
@@ -149,7 +149,7 @@ class DraftSlots:
         max_pass_rows: rows per catch-up pass.
         verify_seconds: ``rows -> seconds`` of the target's verification pass (its cost curve); with it, a draft
             tree keeps only as many of its best nodes as pay (:func:`sized_tree`), at most the request's budget.
-        window: None: the draft reads the whole context. An int W (tokens, >= :data:`MIN_WINDOW`): the draft
+        window: None: the draft reads the whole context. An int W (tokens, >= :data:`MIN_DRAFT_WINDOW`): the draft
             reads the first :data:`WINDOW_SINKS` tokens and the most recent ones, at least W and at most 2W of them
             (StreamingLLM's sinks and window, Xiao et al. 2023): a context longer than ``2W + sinks`` is cut to its
             last W, and the view grows with the sequence until it outgrows 2W and is cut again (one catch-up of
@@ -157,7 +157,7 @@ class DraftSlots:
             changes what it proposes, never what the target accepts.
 
     Raises:
-        ValueError: ``window`` below :data:`MIN_WINDOW`.
+        ValueError: ``window`` below :data:`MIN_DRAFT_WINDOW`.
 
     Attributes:
         pass_costs: the measured seconds of its passes per row count.
@@ -259,7 +259,8 @@ class DraftSlots:
         length, cut = len(request.context), self._cuts.get(request.key, 0)
         if cut >= length - 1:  # a shorter or new context: the old cut says nothing about it
             cut = 0
-        if len(window_view(request.context, cut)[0]) > 2 * self.window + WINDOW_SINKS:
+        skipped = cut - WINDOW_SINKS if cut > WINDOW_SINKS else 0
+        if length - skipped > 2 * self.window + WINDOW_SINKS:  # the view's length, without building it twice
             cut = length - self.window
         if cut > WINDOW_SINKS:
             self._cuts[request.key] = cut
@@ -442,7 +443,7 @@ class DraftModelProposer(Proposer):
         window: the draft reads at most this many tokens of a long context (None: all; see :class:`DraftSlots`).
 
     Raises:
-        ValueError: ``tree_width`` or ``tree_budget`` < 1, ``window`` below :data:`MIN_WINDOW`.
+        ValueError: ``tree_width`` or ``tree_budget`` < 1, ``window`` below :data:`MIN_DRAFT_WINDOW`.
     """
 
     name = "draft_model"
