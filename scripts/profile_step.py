@@ -67,10 +67,7 @@ def main() -> None:
     target = load_model(args.target, quantization=args.quantization, runtime="lean")
     if args.speculative_backend == "llama.cpp":
         draft = load_model(args.draft, backend="llama.cpp", threads=args.threads,
-                           max_context=target.backend.max_context)
-        from draftwise.backends.llama_cpp_backend import relax_for_drafting
-
-        relax_for_drafting(draft)
+                           max_context=target.backend.max_context, drafting=True)
     else:
         draft = load_model(args.draft, quantization=args.quantization, runtime="lean",
                            max_context=target.backend.max_context)

@@ -8,11 +8,12 @@ Skipped as a whole only when llama-cpp-python is not installed and DRAFTWISE_REQ
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
-from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM, relax_for_drafting
+from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM
 from draftwise.builder import TokenizerMismatchError, build_engine, build_proposer
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
@@ -57,8 +58,7 @@ def variants(stories_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def lc_small_draft(variants):
     """The 3-layer draft, running llama.cpp's native (batch-variant) one-token passes, as drafts do."""
-    draft = load_model(str(variants["layers3"]), backend="llama.cpp", threads=1)
-    relax_for_drafting(draft)
+    draft = load_model(str(variants["layers3"]), backend="llama.cpp", threads=1, drafting=True)
     assert not draft.backend.batch_invariant
     return draft
 
@@ -194,11 +194,24 @@ def test_ngram_is_exact(lc_stories, k):
     assert drafted > 0
 
 
+def test_a_native_backend_also_keeps_the_tiled_kernel_off(stories_path, monkeypatch):
+    """ggml reads GGML_CPU_TILED_MM once per process: a native draft created (and run) before an invariant target
+    must not leave the tiled kernel on for it, so every backend sets the default; a user's setting wins."""
+    monkeypatch.delenv("GGML_CPU_TILED_MM", raising=False)
+    LlamaCppCausalLM(stories_path, n_threads=1, batch_invariant=False, max_context=16)
+    assert os.environ["GGML_CPU_TILED_MM"] == "0"
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "1")
+    LlamaCppCausalLM(stories_path, n_threads=1, batch_invariant=False, max_context=16)
+    assert os.environ["GGML_CPU_TILED_MM"] == "1"
+
+
 def test_build_engine_with_the_llama_cpp_backend(stories_path):
     config = SpeculativeConfig(method="draft_model", model=str(stories_path), num_speculative_tokens=3)
     bundle = build_engine(str(stories_path), config, backend="llama.cpp", threads=1)
     assert isinstance(bundle.target.backend, LlamaCppCausalLM) and isinstance(bundle.draft.backend, LlamaCppCausalLM)
     assert bundle.target.backend.batch_invariant and not bundle.draft.backend.batch_invariant
+    # the draft runs llama.cpp's native kernels: repacked weights, one-token passes, full-size prefill passes
+    assert bundle.draft.backend.handle.repacked and not bundle.target.backend.handle.repacked
     prompt = bundle.target.encode(PROMPTS[0])
     params = SamplingParams(max_tokens=24)
     oracle = plain(bundle.target.backend, prompt, params, bundle.target.eos_token_ids)

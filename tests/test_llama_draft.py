@@ -113,14 +113,15 @@ def _with_llama_cpp(monkeypatch, available: bool = True) -> None:
 def test_without_a_draft_backend_the_draft_is_loaded_like_the_target():
     config = SpeculativeConfig(model="d.gguf")
     assert draft_load_options(config, TARGET_OPTIONS) == dict(device="cpu", dtype="fp32", quantization="int8",
-                                                              backend="torch", threads=3, runtime="auto")
+                                                              backend="torch", threads=3, runtime="auto",
+                                                              drafting=True)
 
 
 @pytest.mark.parametrize("backend", ["llama.cpp", "auto"])
 def test_llama_cpp_draft_gets_the_threads_and_none_of_the_torch_options(monkeypatch, backend):
     _with_llama_cpp(monkeypatch)
     config = SpeculativeConfig(model="/models/d.gguf", backend=backend)
-    assert draft_load_options(config, TARGET_OPTIONS) == dict(backend="llama.cpp", threads=3)
+    assert draft_load_options(config, TARGET_OPTIONS) == dict(backend="llama.cpp", threads=3, drafting=True)
 
 
 def test_torch_draft_gets_the_targets_torch_options(monkeypatch):
@@ -128,7 +129,8 @@ def test_torch_draft_gets_the_targets_torch_options(monkeypatch):
     options = BuildOptions(device="cpu", quantization="int8", backend="llama.cpp", threads=2)
     config = SpeculativeConfig(model="/models/d.gguf", backend="torch")
     assert draft_load_options(config, options) == dict(device="cpu", dtype=None, quantization="int8",
-                                                       backend="torch", threads=2, runtime="auto")
+                                                       backend="torch", threads=2, runtime="auto",
+                                                       drafting=True)
 
 
 def test_auto_picks_torch_for_a_non_gguf_draft_or_without_llama_cpp(monkeypatch):

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from draftwise.backends.llama_cpp_backend import relax_for_drafting
 from draftwise.check.tokenizer import (
     TokenizerInfo,
     TokenizerMismatchError,
@@ -224,7 +223,6 @@ def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: Bu
                                    num_slots=num_slots,
                                    **draft_load_options(config, options, target_device=target_device))
     check_same_tokenizer(target, draft)
-    relax_for_drafting(draft)  # only the target needs batch-invariant (slower) one-token passes
     return draft
 
 
@@ -275,7 +273,7 @@ def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, targ
     from draftwise.models.loading import RANDOM_PREFIX, resolve_model, select_backend
 
     torch_options = dict(device=options.device, dtype=options.dtype, quantization=options.quantization,
-                         threads=options.threads, runtime=options.runtime)
+                         threads=options.threads, runtime=options.runtime, drafting=True)
     if config.backend is None:
         return dict(torch_options, backend=options.backend)
     spec = config.model or ""
@@ -286,7 +284,7 @@ def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, targ
                          "--speculative-backend torch (or auto) with a GPU target")
     kind = select_backend(config.backend, resolve_model(spec), device=target_device)
     if kind == "llama.cpp":
-        return dict(backend="llama.cpp", threads=options.threads)
+        return dict(backend="llama.cpp", threads=options.threads, drafting=True)
     return dict(torch_options, backend="torch")
 
 

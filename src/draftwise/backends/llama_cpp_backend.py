@@ -28,12 +28,17 @@ With ``batch_invariant=True`` (the default) the backend therefore
 2. requests at least two output rows from any pass that returns logits (llama.cpp computes the last layer and
    the LM head only for the requested rows, so one requested row would again be a matrix-vector product);
 3. with flash attention, puts at most 63 tokens in one pass (long prompts are prefilled in chunks);
-4. loads weights without repacking (``use_extra_bufts = false``) and sets ``GGML_CPU_TILED_MM=0`` unless the
-   environment already sets it.
+4. loads weights without repacking (``use_extra_bufts = false``).
+
+Every backend, invariant or not, sets ``GGML_CPU_TILED_MM=0`` unless the environment already sets it: ggml reads
+the variable once per process, at the first pass that could use its tiled kernel, so a native draft that
+prefilled before an invariant target was created would otherwise fix the tiled kernel on for the target too.
 
 The price is that a one-token step costs a two-token pass (see ``docs/llama_cpp.md`` for measurements).
-``batch_invariant=False`` gives llama.cpp's native path: faster plain steps, but speculative output is then
-not guaranteed to equal plain output.
+``batch_invariant=False`` gives llama.cpp's native path (repacked weights, passes of up to
+:data:`MAX_BATCH_TOKENS` tokens, one-token passes): faster steps and prefill, but a target's speculative output is
+then not guaranteed to equal its plain output. Drafts load this way (``load_model(..., drafting=True)``): only
+the target's numerics decide the output.
 
 Threads default to the CPUs this process may run on; llama.cpp's log lines go to this module's logger at
 DEBUG level.
@@ -56,7 +61,7 @@ import torch
 from draftwise.backends.base import CausalLM, ForwardOutput
 
 __all__ = ["LlamaCppCausalLM", "LlamaCppTokenizer", "llama_cpp_available", "load_llama_cpp",
-           "relax_for_drafting", "compiled_cpu_features", "has_amx_kernels", "parse_system_info",
+           "compiled_cpu_features", "has_amx_kernels", "parse_system_info",
            "DEFAULT_MAX_CONTEXT", "INSTALL_HINT"]
 
 logger = logging.getLogger(__name__)
@@ -143,15 +148,16 @@ def _llama():
     return llama_cpp, forward_log
 
 
-def _disable_tiled_matmul() -> None:
+def _disable_tiled_matmul(warn: bool) -> None:
     """Turn off ggml's tiled K-quant matrix product (``GGML_CPU_TILED_MM=0``) unless the user chose otherwise.
 
     From 8 tokens per pass, ggml multiplies Q4_K/Q5_K/Q6_K weights with a tiled kernel that sums in another
     order (logits of Qwen2.5-Coder-1.5B Q4_K_M moved by up to 0.68) and was slower on the CPUs measured here.
-    The variable is process-wide, so a user's explicit setting wins (with a warning when it breaks invariance).
+    The variable is process-wide and read once, so a user's explicit setting wins (with a warning, when ``warn``:
+    the backend is batch-invariant, and the setting breaks that).
     """
     value = os.environ.setdefault("GGML_CPU_TILED_MM", "0")
-    if value != "0":
+    if warn and value != "0":
         logger.warning("GGML_CPU_TILED_MM=%s: passes of 8 or more tokens use another kernel, so speculative output "
                        "may differ from plain output", value)
 
@@ -192,6 +198,7 @@ class _ModelHandle:
         self.ptr = model
         self.vocab = lib.llama_model_get_vocab(model)
         self.path = path
+        self.repacked = repack
         self._finalizer = weakref.finalize(self, lib.llama_model_free, model)
 
     @property
@@ -227,8 +234,7 @@ class LlamaCppCausalLM(CausalLM):
         n_threads: CPU threads for decoding (default: every CPU this process may use).
         flash_attention: use llama.cpp's flash-attention kernels (faster on the CPU here).
         batch_invariant: never run one-token passes, so logits do not depend on how tokens are batched (see
-            the module docstring); needed for exact greedy speculation by a target. A draft may switch it off
-            after loading (:func:`relax_for_drafting`).
+            the module docstring); needed for exact greedy speculation by a target. Drafts are loaded without it.
         model: an already loaded model to share (a second context on the same weights); ``path`` is then
             only used for messages. For a batch-invariant backend it must be loaded with ``repack=False``.
 
@@ -248,8 +254,7 @@ class LlamaCppCausalLM(CausalLM):
         model: _ModelHandle | None = None,
     ) -> None:
         lib = _lib()
-        if batch_invariant:
-            _disable_tiled_matmul()
+        _disable_tiled_matmul(warn=batch_invariant)
         self.handle = model or _ModelHandle(Path(path), repack=not batch_invariant)
         self.name = name or str(path)
         self.vocab_size = self.handle.n_vocab
@@ -519,20 +524,6 @@ class LlamaCppTokenizer:
 def _special(token_id: int) -> int | None:
     """llama.cpp writes an unset special token as -1."""
     return None if token_id is None or int(token_id) < 0 else int(token_id)
-
-
-def relax_for_drafting(model) -> None:
-    """Let a llama.cpp draft model run llama.cpp's native one-token passes (no-op for other backends).
-
-    A draft's logits only decide which tokens are proposed; the target's verification decides the output, so
-    only the target needs batch invariance. A one-token pass costs far less than a padded one (figures in
-    docs/llama_cpp.md), and a draft runs one per drafted token.
-
-    Args:
-        model: a :class:`draftwise.models.loading.LoadedModel` used as a draft.
-    """
-    if isinstance(model.backend, LlamaCppCausalLM):
-        model.backend.batch_invariant = False
 
 
 def load_llama_cpp(

@@ -121,6 +121,7 @@ def load_model(
     runtime: str = "auto",
     head_subset: HeadSubset | None = None,
     num_slots: int = 1,
+    drafting: bool = False,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, for the PyTorch backend or (GGUF files) the llama.cpp backend.
 
@@ -147,6 +148,10 @@ def load_model(
             the backend's name then ends in ``+fr<kept ids>``. With ``backend="auto"`` it selects PyTorch.
         num_slots: lean runtime only: sequences its KV cache holds (the batched engine,
             :mod:`draftwise.engine.core`, runs one request per slot); other backends hold one sequence.
+        drafting: the model is a draft, whose numerics need not be batch-invariant (only the target's decide
+            the output): on llama.cpp it then runs llama.cpp's native kernels (repacked weights, one-token
+            passes, prefill passes of up to 512 tokens; see :mod:`draftwise.backends.llama_cpp_backend`). The
+            PyTorch backends are the same either way.
 
     Raises:
         ModelLoadError: missing file, unreadable model, a registry model that is not pulled, or the llama.cpp
@@ -173,7 +178,7 @@ def load_model(
     if randomize and backend == "llama.cpp":
         raise ValueError(f"{spec!r}: random weights need the PyTorch backend")
     if not randomize and select_backend(backend, path, device=device, dtype=dtype, quantization=quantization) == "llama.cpp":
-        return _load_llama_cpp(spec, path, max_context=max_context, threads=threads)
+        return _load_llama_cpp(spec, path, max_context=max_context, threads=threads, exact=not drafting)
     device = check_device(device)
     torch_dtype = parse_dtype(dtype, device)
     attention = attn_implementation or default_attention(device)
@@ -384,14 +389,16 @@ def _torch_only_options(device: str | None, dtype, quantization: str | None) -> 
     return found
 
 
-def _load_llama_cpp(spec: str, path: str, *, max_context: int | None, threads: int | None) -> LoadedModel:
+def _load_llama_cpp(spec: str, path: str, *, max_context: int | None, threads: int | None,
+                    exact: bool = True) -> LoadedModel:
     from draftwise.backends.llama_cpp_backend import load_llama_cpp
 
     if not Path(path).is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
     progress.report("loading with llama.cpp", model=spec)
     try:
-        backend, tokenizer, eos_ids = load_llama_cpp(path, name=spec, max_context=max_context, n_threads=threads)
+        backend, tokenizer, eos_ids = load_llama_cpp(path, name=spec, max_context=max_context, n_threads=threads,
+                                                     batch_invariant=exact)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model {spec!r} with llama.cpp: {exc}") from exc
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids, quantization="gguf")
