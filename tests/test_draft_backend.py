@@ -6,38 +6,72 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from draftwise.builder import build_engine
 from draftwise.config import SamplingParams, SpeculativeConfig
-from draftwise.draft_backend import choose_draft_backend, draft_backend_cache_dir
+from draftwise.draft_backend import Candidate, choose_draft_backend, draft_backend_cache_dir
 from draftwise.engine import SpeculativeEngine
 from llama_cpp_gate import needs_llama_cpp
 
 
+AS_IS = [Candidate("torch", "torch"), Candidate("llama.cpp", "llama.cpp")]
+WITH_Q4_0 = [*AS_IS, Candidate("llama.cpp Q4_0", "llama.cpp", "Q4_0")]
+
+
 def fake_load(loaded: list[str], fail: tuple[str, ...] = ()):
-    def load(kind: str):
-        if kind in fail:
-            raise ValueError(f"{kind} cannot run it here")
-        loaded.append(kind)
-        return SimpleNamespace(backend=SimpleNamespace(kind=kind))
+    """``(backend, file) -> model`` whose backend's ``kind`` names the candidate (``"llama.cpp Q4_0"`` for a copy)."""
+    def load(kind: str, file: str):
+        name = kind + (" Q4_0" if file.endswith("-Q4_0.gguf") else "")
+        if name in fail:
+            raise ValueError(f"{name} cannot run it here")
+        loaded.append(name)
+        return SimpleNamespace(backend=SimpleNamespace(kind=name), file=file)
     return load
 
 
 def timings(**seconds):
-    return lambda backend: seconds[backend.kind.replace(".", "_")]
+    """``model -> seconds`` by candidate name (``llama_cpp_Q4_0`` for ``"llama.cpp Q4_0"``)."""
+    return lambda backend: seconds[backend.kind.replace(".", "_").replace(" ", "_")]
 
 
-def test_the_faster_backend_is_chosen_cached_and_reused(tmp_path):
-    draft = tmp_path / "draft.gguf"
-    draft.write_bytes(b"GGUF")
+def predictions(**agree):
+    """``model -> probe predictions``: the as-is llama.cpp file predicts 0..9; a copy agrees at ``agree`` of them."""
+    def predict(model):
+        share = agree.get(model.backend.kind.replace(".", "_").replace(" ", "_"), 1.0)
+        same = round(10 * share)
+        return torch.tensor(list(range(same)) + [99] * (10 - same))
+    return predict
+
+
+def fake_copy(made: list[str]):
+    def requantize(path: str, file_type: str) -> str:
+        copy = path[: -len(".gguf")] + f"-{file_type}.gguf"
+        Path(copy).write_bytes(b"GGUF")
+        made.append(copy)
+        return copy
+    return requantize
+
+
+@pytest.fixture
+def draft(tmp_path):
+    path = tmp_path / "draft.gguf"
+    path.write_bytes(b"GGUF")
+    return path
+
+
+def test_the_faster_backend_is_chosen_cached_and_reused(tmp_path, draft):
     loaded: list[str] = []
     choice, model = choose_draft_backend(str(draft), fake_load(loaded), threads=2, quantization="int8",
-                                         cache_dir=tmp_path / "cache", measure=timings(torch=0.076, llama_cpp=0.041),
+                                         cache_dir=tmp_path / "cache", candidates=AS_IS,
+                                         measure=timings(torch=0.076, llama_cpp=0.041),
                                          measure_prefill=timings(torch=0.005, llama_cpp=0.01))
     assert choice.backend == "llama.cpp" and model.backend.kind == "llama.cpp" and not choice.cached
+    assert choice.candidate == "llama.cpp" and choice.file == str(draft)
     assert choice.seconds_per_token == {"torch": 0.076, "llama.cpp": 0.041}
     assert choice.prefill_seconds_per_token == {"torch": 0.005, "llama.cpp": 0.01}
     assert "llama.cpp 41.0 ms, torch 76.0 ms" in choice.reason
@@ -53,37 +87,79 @@ def test_the_faster_backend_is_chosen_cached_and_reused(tmp_path):
     assert again.cached and again.backend == "llama.cpp" and loaded == ["llama.cpp"]
     assert again.prefill_seconds_per_token == {"torch": 0.005, "llama.cpp": 0.01}
     other, _ = choose_draft_backend(str(draft), fake_load([]), threads=1, quantization="int8",  # another key
-                                    cache_dir=tmp_path / "cache", measure=timings(torch=0.03, llama_cpp=0.04),
-        measure_prefill=lambda backend: 0.01)
+                                    cache_dir=tmp_path / "cache", candidates=AS_IS,
+                                    measure=timings(torch=0.03, llama_cpp=0.04), measure_prefill=lambda b: 0.01)
     assert other.backend == "torch" and not other.cached
 
 
-def test_an_unwritable_cache_does_not_fail_the_load(tmp_path, caplog):
-    draft = tmp_path / "draft.gguf"
-    draft.write_bytes(b"GGUF")
+def test_a_faster_agreeing_q4_0_copy_is_chosen_and_its_file_kept(tmp_path, draft):
+    made: list[str] = []
+    loaded: list[str] = []
+    choice, model = choose_draft_backend(str(draft), fake_load(loaded), threads=2, quantization=None,
+                                         cache_dir=tmp_path / "cache", candidates=WITH_Q4_0,
+                                         measure=timings(torch=0.05, llama_cpp=0.03, llama_cpp_Q4_0=0.02),
+                                         measure_prefill=lambda b: 0.01, predict=predictions(llama_cpp_Q4_0=0.9),
+                                         requantize=fake_copy(made))
+    assert choice.candidate == "llama.cpp Q4_0" and choice.backend == "llama.cpp"
+    assert choice.file == made[0] == str(tmp_path / "draft-Q4_0.gguf") and model.file == made[0]
+    assert choice.agreement == {"llama.cpp Q4_0": 0.9}
+    assert "llama.cpp Q4_0 predicts the file's next token at 90% of probe positions" in choice.reason
+    assert loaded == ["torch", "llama.cpp", "llama.cpp Q4_0"]  # the file as it is first: the copy's reference
+
+    loaded.clear()
+    again, _ = choose_draft_backend(str(draft), fake_load(loaded), threads=2, quantization=None,
+                                    cache_dir=tmp_path / "cache", measure=None)
+    assert again.cached and again.file == made[0] and loaded == ["llama.cpp Q4_0"]
+    Path(made[0]).unlink()  # a removed copy: measured (and made) again
+    third, _ = choose_draft_backend(str(draft), fake_load([]), threads=2, quantization=None,
+                                    cache_dir=tmp_path / "cache", candidates=WITH_Q4_0,
+                                    measure=timings(torch=0.05, llama_cpp=0.03, llama_cpp_Q4_0=0.02),
+                                    measure_prefill=lambda b: 0.01, predict=predictions(), requantize=fake_copy(made))
+    assert not third.cached and third.candidate == "llama.cpp Q4_0" and len(made) == 2
+
+
+def test_a_faster_copy_that_guesses_differently_is_reported_not_chosen(tmp_path, draft):
+    choice, model = choose_draft_backend(str(draft), fake_load([]), threads=2, quantization=None,
+                                         cache_dir=tmp_path / "cache", candidates=WITH_Q4_0,
+                                         measure=timings(torch=0.05, llama_cpp=0.03, llama_cpp_Q4_0=0.01),
+                                         measure_prefill=lambda b: 0.01, predict=predictions(llama_cpp_Q4_0=0.8),
+                                         requantize=fake_copy([]))
+    assert choice.candidate == "llama.cpp" and model.backend.kind == "llama.cpp" and choice.file == str(draft)
+    assert choice.seconds_per_token["llama.cpp Q4_0"] == 0.01 and choice.agreement == {"llama.cpp Q4_0": 0.8}
+    assert "at 80% of probe positions (below 90%: not chosen)" in choice.reason
+
+
+def test_a_copy_needs_the_file_on_llama_cpp_to_compare_with(tmp_path, draft):
+    made: list[str] = []
+    choice, _ = choose_draft_backend(str(draft), fake_load([], fail=("llama.cpp",)), threads=2, quantization=None,
+                                     cache_dir=tmp_path / "cache", candidates=WITH_Q4_0,
+                                     measure=timings(torch=0.05, llama_cpp_Q4_0=0.01), measure_prefill=lambda b: 0.01,
+                                     predict=predictions(), requantize=fake_copy(made))
+    assert choice.candidate == "torch" and not made
+    assert "llama.cpp Q4_0 unavailable (nothing to compare it with" in choice.reason
+
+
+def test_an_unwritable_cache_does_not_fail_the_load(tmp_path, caplog, draft):
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the cache folder should be")
     with caplog.at_level(logging.WARNING, logger="draftwise.draft_backend"):
         choice, _ = choose_draft_backend(str(draft), fake_load([]), threads=None, quantization=None,
-                                         cache_dir=blocked / "cache", measure=timings(torch=0.02, llama_cpp=0.03),
-        measure_prefill=lambda backend: 0.01)
+                                         cache_dir=blocked / "cache", candidates=AS_IS,
+                                         measure=timings(torch=0.02, llama_cpp=0.03), measure_prefill=lambda b: 0.01)
     assert choice.backend == "torch" and any("could not cache" in r.getMessage() for r in caplog.records)
 
 
-def test_a_candidate_that_cannot_load_leaves_the_other_and_nothing_is_cached(tmp_path):
-    draft = tmp_path / "draft.gguf"
-    draft.write_bytes(b"GGUF")
+def test_a_candidate_that_cannot_load_leaves_the_other_and_nothing_is_cached(tmp_path, draft):
     choice, model = choose_draft_backend(str(draft), fake_load([], fail=("llama.cpp",)), threads=None,
-                                         quantization=None, cache_dir=tmp_path / "cache",
-                                         measure=timings(torch=0.05, llama_cpp=0.01),
-        measure_prefill=lambda backend: 0.01)
+                                         quantization=None, cache_dir=tmp_path / "cache", candidates=AS_IS,
+                                         measure=timings(torch=0.05, llama_cpp=0.01), measure_prefill=lambda b: 0.01)
     assert choice.backend == "torch"
     assert "llama.cpp unavailable (ValueError: llama.cpp cannot run it here)" in choice.reason
     assert not (tmp_path / "cache").exists()
     with pytest.raises(ValueError, match="no draft backend could load"):
         choose_draft_backend(str(draft), fake_load([], fail=("torch", "llama.cpp")), threads=None, quantization=None,
-                             cache_dir=tmp_path / "cache", measure=timings(torch=0.05, llama_cpp=0.01),
-        measure_prefill=lambda backend: 0.01)
+                             cache_dir=tmp_path / "cache", candidates=AS_IS,
+                             measure=timings(torch=0.05, llama_cpp=0.01), measure_prefill=lambda b: 0.01)
 
 
 @needs_llama_cpp
@@ -98,9 +174,10 @@ def test_auto_measures_both_backends_on_a_real_gguf_and_stays_exact(stories_path
     files = _cached_choices()
     assert len(files) == 1 and before <= files  # one choice for this draft and machine (perhaps cached before)
     choice = json.loads(next(iter(files)).read_text())["choice"]
-    assert set(choice["seconds_per_token"]) == {"torch", "llama.cpp"}
+    assert set(choice["seconds_per_token"]) == {"torch", "llama.cpp", "llama.cpp Q4_0"}  # stories260K is F32
+    assert set(choice["agreement"]) == {"llama.cpp Q4_0"} and 0 <= choice["agreement"]["llama.cpp Q4_0"] <= 1
     kind = "llama.cpp" if type(bundle.draft.backend).__name__ == "LlamaCppCausalLM" else "torch"
-    assert kind == choice["backend"]
+    assert kind == choice["backend"] and Path(choice["file"]).is_file()
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompt = bundle.target.encode("Once upon a time, there was a little girl")
     plain = SpeculativeEngine(bundle.target.backend).generate(prompt, params).token_ids
@@ -109,7 +186,7 @@ def test_auto_measures_both_backends_on_a_real_gguf_and_stays_exact(stories_path
 
 def _cached_choices() -> set:
     folder = draft_backend_cache_dir()
-    return set(folder.iterdir()) if folder.exists() else set()
+    return set(folder.glob("*.json")) if folder.exists() else set()
 
 
 @needs_llama_cpp

@@ -265,3 +265,17 @@ def test_bench_command_on_llama_cpp(stories_path, tmp_path):
     assert all(run["identical_to_plain"] for run in data["runs"])
     assert [row["method"] for row in data["summary"]] == ["plain", "draft K=2", "draft K=4", "ngram K=2", "ngram K=4",
                                                           "plain (repeat)"]
+
+
+def test_requantize_writes_a_loadable_q4_0_copy(stories_path, tmp_path):
+    from draftwise.backends.llama_cpp_backend import gguf_file_type, requantize_gguf
+
+    assert gguf_file_type(stories_path) is None  # all F32, the header does not say
+    copy = requantize_gguf(stories_path, tmp_path / "q4_0.gguf", "Q4_0", threads=1)
+    assert gguf_file_type(copy) == 2 and list(tmp_path.iterdir()) == [copy]  # no partial file left
+    backend = LlamaCppCausalLM(copy, n_threads=1, batch_invariant=False, max_context=32)
+    assert backend.forward(TOKENS).logits.shape == (len(TOKENS), backend.vocab_size)
+    with pytest.raises(ValueError, match="file type 'Q3_X': choose one of Q4_0, Q8_0, IQ4_NL"):
+        requantize_gguf(stories_path, tmp_path / "x.gguf", "Q3_X")
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        requantize_gguf(tmp_path / "missing.gguf", tmp_path / "x.gguf")

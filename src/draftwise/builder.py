@@ -229,9 +229,10 @@ def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: Bu
 def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: LoadedModel, target_device: str,
                     head_subset, num_slots: int) -> LoadedModel | None:
     """``--speculative-backend auto`` for a GGUF draft that both backends can run (a CPU target, one slot, no
-    FR-Spec head, llama-cpp-python installed): the draft loaded on the backend that decodes it fastest here,
-    measured once per machine (:func:`draftwise.draft_backend.choose_draft_backend`); None otherwise (the
-    rule of :func:`draft_load_options` applies)."""
+    FR-Spec head, llama-cpp-python installed): the draft loaded on the runtime that decodes it fastest here
+    (the lean runtime, llama.cpp on the file, llama.cpp on a Q4_0 copy), measured once per machine
+    (:func:`draftwise.draft_backend.choose_draft_backend`); None otherwise (the rule of
+    :func:`draft_load_options` applies)."""
     import dataclasses
     import os
 
@@ -245,9 +246,9 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
         return None  # (a missing file: the usual loader says so)
     from draftwise.draft_backend import choose_draft_backend
 
-    def load(kind: str) -> LoadedModel:
-        forced = dataclasses.replace(config, backend=kind)
-        return load_model(config.model, max_context=target.backend.max_context, num_slots=1,
+    def load(kind: str, file: str) -> LoadedModel:
+        forced = dataclasses.replace(config, backend=kind, model=file)
+        return load_model(file, max_context=target.backend.max_context, num_slots=1,
                           **draft_load_options(forced, options, target_device=target_device))
 
     _, draft = choose_draft_backend(str(path), load, threads=options.threads, quantization=options.quantization)

@@ -61,7 +61,8 @@ import torch
 from draftwise.backends.base import CausalLM, ForwardOutput
 
 __all__ = ["LlamaCppCausalLM", "LlamaCppTokenizer", "llama_cpp_available", "load_llama_cpp",
-           "compiled_cpu_features", "has_amx_kernels", "parse_system_info",
+           "compiled_cpu_features", "has_amx_kernels", "parse_system_info", "gguf_file_type", "requantize_gguf",
+           "REQUANTIZE_TYPES",
            "DEFAULT_MAX_CONTEXT", "INSTALL_HINT"]
 
 logger = logging.getLogger(__name__)
@@ -553,3 +554,59 @@ def load_llama_cpp(
     logger.info("llama.cpp: loaded %s (%d tokens, context %d, %d threads, batch-invariant %s)", backend.name,
                 backend.vocab_size, backend.max_context, backend.n_threads, batch_invariant)
     return backend, tokenizer, tuple(tokenizer.eog_token_ids())
+
+
+#: GGUF file types :func:`requantize_gguf` writes (llama.cpp's ``LLAMA_FTYPE_MOSTLY_*`` names).
+REQUANTIZE_TYPES = ("Q4_0", "Q8_0", "IQ4_NL")
+
+
+def gguf_file_type(path: str | Path) -> int | None:
+    """The ``general.file_type`` of a GGUF file (llama.cpp's ``LLAMA_FTYPE_*`` number: 2 for Q4_0, 15 for
+    Q4_K_M), or None when the file does not say (all-F32 files often do not)."""
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+    return None if field is None else int(field.parts[field.data[0]][0])
+
+
+def requantize_gguf(source: str | Path, destination: str | Path, file_type: str = "Q4_0",
+                    threads: int | None = None) -> Path:
+    """Write ``source``'s weights to ``destination`` as GGUF type ``file_type`` with llama.cpp's own quantizer
+    (``llama_model_quantize``, re-quantizing already quantized tensors). For drafts: a draft's numerics only
+    decide what is proposed, so a file type with faster kernels on this CPU may pay even where it costs some
+    acceptance (measured in ``docs/draft_trees.md``: a Q4_0 copy of Qwen2.5-Coder-0.5B Q4_K_M decodes 1.5x
+    faster on an AVX-512 EPYC, llama.cpp repacking Q4_0 for its GEMM kernels). The file appears whole or not at
+    all (written beside it, then renamed).
+
+    Args:
+        source: a GGUF file llama.cpp can load.
+        destination: the file to write (its folder must exist).
+        file_type: one of :data:`REQUANTIZE_TYPES`.
+        threads: quantizer threads (default: every CPU this process may use).
+
+    Returns:
+        ``destination`` as a Path.
+
+    Raises:
+        ValueError: an unknown ``file_type``, or llama.cpp failed (status code in the message).
+        FileNotFoundError: no file at ``source``.
+    """
+    if file_type not in REQUANTIZE_TYPES:
+        raise ValueError(f"file type {file_type!r}: choose one of {', '.join(REQUANTIZE_TYPES)}")
+    source, destination = Path(source), Path(destination)
+    if not source.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {source}")
+    lib = _lib()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, f"LLAMA_FTYPE_MOSTLY_{file_type}")
+    params.allow_requantize = True
+    params.nthread = int(threads or default_threads())
+    partial = destination.with_name(destination.name + f".partial-{os.getpid()}")
+    try:
+        status = lib.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
+        if status != 0 or not partial.is_file():
+            raise ValueError(f"llama.cpp could not re-quantize {source} to {file_type} (status {status})")
+        os.replace(partial, destination)
+    finally:
+        partial.unlink(missing_ok=True)
+    return destination
