@@ -208,3 +208,19 @@ def test_auto_with_a_missing_draft_file_says_so_like_a_forced_backend(stories_pa
                                backend="auto")
     with pytest.raises(ModelLoadError, match="GGUF file not found: /nope/draft.gguf"):
         build_engine(str(stories_path), config, device="cpu", threads=1)
+
+
+@needs_llama_cpp
+def test_costs_says_which_draft_runtime_auto_chose(stories_path, draftwise_home, capsys):
+    from draftwise.cli import main
+
+    common = ["costs", str(stories_path), "--draft", str(stories_path), "--ks", "2", "--context", "8",
+              "--repeats", "1", "--bandwidth-mib", "16"]
+    assert main([*common, "--speculative-backend", "auto", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["draft_runtime_choice"].split(":")[0] in {"torch", "llama.cpp", "llama.cpp Q4_0"}
+    assert "one draft token on top of 256 tokens took" in result["draft_runtime_choice"]
+    assert main([*common, "--speculative-backend", "auto"]) == 0
+    assert "draft runtime (auto): " in capsys.readouterr().out
+    assert main([*common, "--speculative-backend", "llama.cpp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["draft_runtime_choice"] is None  # forced: nothing measured

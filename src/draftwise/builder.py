@@ -251,8 +251,8 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
         return load_model(file, max_context=target.backend.max_context, num_slots=1,
                           **draft_load_options(forced, options, target_device=target_device))
 
-    _, draft = choose_draft_backend(str(path), load, threads=options.threads, quantization=options.quantization)
-    return draft
+    choice, draft = choose_draft_backend(str(path), load, threads=options.threads, quantization=options.quantization)
+    return dataclasses.replace(draft, name=config.model, runtime_choice=choice.reason)
 
 
 def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, target_device: str = "cpu") -> dict:

@@ -105,10 +105,11 @@ def add_speculative_backend_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-backend", choices=BACKENDS, default=None,
                         help="backend of the draft model alone (methods draft_model and hybrid): llama.cpp runs a "
                         ".gguf draft with llama.cpp's quantized kernels beside a PyTorch target (e.g. --quantization "
-                        "int8), with the same --threads; auto times one draft token on each backend that can run the "
-                        "draft here (a .gguf draft, a CPU target, llama-cpp-python installed; one request at a time) "
-                        "and keeps the faster, cached per machine ($DRAFTWISE_HOME/draft_backends; the log says what "
-                        "was measured). The draft's token table must agree with the target's. Default: the target's "
+                        "int8), with the same --threads; auto times one draft token on each runtime that can run the "
+                        "draft here (a .gguf draft, a CPU target, llama-cpp-python installed; one request at a time): "
+                        "the lean PyTorch runtime, llama.cpp on the file, llama.cpp on a Q4_0 copy (used only if it "
+                        "predicts the file's next token at >= 90%% of a probe text's positions), and keeps the "
+                        "fastest, cached per machine ($DRAFTWISE_HOME/draft_backends; the log says what was measured). The draft's token table must agree with the target's. Default: the target's "
                         "--backend")
 
 

@@ -39,7 +39,7 @@ from draftwise.backends.kernels import (
 )
 from draftwise.builder import DEMO_TARGET
 from draftwise.calibration import ForwardCosts, forward_pass_samples
-from draftwise.commands.common import CliError, add_quantization_arg, check_device_args
+from draftwise.commands.common import CliError, add_quantization_arg, add_speculative_backend_arg, check_device_args
 from draftwise.models.loading import load_model
 
 __all__ = ["register", "run", "parse_token_counts"]
@@ -57,6 +57,7 @@ def register(subparsers) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed passes per k; the median is kept (default 5)")
     parser.add_argument("--draft", "--speculative-model", dest="draft", default=None,
                         help="also time this draft model's one-token pass and print the cost ratio c")
+    add_speculative_backend_arg(parser)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on GPU)")
     parser.add_argument("--kernels", nargs="?", const="", default=None, metavar="MODES",
@@ -129,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
     draft_timed = None
     if args.draft:
         console.print(f"loading draft {args.draft} ...")
-        draft = load_model(args.draft, **options)
+        draft = _load_draft(args, target, options)
+        if draft.runtime_choice:
+            console.print(f"draft runtime (auto): {draft.runtime_choice}", markup=False, highlight=False,
+                          soft_wrap=True)
         draft_timed = _timed(draft.backend, [1], context, args.repeats)
         draft_s = ForwardCosts.from_samples(draft_timed["samples"], context).seconds[1]
     doubts = _doubts(timed, draft_timed)
@@ -142,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
                       warnings=[{"row": what, **d.to_dict()} for what, d in doubts])
         if draft_timed is not None:
             result["draft_measurement"] = draft_timed["measurement"].to_dict()
+            result["draft_runtime_choice"] = draft.runtime_choice
         if kernel_modes:
             result["kernels"] = {mode: c.to_dict() if isinstance(c, KernelChoice) else {"error": c}
                                  for mode, c in choices.items()}
@@ -156,6 +161,23 @@ def run(args: argparse.Namespace) -> int:
     if line:
         console.print(line, style="bold yellow", markup=False, highlight=False, soft_wrap=True)
     return 0
+
+
+def _load_draft(args: argparse.Namespace, target, options: dict):
+    """``--draft`` loaded as the engine loads a draft (:func:`draftwise.builder.load_draft_model`): like the
+    target, or on ``--speculative-backend`` (``auto`` measures the candidate runtimes, cached per machine).
+
+    Raises:
+        CliError: an invalid draft backend choice, or a draft whose tokenizer the target cannot verify.
+    """
+    from draftwise.builder import BuildOptions, TokenizerMismatchError, load_draft_model
+    from draftwise.config import SpeculativeConfig
+
+    try:
+        config = SpeculativeConfig(method="draft_model", model=args.draft, backend=args.speculative_backend)
+        return load_draft_model(config, target, BuildOptions(**options))
+    except (ValueError, TokenizerMismatchError) as exc:
+        raise CliError(f"--draft {args.draft}: {exc}") from exc
 
 
 def _timed(backend, ks: list[int], context: int, repeats: int) -> dict:

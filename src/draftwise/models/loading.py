@@ -60,6 +60,8 @@ class LoadedModel:
         eos_token_ids: ids that end generation (tokenizer EOS plus generation-config EOS ids).
         quantization: the mode the weights run in (``"none"``, ``"int8"``; ``"gguf"`` on llama.cpp), after
             ``"auto"`` was resolved.
+        runtime_choice: for a draft whose runtime was measured (``--speculative-backend auto``), the line that
+            says what was measured and chosen (:class:`draftwise.draft_backend.DraftBackendChoice`); else None.
     """
 
     backend: CausalLM
@@ -67,6 +69,7 @@ class LoadedModel:
     name: str
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     quantization: str = "none"
+    runtime_choice: str | None = None
 
     @property
     def has_chat_template(self) -> bool:
