@@ -170,3 +170,13 @@ def test_summary_predicts_from_the_per_token_acceptance():
         assert draft_row["predicted_speedup"] == pytest.approx(
             predicted_speedup(draft_row["token_acceptance"], 8, 0.05, 1.8))
         assert draft_row["predicted_speedup"] > 2.5  # accepted / drafted would have said about 1.3
+
+
+@pytest.mark.parametrize("workload", ["prompts", "agent"])
+def test_an_output_directory_is_refused_before_anything_runs(stories_path, prompts_file, tmp_path, capsys, workload):
+    """A directory as --output used to crash with a traceback after the first prompt had been measured."""
+    code = main(["bench", "--model", str(stories_path), "--prompts", str(prompts_file), "--workload", workload,
+                 "--methods", "plain", "--max-tokens", "4", "--no-calibrate", "--output", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"--output {tmp_path}: is a directory; name the JSON file to write" in err and "Traceback" not in err

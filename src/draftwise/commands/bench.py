@@ -291,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
     methods = _csv(args.methods, METHODS, "--methods")
     policies = _csv(args.k_policies, K_POLICIES, "--k-policies")
     done: list[PromptRun] = []
-    output = Path(args.resume or args.output or f"bench_results/bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    output = _output_file(args.resume or args.output or f"bench_results/bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     if args.resume:
         _, done, _ = load_results(args.resume)
         console.print(f"resuming {args.resume}: {len({r.prompt_id for r in done})} prompts already measured")
@@ -345,6 +345,18 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]{len(mismatches)} run(s) differ from plain decoding[/red]")
     print_warning(console, doubts_of(_shown_rows(summary, by_category), calibration))
     return 1 if mismatches else 0
+
+
+def _output_file(path: str) -> Path:
+    """``--output`` as the JSON file to write, checked before anything is measured.
+
+    Raises:
+        CliError: the path is an existing directory (the results are one JSON file, with the report beside it).
+    """
+    output = Path(path)
+    if output.is_dir():
+        raise CliError(f"--output {path}: is a directory; name the JSON file to write, e.g. {output / 'bench.json'}")
+    return output
 
 
 def print_warning(console: Console, doubts) -> None:
@@ -548,7 +560,7 @@ def run_agent(args: argparse.Namespace) -> int:
     config.update(sessions=source, num_sessions=len(sessions), max_turns=max(len(s.turns) for s in sessions),
                   concurrency=args.concurrency, concurrency_note=note, max_tokens=params.max_tokens,
                   greedy=params.greedy, temperature=params.temperature, seed=params.seed)
-    output = Path(args.output or f"bench_results/agent-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    output = _output_file(args.output or f"bench_results/agent-{time.strftime('%Y%m%d-%H%M%S')}.json")
     try:
         turns, elapsed = _run_agent_with_progress(console, methods, sessions, args.concurrency)
     except AgentBenchError as exc:
