@@ -34,15 +34,20 @@ def fake_load(loaded: list[str], fail: tuple[str, ...] = ()):
     return load
 
 
+def _keyword(kind: str) -> str:
+    """A candidate name as a keyword argument: ``"llama.cpp Q4_0"`` -> ``llama_cpp_Q4_0``."""
+    return kind.replace(".", "_").replace(" ", "_")
+
+
 def timings(**seconds):
-    """``model -> seconds`` by candidate name (``llama_cpp_Q4_0`` for ``"llama.cpp Q4_0"``)."""
-    return lambda backend: seconds[backend.kind.replace(".", "_").replace(" ", "_")]
+    """``backend -> seconds`` by candidate name (:func:`_keyword`)."""
+    return lambda backend: seconds[_keyword(backend.kind)]
 
 
 def predictions(**agree):
     """``model -> probe predictions``: the as-is llama.cpp file predicts 0..9; a copy agrees at ``agree`` of them."""
     def predict(model):
-        share = agree.get(model.backend.kind.replace(".", "_").replace(" ", "_"), 1.0)
+        share = agree.get(_keyword(model.backend.kind), 1.0)
         same = round(10 * share)
         return torch.tensor(list(range(same)) + [99] * (10 - same))
     return predict

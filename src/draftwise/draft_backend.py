@@ -113,13 +113,10 @@ def draft_backend_cache_dir() -> Path:
     return draftwise_home() / "draft_backends"
 
 
-def draft_candidates(path: str, *, llama_cpp: bool = True) -> list[Candidate]:
-    """The runtimes to measure for the GGUF draft ``path``: the lean PyTorch runtime; with ``llama_cpp``,
-    llama.cpp on the file as it is and (unless the file is Q4_0 already) on a Q4_0 copy."""
-    found = [Candidate("torch", "torch")]
-    if not llama_cpp:
-        return found
-    found.append(Candidate("llama.cpp", "llama.cpp"))
+def draft_candidates(path: str) -> list[Candidate]:
+    """The runtimes to measure for the GGUF draft ``path``: the lean PyTorch runtime, llama.cpp on the file as it
+    is and (unless the file is Q4_0 already) llama.cpp on a Q4_0 copy."""
+    found = [Candidate("torch", "torch"), Candidate("llama.cpp", "llama.cpp")]
     from draftwise.backends.llama_cpp_backend import gguf_file_type
 
     try:

@@ -109,7 +109,8 @@ def add_speculative_backend_arg(parser: argparse.ArgumentParser) -> None:
                         "draft here (a .gguf draft, a CPU target, llama-cpp-python installed; one request at a time): "
                         "the lean PyTorch runtime, llama.cpp on the file, llama.cpp on a Q4_0 copy (used only if it "
                         "predicts the file's next token at >= 90%% of a probe text's positions), and keeps the "
-                        "fastest, cached per machine ($DRAFTWISE_HOME/draft_backends; the log says what was measured). The draft's token table must agree with the target's. Default: the target's "
+                        "fastest, cached per machine ($DRAFTWISE_HOME/draft_backends; the log says what was "
+                        "measured). The draft's token table must agree with the target's. Default: the target's "
                         "--backend")
 
 
