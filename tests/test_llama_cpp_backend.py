@@ -97,6 +97,26 @@ def test_rollback_then_refeed_equals_fresh_prefill(lc_stories):
     assert torch.equal(again, fresh[4:])
 
 
+def test_someone_else_rewriting_the_cache_at_the_same_length_stops_its_reuse(stories_path):
+    """The engine reuses a llama.cpp cache (which cannot export) only while it still holds the sequence the engine
+    left there; a direct user (a calibration) that rewrites it to the same length must not pass for it."""
+    from draftwise.prefix_cache import PrefixCache
+
+    target = load_model(str(stories_path), backend="llama.cpp", threads=1)
+    engine = SpeculativeEngine(target.backend, NgramProposer(1, 3), 3, prefix_cache=PrefixCache(1 << 20))
+    params = SamplingParams(max_tokens=12)
+    prompt = target.encode(PROMPTS[1])
+    first = engine.generate(prompt, params)
+    conversation = prompt + first.token_ids + list(target.tokenizer.encode(" The", add_special_tokens=False))
+    held = target.backend.num_cached
+    target.backend.rollback(1)
+    target.backend.forward([TOKENS[(i % 15) + 1] for i in range(held - 1)])  # other tokens, the same length
+    assert target.backend.num_cached == held
+    result = engine.generate(conversation, params)
+    assert result.stats.num_cached_prompt_tokens == 0
+    assert result.token_ids == plain(target.backend, conversation, params).token_ids
+
+
 def test_rollback_bounds_and_errors(lc_stories):
     from draftwise.backends.base import ContextOverflowError
 

@@ -139,8 +139,9 @@ class CausalLM(ABC):
             return
         raise NotImplementedError(f"{type(self).__name__} does not support tree verification")
 
-    #: Set by the engine that last left a sequence in this cache for reuse (any other user of the cache clears
-    #: it or replaces it), so an engine sharing the backend never mistakes another one's cache for its own.
+    #: Set by the engine (or draft model) that last left a sequence in this cache for reuse; a backend that
+    #: cannot export its cache clears it whenever its cache changes (llama.cpp: every forward and rollback), so
+    #: an engine sharing the backend (or a calibration) never leaves contents mistaken for the kept ones.
     cache_owner: object | None = None
 
     #: True when :meth:`export_cache` and :meth:`import_cache` are implemented (prefix reuse across requests

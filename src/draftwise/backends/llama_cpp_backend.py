@@ -316,6 +316,7 @@ class LlamaCppCausalLM(CausalLM):
         """
         ids = [int(t) for t in token_ids]
         self._check_forward_args(ids)
+        self.cache_owner = None  # the cache changes: it no longer holds what a marker recorded
         n = len(ids)
         keep = n if num_logits is None else max(1, min(num_logits, n))
         padded = self.batch_invariant and n == 1
@@ -340,6 +341,7 @@ class LlamaCppCausalLM(CausalLM):
     def rollback(self, length: int) -> None:
         self._check_rollback_args(length)
         if length != self._num_cached:
+            self.cache_owner = None
             self._remove_from(length)
             self._num_cached = length
 
