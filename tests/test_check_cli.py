@@ -8,6 +8,7 @@ import json
 import pytest
 
 from draftwise.cli import main
+from llama_cpp_gate import needs_llama_cpp
 from test_check_support import tiny_pair_dirs, word_tokenizer
 
 MEASURE_FLAGS = ["--num-prompts", "2", "--max-tokens", "6", "--probe-k", "2", "--max-k", "2", "--repeats", "1"]
@@ -41,10 +42,14 @@ def test_json_schema_on_stories(capsys, draftwise_home, stories_path, prompt_fil
     code, report = run_json(capsys, stories_path, stories_path, "--prompts", prompt_file, *MEASURE_FLAGS)
     assert code == 0
     assert set(report) == {"schema", "ok", "target", "draft", "settings", "tokenizer", "memory", "costs", "probe",
-                           "predictions", "verdict"}
+                           "predictions", "verdict", "draft_runtime"}
     assert report["schema"] == "draftwise.check/1" and report["ok"] is True
     assert report["target"]["num_parameters"] == 292_800 and report["target"]["format"] == "gguf"
     assert report["settings"]["device"] == "cpu" and report["settings"]["dtype"] == "float32"
+    # --quantization auto (the default, as for bench and serve) resolved at load; the draft loaded like the target
+    quantization = report["settings"]["quantization"]
+    assert quantization in {"int8", "none"}
+    assert report["draft_runtime"].endswith(f"quantization {quantization} (the target's runtime)")
     assert report["tokenizer"]["ok"] and report["tokenizer"]["errors"] == []
     memory = report["memory"]
     assert memory["target_kv_per_token"] == 1280 and memory["context_len"] == 2048
@@ -123,3 +128,18 @@ def test_prompts_are_read_only_for_a_pair_that_passes(capsys, tmp_path):
 def test_unknown_model_is_a_usage_error(capsys, tmp_path):
     assert main(["check", str(tmp_path / "missing.gguf"), str(tmp_path / "missing.gguf"), "--no-measure"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+@needs_llama_cpp
+def test_check_measures_the_draft_on_the_speculative_backend_and_says_so(capsys, draftwise_home, stories_path,
+                                                                         prompt_file):
+    """``--speculative-backend llama.cpp``: the draft is loaded as a run would load it, and the report says on
+    what (JSON and text)."""
+    code, report = run_json(capsys, stories_path, stories_path, "--prompts", prompt_file, *MEASURE_FLAGS,
+                            "--quantization", "int8", "--speculative-backend", "llama.cpp")
+    assert code == 0 and report["settings"]["quantization"] == "int8"
+    assert report["draft_runtime"] == "LlamaCppCausalLM, quantization gguf (--speculative-backend llama.cpp)"
+    assert report["costs"]["cost_ratio"] > 0 and report["probe"]["acceptance_rate"] > 0.9
+    assert main(["check", str(stories_path), str(stories_path), "--prompts", str(prompt_file), *MEASURE_FLAGS,
+                 "--speculative-backend", "llama.cpp"]) == 0
+    assert "draft runtime: LlamaCppCausalLM" in capsys.readouterr().out

@@ -67,7 +67,7 @@ def _parse(*argv: str):
     return build_parser().parse_args(list(argv))
 
 
-@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench"]])
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench"], ["check", "t", "d"], ["costs", "m"]])
 def test_every_model_command_has_the_flag(command):
     args = _parse(*command, "--speculative-backend", "llama.cpp")
     assert args.speculative_backend == "llama.cpp"

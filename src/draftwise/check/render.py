@@ -92,6 +92,8 @@ def _probe_table(report: CheckReport) -> Table:
 
 def _print_measurements(console: Console, report: CheckReport) -> None:
     costs, probe = report.costs, report.probe
+    if report.draft_runtime:
+        console.print(f"draft runtime: {escape(report.draft_runtime)}", highlight=False, soft_wrap=True)
     if probe is not None:
         console.print(_probe_table(report))
         console.print(f"acceptance rate = {_fmt(probe.acceptance_rate, '.3f')} "

@@ -40,6 +40,7 @@ class CheckReport:
     costs: CostMeasurement | None = None
     probe: ProbeResult | None = None
     predictions: list[SpeedupPrediction] = field(default_factory=list)
+    draft_runtime: str | None = None  # the runtime the draft was measured on, and why (None: not loaded)
 
     @property
     def ok(self) -> bool:
@@ -59,5 +60,6 @@ class CheckReport:
             "costs": self.costs.to_dict() if self.costs else None,
             "probe": self.probe.to_dict() if self.probe else None,
             "predictions": [asdict(p) for p in self.predictions],
+            "draft_runtime": self.draft_runtime,
             "verdict": self.verdict.to_dict(),
         }

@@ -50,6 +50,11 @@ class CheckSettings:
         num_prompts, max_tokens, probe_k: the acceptance probe: prompts, new tokens per prompt, K.
         max_k: predict the speed-up for K = 1..max_k. repeats: timed passes per token count (median).
         chat: apply the target's chat template to the probe prompts when it has one.
+        quantization: the weights' mode for both models (:func:`draftwise.models.loading.load_model`'s
+            ``quantization``: ``"none"``, ``"int8"``, ``"q4k"`` or ``"auto"``; None: unquantized, as before).
+        speculative_backend: the draft's own runtime (``"torch"``, ``"llama.cpp"``, or ``"auto"``: measured,
+            see :mod:`draftwise.draft_backend`); None: the target's. The draft is loaded as the engine loads it
+            (:func:`draftwise.builder.load_draft_model`), so the costs measured are those a run would see.
 
     Raises:
         ValueError: out-of-range values.
@@ -67,6 +72,8 @@ class CheckSettings:
     max_k: int = 8
     repeats: int = 5
     chat: bool = True
+    quantization: str | None = None
+    speculative_backend: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "num_prompts", "max_tokens", "probe_k", "max_k", "repeats"):
@@ -156,11 +163,42 @@ def load_and_measure(
         raise ValueError("measuring needs at least one probe prompt")
     target, draft = report.target.name, report.draft.name
     device, dtype = report.settings["device"], report.settings["dtype"]
-    _stage(on_stage, f"loading {target} and {draft} ({dtype} on {device})")
-    target_model = load_model(target, device=device, dtype=dtype, max_context=report.settings["context_len"])
-    draft_model = load_model(draft, device=device, dtype=dtype, max_context=target_model.backend.max_context)
+    quantization = settings.quantization
+    how = f"{dtype} on {device}" if quantization in (None, "none") else f"quantization {quantization} on {device}"
+    _stage(on_stage, f"loading {target} and {draft} ({how})")
+    target_model = load_model(target, device=device, dtype=dtype, quantization=quantization,
+                              max_context=report.settings["context_len"])
+    if settings.speculative_backend == "auto":
+        _stage(on_stage, "measuring the draft's candidate runtimes (cached per machine)")
+    draft_model = _load_draft(draft, target_model, settings, device, dtype)
+    report.settings["quantization"] = target_model.quantization
+    report.draft_runtime = _draft_runtime(draft_model, settings.speculative_backend)
     _stage(on_stage, f"timing forward passes and probing acceptance on {len(prompts)} prompts")
     return measure_pair(report, target_model, draft_model, prompts, settings)
+
+
+def _load_draft(draft: str, target: LoadedModel, settings: CheckSettings, device: str, dtype: str) -> LoadedModel:
+    """The draft as the engine loads it (:func:`draftwise.builder.load_draft_model`: like the target, or on
+    ``settings.speculative_backend``).
+
+    Raises:
+        ModelLoadError, ValueError, TokenizerMismatchError: see :func:`draftwise.builder.load_draft_model`.
+    """
+    from draftwise.builder import BuildOptions, load_draft_model
+    from draftwise.config import SpeculativeConfig
+
+    config = SpeculativeConfig(method="draft_model", model=draft, backend=settings.speculative_backend)
+    return load_draft_model(config, target, BuildOptions(device=device, dtype=dtype,
+                                                         quantization=settings.quantization))
+
+
+def _draft_runtime(draft: LoadedModel, requested: str | None) -> str:
+    """One line on the runtime the draft was measured on: the measured choice and why (``auto``), else the
+    backend it was loaded on and who chose it."""
+    if draft.runtime_choice:
+        return f"{draft.runtime_choice} (--speculative-backend auto)"
+    chosen_by = f"--speculative-backend {requested}" if requested else "the target's runtime"
+    return f"{type(draft.backend).__name__}, quantization {draft.quantization} ({chosen_by})"
 
 
 def check_pair(

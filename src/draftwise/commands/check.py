@@ -18,7 +18,7 @@ from draftwise.units import parse_bytes
 from draftwise.check.probe import select_probe_prompts
 from draftwise.check.render import render_report
 from draftwise.check.runner import CheckSettings, check_models, load_and_measure
-from draftwise.commands.common import CliError
+from draftwise.commands.common import CliError, add_quantization_arg, add_speculative_backend_arg
 
 _DESCRIPTION = (
     "Check a target + draft pair before deploying it. Before loading any weights: tokenizer compatibility "
@@ -53,6 +53,8 @@ def register(subparsers) -> None:
                         help="apply the target's chat template to probe prompts (default auto)")
     parser.add_argument("--no-measure", action="store_true",
                         help="only the tokenizer and memory checks; load no weights")
+    add_quantization_arg(parser)
+    add_speculative_backend_arg(parser)
     parser.add_argument("--json", action="store_true", help="print the report as JSON (schema draftwise.check/1)")
     parser.set_defaults(func=run)
 
@@ -65,7 +67,8 @@ def settings_from_args(args: argparse.Namespace) -> CheckSettings:
                              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                              measure=not args.no_measure, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                              probe_k=args.probe_k, max_k=args.max_k, repeats=args.repeats,
-                             chat=args.chat == "auto")
+                             chat=args.chat == "auto", quantization=args.quantization,
+                             speculative_backend=args.speculative_backend)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
 
