@@ -70,8 +70,7 @@ def test_int8_linear_rows_are_independent_bit_for_bit():
 def test_int8_linear_row_scale_is_the_inf_norm_bit_for_bit():
     """The row scale reads max |x| as ``abs().amax`` (faster); the outputs equal those of the inf-norm it
     replaced, on rows of very different scales, zero rows, signed zeros and infinities."""
-    from draftwise.backends.kernels.layers import _row_grid_scale
-    from draftwise.backends.quantization import _ACT_HALF_RANGE, _MIN_ROW_MAX
+    from draftwise.backends.quantization import _ACT_HALF_RANGE, _MIN_ROW_MAX, row_grid_scale
 
     torch.manual_seed(3)
     x = torch.randn(9, 1000) * torch.logspace(-6, 6, 9)[:, None]
@@ -80,7 +79,7 @@ def test_int8_linear_row_scale_is_the_inf_norm_bit_for_bit():
     x[4, 7] = float("-inf")
     norm = torch.linalg.vector_norm(x, ord=float("inf"), dim=1, keepdim=True)
     assert torch.equal(x.abs().amax(dim=1, keepdim=True), norm)
-    assert torch.equal(_row_grid_scale(x), _ACT_HALF_RANGE / norm.clamp_min(_MIN_ROW_MAX))
+    assert torch.equal(row_grid_scale(x), _ACT_HALF_RANGE / norm.clamp_min(_MIN_ROW_MAX))
     quantized = Int8Linear(torch.randn(40, 1000), torch.randn(40))
     finite = x[torch.isfinite(x).all(dim=1)]
     to_grid = _ACT_HALF_RANGE / torch.linalg.vector_norm(finite, ord=float("inf"), dim=1, keepdim=True).clamp_min(

@@ -44,7 +44,7 @@ from torch import nn
 from draftwise.backends.attention import make_batch_invariant
 
 __all__ = ["QUANTIZATION_CHOICES", "QUANTIZATION_MODES", "Int8Linear", "QuantizationError", "int8_kernels_available", "quantize_model",
-           "parse_quantization"]
+           "parse_quantization", "row_grid_scale"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,15 @@ def quantize_weight_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scales
 
 
+def row_grid_scale(rows: torch.Tensor) -> torch.Tensor:
+    """``g [m, 1] = 63.5 / max|row|`` for fp32 ``rows [m, in]``: the per-row factor that maps each row onto the
+    7-bit activation grid (a row's own scale: row-invariant). One definition for every kernel with these
+    numerics (:class:`Int8Linear`, ``OneDnnInt8Linear``), so they keep the same bits."""
+    # max |x| is exact in any order; abs().amax is 3-5x faster than vector_norm(ord=inf) on 1-5 rows here
+    row_max = rows.abs().amax(dim=1, keepdim=True)
+    return _ACT_HALF_RANGE / row_max.clamp_min_(_MIN_ROW_MAX)
+
+
 class Int8Linear(nn.Module):
     """``y = x @ W.T + b`` with int8 weights (per output channel) and per-row 7-bit activations, on fbgemm.
 
@@ -163,9 +172,7 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # [m, in]
         if rows.dtype != torch.float32:
             rows = rows.float()
-        # [m, 1], max |x| (exact in any order; 3-5x faster than vector_norm(ord=inf) on 1-5 rows here)
-        row_max = rows.abs().amax(dim=1, keepdim=True)
-        to_grid = _ACT_HALF_RANGE / row_max.clamp_min_(_MIN_ROW_MAX)  # each row to [-63.5, 63.5]
+        to_grid = row_grid_scale(rows)  # [m, 1]: each row to [-63.5, 63.5]
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
             rows * to_grid, 1.0, _ACT_ZERO_POINT, self._packed
         )  # [m, out]

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from draftwise.backends.kernels.settings import _ACT_HALF_RANGE, _ACT_ZERO_POINT, _MIN_ROW_MAX, INT4_GROUP_SIZES
-from draftwise.backends.quantization import quantize_weight_rows
+from draftwise.backends.kernels.settings import INT4_GROUP_SIZES
+from draftwise.backends.quantization import _ACT_ZERO_POINT, quantize_weight_rows, row_grid_scale
 
 logger = logging.getLogger(__name__)
 
@@ -145,12 +145,6 @@ class OneDnnFloatLinear(_PackedLinear):
         return y.float()
 
 
-def _row_grid_scale(rows: torch.Tensor) -> torch.Tensor:
-    """``g [m, 1] = 63.5 / max|row|``: the per-row factor that maps a row onto the 7-bit activation grid."""
-    row_max = rows.abs().amax(dim=1, keepdim=True)  # = the inf-norm, bit for bit, 3-5x faster than vector_norm
-    return _ACT_HALF_RANGE / row_max.clamp_min_(_MIN_ROW_MAX)
-
-
 class OneDnnInt8Linear(_PackedLinear):
     """:class:`Int8Linear`'s arithmetic on oneDNN's u8 x s8 GEMM (``torch.ops.onednn.qlinear_pointwise``).
 
@@ -180,7 +174,7 @@ class OneDnnInt8Linear(_PackedLinear):
         return self.out_features * self.in_features + 4 * self.out_features + (0 if self.bias is None else 4 * self.out_features)
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
-        to_grid = _row_grid_scale(rows)  # [m, 1]
+        to_grid = row_grid_scale(rows)  # [m, 1]
         # fbgemm's rounding: the zero point is added in float, then rounded half to even (same bits as fbgemm-int8)
         qx = torch.round(rows * to_grid + _ACT_ZERO_POINT).to(torch.uint8)  # [m, in] in [0, 128]
         y = torch.ops.onednn.qlinear_pointwise(qx, 1.0, _ACT_ZERO_POINT, self._packed, self._scales,

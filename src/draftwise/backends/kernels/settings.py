@@ -29,9 +29,6 @@ PAD_ROWS = (1, 4, 8, 16)
 INT4_GROUP_SIZES = (32, 64, 128)
 CACHE_SCHEMA = 1
 
-_ACT_HALF_RANGE = 63.5  # as draftwise.backends.quantization: rows scaled to [-63.5, 63.5], zero point 64
-_ACT_ZERO_POINT = 64
-_MIN_ROW_MAX = 1e-30
 _SYNTHETIC_BLOCK_ROWS = 4096  # synthetic weights: a random block of this many output rows, repeated
 
 
