@@ -226,6 +226,19 @@ def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: Bu
     return draft
 
 
+def load_named_draft(model: str, target: LoadedModel, options: BuildOptions, backend: str | None = None) -> LoadedModel:
+    """The draft model ``model`` for ``target`` as the engine loads it (:func:`load_draft_model` with a plain
+    ``draft_model`` config): like the target (``options``), or on ``backend`` (``"torch"``, ``"llama.cpp"``,
+    ``"auto"``: measured; None: the target's). For commands that measure a draft without building an engine
+    (``costs``, ``check``).
+
+    Raises:
+        ModelLoadError, ValueError, TokenizerMismatchError: see :func:`load_draft_model`.
+    """
+    config = SpeculativeConfig(method="draft_model", model=model, backend=backend)
+    return load_draft_model(config, target, options)
+
+
 def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: LoadedModel, target_device: str,
                     head_subset, num_slots: int) -> LoadedModel | None:
     """``--speculative-backend auto`` for a GGUF draft that both backends can run (a CPU target, one slot, no

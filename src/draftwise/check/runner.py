@@ -159,6 +159,8 @@ def load_and_measure(
     Raises:
         ModelLoadError: a model that cannot be loaded. ValueError: no prompts.
     """
+    from draftwise.builder import BuildOptions, load_named_draft
+
     if not prompts:
         raise ValueError("measuring needs at least one probe prompt")
     target, draft = report.target.name, report.draft.name
@@ -170,26 +172,13 @@ def load_and_measure(
                               max_context=report.settings["context_len"])
     if settings.speculative_backend == "auto":
         _stage(on_stage, "measuring the draft's candidate runtimes (cached per machine)")
-    draft_model = _load_draft(draft, target_model, settings, device, dtype)
+    draft_model = load_named_draft(draft, target_model, BuildOptions(device=device, dtype=dtype,
+                                                                     quantization=quantization),
+                                   settings.speculative_backend)
     report.settings["quantization"] = target_model.quantization
     report.draft_runtime = _draft_runtime(draft_model, settings.speculative_backend)
     _stage(on_stage, f"timing forward passes and probing acceptance on {len(prompts)} prompts")
     return measure_pair(report, target_model, draft_model, prompts, settings)
-
-
-def _load_draft(draft: str, target: LoadedModel, settings: CheckSettings, device: str, dtype: str) -> LoadedModel:
-    """The draft as the engine loads it (:func:`draftwise.builder.load_draft_model`: like the target, or on
-    ``settings.speculative_backend``).
-
-    Raises:
-        ModelLoadError, ValueError, TokenizerMismatchError: see :func:`draftwise.builder.load_draft_model`.
-    """
-    from draftwise.builder import BuildOptions, load_draft_model
-    from draftwise.config import SpeculativeConfig
-
-    config = SpeculativeConfig(method="draft_model", model=draft, backend=settings.speculative_backend)
-    return load_draft_model(config, target, BuildOptions(device=device, dtype=dtype,
-                                                         quantization=settings.quantization))
 
 
 def _draft_runtime(draft: LoadedModel, requested: str | None) -> str:

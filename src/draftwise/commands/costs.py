@@ -170,12 +170,10 @@ def _load_draft(args: argparse.Namespace, target, options: dict):
     Raises:
         CliError: an invalid draft backend choice, or a draft whose tokenizer the target cannot verify.
     """
-    from draftwise.builder import BuildOptions, TokenizerMismatchError, load_draft_model
-    from draftwise.config import SpeculativeConfig
+    from draftwise.builder import BuildOptions, TokenizerMismatchError, load_named_draft
 
     try:
-        config = SpeculativeConfig(method="draft_model", model=args.draft, backend=args.speculative_backend)
-        return load_draft_model(config, target, BuildOptions(**options))
+        return load_named_draft(args.draft, target, BuildOptions(**options), args.speculative_backend)
     except (ValueError, TokenizerMismatchError) as exc:
         raise CliError(f"--draft {args.draft}: {exc}") from exc
 
