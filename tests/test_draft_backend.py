@@ -21,12 +21,14 @@ from llama_cpp_gate import needs_llama_cpp
 
 AS_IS = [Candidate("torch", "torch"), Candidate("llama.cpp", "llama.cpp")]
 WITH_Q4_0 = [*AS_IS, Candidate("llama.cpp Q4_0", "llama.cpp", "Q4_0")]
+WITH_Q4_0_HEAD = [*WITH_Q4_0, Candidate("llama.cpp Q4_0, Q4_0 head", "llama.cpp", "Q4_0", "Q4_0")]
 
 
 def fake_load(loaded: list[str], fail: tuple[str, ...] = ()):
     """``(backend, file) -> model`` whose backend's ``kind`` names the candidate (``"llama.cpp Q4_0"`` for a copy)."""
     def load(kind: str, file: str):
-        name = kind + (" Q4_0" if file.endswith("-Q4_0.gguf") else "")
+        copies = {"-Q4_0-head-Q4_0.gguf": " Q4_0, Q4_0 head", "-Q4_0.gguf": " Q4_0"}  # the longer ending first
+        name = kind + next((label for end, label in copies.items() if file.endswith(end)), "")
         if name in fail:
             raise ValueError(f"{name} cannot run it here")
         loaded.append(name)
@@ -35,8 +37,9 @@ def fake_load(loaded: list[str], fail: tuple[str, ...] = ()):
 
 
 def _keyword(kind: str) -> str:
-    """A candidate name as a keyword argument: ``"llama.cpp Q4_0"`` -> ``llama_cpp_Q4_0``."""
-    return kind.replace(".", "_").replace(" ", "_")
+    """A candidate name as a keyword argument: ``"llama.cpp Q4_0"`` -> ``llama_cpp_Q4_0``, ``"llama.cpp Q4_0, Q4_0
+    head"`` -> ``llama_cpp_Q4_0_Q4_0_head``."""
+    return kind.replace(".", "_").replace(",", "").replace(" ", "_")
 
 
 def timings(**seconds):
@@ -54,8 +57,9 @@ def predictions(**agree):
 
 
 def fake_copy(made: list[str]):
-    def requantize(path: str, file_type: str) -> str:
-        copy = path[: -len(".gguf")] + f"-{file_type}.gguf"
+    def requantize(path: str, file_type: str, head_type: str | None) -> str:
+        recipe = file_type if head_type is None else f"{file_type}-head-{head_type}"
+        copy = path[: -len(".gguf")] + f"-{recipe}.gguf"
         Path(copy).write_bytes(b"GGUF")
         made.append(copy)
         return copy
@@ -123,6 +127,31 @@ def test_a_faster_agreeing_q4_0_copy_is_chosen_and_its_file_kept(tmp_path, draft
     assert not third.cached and third.candidate == "llama.cpp Q4_0" and len(made) == 2
 
 
+def test_a_copy_with_a_q4_0_head_is_chosen_when_faster_and_agreeing(tmp_path, draft):
+    made: list[str] = []
+    choice, model = choose_draft_backend(str(draft), fake_load([]), threads=2, quantization=None,
+                                         cache_dir=tmp_path / "cache", candidates=WITH_Q4_0_HEAD,
+                                         measure=timings(torch=0.05, llama_cpp=0.03, llama_cpp_Q4_0=0.02,
+                                                         llama_cpp_Q4_0_Q4_0_head=0.016),
+                                         measure_prefill=lambda b: 0.01,
+                                         predict=predictions(llama_cpp_Q4_0=0.9, llama_cpp_Q4_0_Q4_0_head=0.9),
+                                         requantize=fake_copy(made))
+    assert choice.candidate == "llama.cpp Q4_0, Q4_0 head" and model.backend.kind == choice.candidate
+    assert choice.file == str(tmp_path / "draft-Q4_0-head-Q4_0.gguf") and choice.file in made
+    assert "llama.cpp Q4_0, Q4_0 head 16.0 ms, llama.cpp Q4_0 20.0 ms" in choice.reason
+    # the same copy guessing too differently: the plain Q4_0 copy is the fastest allowed one
+    fallback, _ = choose_draft_backend(str(draft), fake_load([]), threads=2, quantization=None,
+                                       cache_dir=tmp_path / "other", candidates=WITH_Q4_0_HEAD,
+                                       measure=timings(torch=0.05, llama_cpp=0.03, llama_cpp_Q4_0=0.02,
+                                                       llama_cpp_Q4_0_Q4_0_head=0.016),
+                                       measure_prefill=lambda b: 0.01,
+                                       predict=predictions(llama_cpp_Q4_0=0.9, llama_cpp_Q4_0_Q4_0_head=0.8),
+                                       requantize=fake_copy([]))
+    assert fallback.candidate == "llama.cpp Q4_0"
+    assert "llama.cpp Q4_0, Q4_0 head predicts the file's next token at 80% of probe positions (below 90%" \
+        in fallback.reason
+
+
 def test_a_faster_copy_that_guesses_differently_is_reported_not_chosen(tmp_path, draft):
     choice, model = choose_draft_backend(str(draft), fake_load([]), threads=2, quantization=None,
                                          cache_dir=tmp_path / "cache", candidates=WITH_Q4_0,
@@ -182,8 +211,9 @@ def test_auto_measures_both_backends_on_a_real_gguf_and_stays_exact(stories_path
     mine = [f for f in files if json.loads(f.read_text())["key"]["quantization"] is None]
     assert len(mine) == 1 and before <= files and len(files - before) <= 1
     choice = json.loads(mine[0].read_text())["choice"]
-    assert set(choice["seconds_per_token"]) == {"torch", "llama.cpp", "llama.cpp Q4_0"}  # stories260K is F32
-    assert set(choice["agreement"]) == {"llama.cpp Q4_0"} and 0 <= choice["agreement"]["llama.cpp Q4_0"] <= 1
+    copies = {"llama.cpp Q4_0", "llama.cpp Q4_0, Q4_0 head"}
+    assert set(choice["seconds_per_token"]) == {"torch", "llama.cpp", *copies}  # stories260K is F32
+    assert set(choice["agreement"]) == copies and all(0 <= a <= 1 for a in choice["agreement"].values())
     kind = "llama.cpp" if type(bundle.draft.backend).__name__ == "LlamaCppCausalLM" else "torch"
     assert kind == choice["backend"] and Path(choice["file"]).is_file()
     params = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -299,3 +299,23 @@ def test_requantize_writes_a_loadable_q4_0_copy(stories_path, tmp_path):
         requantize_gguf(stories_path, tmp_path / "x.gguf", "Q3_X")
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         requantize_gguf(tmp_path / "missing.gguf", tmp_path / "x.gguf")
+
+
+def test_requantize_can_give_the_lm_head_its_own_type(stories_path, tmp_path):
+    import gguf
+
+    from draftwise.backends.llama_cpp_backend import requantize_gguf
+
+    def types(path):
+        return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+    default = types(requantize_gguf(stories_path, tmp_path / "default.gguf", "Q4_0", threads=1))
+    small_head = types(requantize_gguf(stories_path, tmp_path / "head.gguf", "Q4_0", threads=1, head_type="Q4_0"))
+    assert default["output.weight"] == "Q8_0"  # llama.cpp's choice for a head 64 wide (not a multiple of 256)
+    assert small_head["output.weight"] == "Q4_0"
+    assert {k: v for k, v in small_head.items() if k != "output.weight"} == \
+        {k: v for k, v in default.items() if k != "output.weight"}
+    backend = LlamaCppCausalLM(tmp_path / "head.gguf", n_threads=1, batch_invariant=False, max_context=32)
+    assert backend.forward(TOKENS).logits.shape == (len(TOKENS), backend.vocab_size)
+    with pytest.raises(ValueError, match="head type 'Q9': choose one of Q4_0, Q8_0, IQ4_NL"):
+        requantize_gguf(stories_path, tmp_path / "x.gguf", "Q4_0", head_type="Q9")

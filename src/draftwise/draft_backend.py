@@ -4,8 +4,10 @@ by measurement.
 The output does not depend on the draft's numerics (verification accepts a draft token only when it is the
 target's own choice, and rejection sampling is lossless for any draft distribution), so the draft may run on
 whatever is fastest. The candidates (:func:`draft_candidates`): the lean PyTorch runtime, llama.cpp on the GGUF
-file as it is, and llama.cpp on a copy re-quantized to Q4_0 (:func:`draftwise.backends.llama_cpp_backend.
-requantize_gguf`; llama.cpp repacks Q4_0 for its fastest CPU kernels). None is assumed faster. At load, each
+file as it is, and llama.cpp on copies re-quantized to Q4_0 (:func:`draftwise.backends.llama_cpp_backend.
+requantize_gguf`; llama.cpp repacks Q4_0 for its fastest CPU kernels), one with llama.cpp's own choice for the
+LM head (Q8_0 for a 896-wide head) and one with a Q4_0 head too (a small draft's head is a large share of the
+bytes it reads per token). None is assumed faster. At load, each
 candidate decodes one token at a time on the draft's real weights on top of ``context`` tokens (seconds per
 token, the best of a few), and the fastest is kept. A re-quantized copy must also agree with the file as it is:
 it must predict the same next token at :data:`MIN_AGREEMENT` of the positions of a fixed probe text, or it is
@@ -38,7 +40,7 @@ __all__ = ["Candidate", "DraftBackendChoice", "choose_draft_backend", "draft_bac
 
 logger = logging.getLogger(__name__)
 
-CACHE_SCHEMA = 3
+CACHE_SCHEMA = 4
 #: context (tokens) the candidates decode on top of, and one-token passes timed per candidate
 CONTEXT_TOKENS = 256
 TIMED_TOKENS = 8
@@ -60,7 +62,7 @@ The function keeps a running total, so each new average costs one addition and o
 sum over the whole window. For a list of a million readings and a window of a hundred, that is the difference
 between a hundred million additions and two million.
 '''
-#: GGUF ``general.file_type`` of Q4_0 (a file already in that type gets no re-quantized candidate)
+#: GGUF ``general.file_type`` of Q4_0 (a file already in that type gets no plain Q4_0 copy as a candidate)
 _Q4_0 = 2
 
 
@@ -69,14 +71,16 @@ class Candidate:
     """One way to run the draft.
 
     Attributes:
-        name: how reports call it: ``"torch"``, ``"llama.cpp"``, ``"llama.cpp Q4_0"``.
+        name: how reports call it: ``"torch"``, ``"llama.cpp"``, ``"llama.cpp Q4_0"``, ``"llama.cpp Q4_0, Q4_0 head"``.
         backend: ``"torch"`` or ``"llama.cpp"``.
         file_type: None for the GGUF file as it is; else the type of a re-quantized copy (llama.cpp only).
+        head_type: a re-quantized copy's LM head type (None: llama.cpp's choice for ``file_type``).
     """
 
     name: str
     backend: str
     file_type: str | None = None
+    head_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ def draft_backend_cache_dir() -> Path:
 
 def draft_candidates(path: str) -> list[Candidate]:
     """The runtimes to measure for the GGUF draft ``path``: the lean PyTorch runtime, llama.cpp on the file as it
-    is and (unless the file is Q4_0 already) llama.cpp on a Q4_0 copy."""
+    is, llama.cpp on a Q4_0 copy (unless the file is Q4_0 already) and on a Q4_0 copy with a Q4_0 LM head."""
     found = [Candidate("torch", "torch"), Candidate("llama.cpp", "llama.cpp")]
     from draftwise.backends.llama_cpp_backend import gguf_file_type
 
@@ -126,6 +130,7 @@ def draft_candidates(path: str) -> list[Candidate]:
         return found
     if file_type != _Q4_0:
         found.append(Candidate("llama.cpp Q4_0", "llama.cpp", "Q4_0"))
+    found.append(Candidate("llama.cpp Q4_0, Q4_0 head", "llama.cpp", "Q4_0", "Q4_0"))
     return found
 
 
@@ -194,17 +199,19 @@ def _cache_key(path: str, threads: int | None, quantization: str | None) -> dict
             "min_agreement": MIN_AGREEMENT}
 
 
-def _requantized_copy(path: str, file_type: str, folder: Path, threads: int | None) -> str:
-    """``path`` re-quantized to ``file_type`` in ``folder`` (made once per draft file; reused while it exists)."""
+def _requantized_copy(path: str, file_type: str, head_type: str | None, folder: Path, threads: int | None) -> str:
+    """``path`` re-quantized to ``file_type`` (its LM head to ``head_type``, None: llama.cpp's choice) in
+    ``folder`` (made once per draft file; reused while it exists)."""
     from draftwise.backends.llama_cpp_backend import requantize_gguf
 
     stat = Path(path).stat()
     tag = hashlib.sha256(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    copy = folder / f"{Path(path).stem}-{tag}-{file_type}.gguf"
+    recipe = file_type if head_type is None else f"{file_type}-head-{head_type}"
+    copy = folder / f"{Path(path).stem}-{tag}-{recipe}.gguf"
     if not copy.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        progress.report(f"draft backend (auto): re-quantizing the draft to {file_type} ({copy})")
-        requantize_gguf(path, copy, file_type, threads=threads)
+        progress.report(f"draft backend (auto): re-quantizing the draft to {recipe} ({copy})")
+        requantize_gguf(path, copy, file_type, threads=threads, head_type=head_type)
     return str(copy)
 
 
@@ -214,7 +221,7 @@ def choose_draft_backend(path: str, load: Callable[[str, str], object], *, threa
                          measure: Callable[[object], float] = seconds_per_token,
                          measure_prefill: Callable[[object], float] = prefill_seconds_per_token,
                          predict: Callable[[object], torch.Tensor] = probe_predictions,
-                         requantize: Callable[[str, str], str] | None = None,
+                         requantize: Callable[[str, str, str | None], str] | None = None,
                          ) -> tuple[DraftBackendChoice, object]:
     """Load the GGUF draft ``path`` on each candidate runtime, time it, keep the one that decodes fastest among
     those allowed (a re-quantized copy needs :data:`MIN_AGREEMENT` with the file as it is on llama.cpp; prefill
@@ -229,8 +236,8 @@ def choose_draft_backend(path: str, load: Callable[[str, str], object], *, threa
         measure: ``CausalLM -> seconds per token`` (default :func:`seconds_per_token`).
         measure_prefill: ``CausalLM -> prefill seconds per token`` (default :func:`prefill_seconds_per_token`).
         predict: ``LoadedModel -> [positions]`` next-token ids on the probe (default :func:`probe_predictions`).
-        requantize: ``(path, file type) -> copy's path`` (default: llama.cpp's quantizer, cached in
-            ``cache_dir``).
+        requantize: ``(path, file type, head type or None) -> copy's path`` (default: llama.cpp's quantizer,
+            cached in ``cache_dir``).
 
     Returns:
         ``(choice, loaded draft on the chosen runtime)``.
@@ -246,8 +253,8 @@ def choose_draft_backend(path: str, load: Callable[[str, str], object], *, threa
         logger.info("draft backend (auto, cached): %s", cached.reason)
         progress.report(f"draft backend (auto, cached): {cached.reason}")
         return cached, load(cached.backend, cached.file)
-    requantize = requantize or (lambda source, file_type: _requantized_copy(source, file_type, cache_dir / "copies",
-                                                                            threads))
+    requantize = requantize or (lambda source, file_type, head_type: _requantized_copy(
+        source, file_type, head_type, cache_dir / "copies", threads))
     measured = _measure_all(path, load, candidates if candidates is not None else draft_candidates(path),
                             measure, measure_prefill, predict, requantize)
     choice, model = _decide(measured)
@@ -288,7 +295,7 @@ def _measure_all(path, load, candidates, measure, measure_prefill, predict, requ
             found.errors[candidate.name] = "nothing to compare it with (llama.cpp could not load the file as it is)"
             continue
         try:
-            file = path if candidate.file_type is None else requantize(path, candidate.file_type)
+            file = path if candidate.file_type is None else requantize(path, candidate.file_type, candidate.head_type)
             model = load(candidate.backend, file)
         except Exception as exc:  # noqa: BLE001 - a candidate this machine cannot run
             found.errors[candidate.name] = f"{type(exc).__name__}: {exc}"

@@ -572,7 +572,7 @@ def gguf_file_type(path: str | Path) -> int | None:
 
 
 def requantize_gguf(source: str | Path, destination: str | Path, file_type: str = "Q4_0",
-                    threads: int | None = None) -> Path:
+                    threads: int | None = None, head_type: str | None = None) -> Path:
     """Write ``source``'s weights to ``destination`` as GGUF type ``file_type`` with llama.cpp's own quantizer
     (``llama_model_quantize``, re-quantizing already quantized tensors). For drafts: a draft's numerics only
     decide what is proposed, so a file type with faster kernels on this CPU may pay even where it costs some
@@ -580,21 +580,27 @@ def requantize_gguf(source: str | Path, destination: str | Path, file_type: str 
     faster on an AVX-512 EPYC, llama.cpp repacking Q4_0 for its GEMM kernels). The file appears whole or not at
     all (written beside it, then renamed).
 
+    The LM head (``output.weight``) gets llama.cpp's own choice for ``file_type`` unless ``head_type`` says
+    otherwise: for Q4_0 that choice is Q6_K, or Q8_0 where the width is not a multiple of 256 (Qwen2.5-Coder-0.5B's
+    896), and a 151,936 x 896 Q8_0 head is about 40% of the bytes such a draft reads per token.
+
     Args:
         source: a GGUF file llama.cpp can load.
         destination: the file to write (its folder must exist).
         file_type: one of :data:`REQUANTIZE_TYPES`.
         threads: quantizer threads (default: every CPU this process may use).
+        head_type: the LM head's type, one of :data:`REQUANTIZE_TYPES` (default: llama.cpp's choice).
 
     Returns:
         ``destination`` as a Path.
 
     Raises:
-        ValueError: an unknown ``file_type``, or llama.cpp failed (status code in the message).
+        ValueError: an unknown ``file_type`` or ``head_type``, or llama.cpp failed (status code in the message).
         FileNotFoundError: no file at ``source``.
     """
-    if file_type not in REQUANTIZE_TYPES:
-        raise ValueError(f"file type {file_type!r}: choose one of {', '.join(REQUANTIZE_TYPES)}")
+    for kind, value in (("file type", file_type), ("head type", head_type)):
+        if value is not None and value not in REQUANTIZE_TYPES:
+            raise ValueError(f"{kind} {value!r}: choose one of {', '.join(REQUANTIZE_TYPES)}")
     source, destination = Path(source), Path(destination)
     if not source.is_file():
         raise FileNotFoundError(f"GGUF file not found: {source}")
@@ -602,6 +608,8 @@ def requantize_gguf(source: str | Path, destination: str | Path, file_type: str 
     params = lib.llama_model_quantize_default_params()
     params.ftype = getattr(lib, f"LLAMA_FTYPE_MOSTLY_{file_type}")
     params.allow_requantize = True
+    if head_type is not None:
+        params.output_tensor_type = getattr(lib, f"GGML_TYPE_{head_type}")
     params.nthread = int(threads or default_threads())
     partial = destination.with_name(destination.name + f".partial-{os.getpid()}")
     try:
