@@ -7,11 +7,12 @@ Loads the target once (lean runtime) and each draft GGUF on llama.cpp's native k
 (A B ... A: a machine that changes speed shows as a spread between the two plain passes) on the same Spec-Bench
 prompts through :func:`draftwise.benchmark.run_benchmark`. Prints one JSON line per method and category: tokens/s,
 speed-up over the plain passes, acceptance, tau, identical outputs. ``--requantize Q4_0`` adds a copy of the
-first draft in that type (llama.cpp's quantizer), as ``--speculative-backend auto`` makes one.
+first draft in that type (llama.cpp's quantizer), as ``--speculative-backend auto`` makes one; ``--head-type Q4_0``
+adds a second copy whose LM head is Q4_0 too.
 
 Usage (idle machine; the CPU is printed):
     scripts/compare_drafts.py --target qwen2.5-coder-1.5b --draft q4km=qwen2.5-coder-0.5b --requantize Q4_0 \
-        --category coding --limit 5 --k 4 --max-tokens 96
+        [--head-type Q4_0] --category coding --limit 5 --k 4 --max-tokens 96
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main() -> None:
                         help="a draft file (registry name or .gguf path) and its label; repeatable")
     parser.add_argument("--requantize", choices=REQUANTIZE_TYPES, default=None,
                         help="also run a copy of the first draft in this GGUF type")
+    parser.add_argument("--head-type", choices=REQUANTIZE_TYPES, default=None,
+                        help="with --requantize: also run a second copy whose LM head is this type")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--category", default="coding")
     parser.add_argument("--limit", type=int, default=5)
@@ -56,6 +59,10 @@ def main() -> None:
         label, spec = drafts[0]
         copy = Path(workdir.name) / f"{label}-{args.requantize}.gguf"
         drafts.append((args.requantize.lower(), str(requantize_gguf(resolve_model(spec), copy, args.requantize))))
+        if args.head_type:
+            copy = Path(workdir.name) / f"{label}-{args.requantize}-head-{args.head_type}.gguf"
+            drafts.append((f"{args.requantize.lower()}-head-{args.head_type.lower()}", str(requantize_gguf(
+                resolve_model(spec), copy, args.requantize, head_type=args.head_type))))
 
     target = load_model(args.target, quantization=args.quantization, runtime="lean")
     vocab = target.backend.vocab_size
