@@ -180,3 +180,19 @@ def test_an_output_directory_is_refused_before_anything_runs(stories_path, promp
     assert code == 2
     err = capsys.readouterr().err
     assert f"--output {tmp_path}: is a directory; name the JSON file to write" in err and "Traceback" not in err
+
+
+def test_only_draftwise_runs_that_differ_count_as_mismatches():
+    """transformers' own generate (the hf anchors) runs other numerics, so its differences are reported apart
+    and do not make `bench` fail; a draftwise method that differs does."""
+    from dataclasses import replace
+
+    from draftwise.benchmark import draftwise_mismatches, is_external_anchor
+
+    plain = _run("plain", "plain", None, {})
+    anchor = replace(_run("hf-assisted K=4", "hf-assisted", 4, {}), identical_to_plain=False, first_difference=3)
+    lookup = replace(_run("hf-lookup K=4", "hf-lookup", 4, {}), identical_to_plain=False, first_difference=1)
+    assert is_external_anchor("hf-assisted") and is_external_anchor("hf-lookup") and not is_external_anchor("draft")
+    assert draftwise_mismatches([plain, anchor, lookup]) == []
+    wrong = replace(_run("draft K=4", "draft", 4, {}), identical_to_plain=False, first_difference=7)
+    assert draftwise_mismatches([plain, anchor, wrong]) == [wrong]

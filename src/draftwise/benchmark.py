@@ -32,7 +32,8 @@ from draftwise.files import write_json_atomic
 from draftwise.models.loading import LoadedModel
 
 __all__ = ["BenchPrompt", "MethodSpec", "PromptRun", "load_prompts", "default_prompts_path", "run_benchmark",
-           "summarize", "first_difference", "load_results", "write_json", "doubts_of", "row_name"]
+           "summarize", "first_difference", "load_results", "write_json", "doubts_of", "row_name", "is_external_anchor",
+           "draftwise_mismatches"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,19 @@ class PromptRun:
     measurement: dict = field(default_factory=dict)
     warnings: list[dict] = field(default_factory=list)
     repeat_of: str | None = None
+
+
+def is_external_anchor(kind: str) -> bool:
+    """True for a method run by another library (``"hf-assisted"``, ``"hf-lookup"``: transformers' own
+    ``generate``): its numerics are not draftwise's, so its output may differ from draftwise's plain decoding
+    without any draftwise error, and it reports only wall time."""
+    return kind.startswith("hf")
+
+
+def draftwise_mismatches(runs: Sequence[PromptRun]) -> list[PromptRun]:
+    """The runs of draftwise's own methods whose greedy output differs from plain decoding (external anchors
+    left out: see :func:`is_external_anchor`)."""
+    return [r for r in runs if not r.identical_to_plain and not is_external_anchor(r.kind)]
 
 
 def default_prompts_path() -> Path:
@@ -336,7 +350,7 @@ def _method_row(label: str, mine: list[PromptRun], plain_time: float) -> dict:
         "identical": sum(r.identical_to_plain for r in mine),
         # external anchors report only wall time, so the engine's overhead share is undefined for them
         "overhead_share": (_sum(mine, "overhead_time_s") / decode_time if decode_time > 0 else 0.0)
-        if not mine[0].kind.startswith("hf") else None,
+        if not is_external_anchor(mine[0].kind) else None,
         "draft_time_s": _sum(mine, "draft_time_s"), "target_time_s": _sum(mine, "target_time_s"),
         "peak_rss_bytes": max(r.peak_rss_bytes for r in mine),
         "peak_gpu_bytes": max((r.peak_gpu_bytes or 0 for r in mine), default=None) if mine[0].peak_gpu_bytes is not None else None,
