@@ -581,8 +581,9 @@ def requantize_gguf(source: str | Path, destination: str | Path, file_type: str 
     all (written beside it, then renamed).
 
     The LM head (``output.weight``) gets llama.cpp's own choice for ``file_type`` unless ``head_type`` says
-    otherwise: for Q4_0 that choice is Q6_K, or Q8_0 where the width is not a multiple of 256 (Qwen2.5-Coder-0.5B's
-    896), and a 151,936 x 896 Q8_0 head is about 40% of the bytes such a draft reads per token.
+    otherwise. For Q4_0 that choice was Q8_0 on the heads measured here (Qwen2.5-Coder-0.5B's 896 wide and
+    stories260K's 64 wide; k-quants need widths that are multiples of 256), and the 0.5B's 151,936 x 896 Q8_0
+    head is about 40% of the bytes its Q4_0 copy reads per token.
 
     Args:
         source: a GGUF file llama.cpp can load.
