@@ -22,7 +22,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from draftwise.backends.llama_cpp_backend import REQUANTIZE_TYPES, requantize_gguf
+from draftwise.backends.llama_cpp_backend import REQUANTIZE_TYPES, copy_recipe, requantize_gguf
 from draftwise.benchmark import MethodSpec, default_prompts_path, load_prompts, run_benchmark, summarize
 from draftwise.builder import assemble_engine
 from draftwise.config import SamplingParams
@@ -57,12 +57,11 @@ def main() -> None:
     workdir = tempfile.TemporaryDirectory(prefix="compare-drafts-")
     if args.requantize:
         label, spec = drafts[0]
-        copy = Path(workdir.name) / f"{label}-{args.requantize}.gguf"
-        drafts.append((args.requantize.lower(), str(requantize_gguf(resolve_model(spec), copy, args.requantize))))
-        if args.head_type:
-            copy = Path(workdir.name) / f"{label}-{args.requantize}-head-{args.head_type}.gguf"
-            drafts.append((f"{args.requantize.lower()}-head-{args.head_type.lower()}", str(requantize_gguf(
-                resolve_model(spec), copy, args.requantize, head_type=args.head_type))))
+        source = resolve_model(spec)
+        for head_type in (None, args.head_type) if args.head_type else (None,):
+            recipe = copy_recipe(args.requantize, head_type)
+            copy = Path(workdir.name) / f"{label}-{recipe}.gguf"
+            drafts.append((recipe.lower(), str(requantize_gguf(source, copy, args.requantize, head_type=head_type))))
 
     target = load_model(args.target, quantization=args.quantization, runtime="lean")
     vocab = target.backend.vocab_size

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from draftwise.backends.llama_cpp_backend import copy_recipe
 from draftwise.builder import build_engine
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.draft_backend import Candidate, choose_draft_backend, draft_backend_cache_dir
@@ -58,8 +59,7 @@ def predictions(**agree):
 
 def fake_copy(made: list[str]):
     def requantize(path: str, file_type: str, head_type: str | None) -> str:
-        recipe = file_type if head_type is None else f"{file_type}-head-{head_type}"
-        copy = path[: -len(".gguf")] + f"-{recipe}.gguf"
+        copy = path[: -len(".gguf")] + f"-{copy_recipe(file_type, head_type)}.gguf"
         Path(copy).write_bytes(b"GGUF")
         made.append(copy)
         return copy
@@ -129,24 +129,22 @@ def test_a_faster_agreeing_q4_0_copy_is_chosen_and_its_file_kept(tmp_path, draft
 
 def test_a_copy_with_a_q4_0_head_is_chosen_when_faster_and_agreeing(tmp_path, draft):
     made: list[str] = []
-    choice, model = choose_draft_backend(str(draft), fake_load([]), threads=2, quantization=None,
-                                         cache_dir=tmp_path / "cache", candidates=WITH_Q4_0_HEAD,
-                                         measure=timings(torch=0.05, llama_cpp=0.03, llama_cpp_Q4_0=0.02,
-                                                         llama_cpp_Q4_0_Q4_0_head=0.016),
-                                         measure_prefill=lambda b: 0.01,
-                                         predict=predictions(llama_cpp_Q4_0=0.9, llama_cpp_Q4_0_Q4_0_head=0.9),
-                                         requantize=fake_copy(made))
+
+    def choose(cache: str, head_agreement: float):
+        return choose_draft_backend(str(draft), fake_load([]), threads=2, quantization=None,
+                                    cache_dir=tmp_path / cache, candidates=WITH_Q4_0_HEAD,
+                                    measure=timings(torch=0.05, llama_cpp=0.03, llama_cpp_Q4_0=0.02,
+                                                    llama_cpp_Q4_0_Q4_0_head=0.016),
+                                    measure_prefill=lambda b: 0.01,
+                                    predict=predictions(llama_cpp_Q4_0=0.9, llama_cpp_Q4_0_Q4_0_head=head_agreement),
+                                    requantize=fake_copy(made))
+
+    choice, model = choose("cache", 0.9)
     assert choice.candidate == "llama.cpp Q4_0, Q4_0 head" and model.backend.kind == choice.candidate
     assert choice.file == str(tmp_path / "draft-Q4_0-head-Q4_0.gguf") and choice.file in made
     assert "llama.cpp Q4_0, Q4_0 head 16.0 ms, llama.cpp Q4_0 20.0 ms" in choice.reason
     # the same copy guessing too differently: the plain Q4_0 copy is the fastest allowed one
-    fallback, _ = choose_draft_backend(str(draft), fake_load([]), threads=2, quantization=None,
-                                       cache_dir=tmp_path / "other", candidates=WITH_Q4_0_HEAD,
-                                       measure=timings(torch=0.05, llama_cpp=0.03, llama_cpp_Q4_0=0.02,
-                                                       llama_cpp_Q4_0_Q4_0_head=0.016),
-                                       measure_prefill=lambda b: 0.01,
-                                       predict=predictions(llama_cpp_Q4_0=0.9, llama_cpp_Q4_0_Q4_0_head=0.8),
-                                       requantize=fake_copy([]))
+    fallback, _ = choose("other", 0.8)
     assert fallback.candidate == "llama.cpp Q4_0"
     assert "llama.cpp Q4_0, Q4_0 head predicts the file's next token at 80% of probe positions (below 90%" \
         in fallback.reason

@@ -202,11 +202,11 @@ def _cache_key(path: str, threads: int | None, quantization: str | None) -> dict
 def _requantized_copy(path: str, file_type: str, head_type: str | None, folder: Path, threads: int | None) -> str:
     """``path`` re-quantized to ``file_type`` (its LM head to ``head_type``, None: llama.cpp's choice) in
     ``folder`` (made once per draft file; reused while it exists)."""
-    from draftwise.backends.llama_cpp_backend import requantize_gguf
+    from draftwise.backends.llama_cpp_backend import copy_recipe, requantize_gguf
 
     stat = Path(path).stat()
     tag = hashlib.sha256(f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    recipe = file_type if head_type is None else f"{file_type}-head-{head_type}"
+    recipe = copy_recipe(file_type, head_type)
     copy = folder / f"{Path(path).stem}-{tag}-{recipe}.gguf"
     if not copy.is_file():
         folder.mkdir(parents=True, exist_ok=True)

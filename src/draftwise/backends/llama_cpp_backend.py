@@ -62,7 +62,7 @@ from draftwise.backends.base import CausalLM, ForwardOutput
 
 __all__ = ["LlamaCppCausalLM", "LlamaCppTokenizer", "llama_cpp_available", "load_llama_cpp",
            "compiled_cpu_features", "has_amx_kernels", "parse_system_info", "gguf_file_type", "requantize_gguf",
-           "REQUANTIZE_TYPES",
+           "REQUANTIZE_TYPES", "copy_recipe",
            "DEFAULT_MAX_CONTEXT", "INSTALL_HINT"]
 
 logger = logging.getLogger(__name__)
@@ -569,6 +569,12 @@ def gguf_file_type(path: str | Path) -> int | None:
 
     field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
     return None if field is None else int(field.parts[field.data[0]][0])
+
+
+def copy_recipe(file_type: str, head_type: str | None = None) -> str:
+    """How a re-quantized copy is named: ``"Q4_0"``, or ``"Q4_0-head-Q4_0"`` when its LM head has its own type
+    (:func:`requantize_gguf`'s ``file_type`` and ``head_type``)."""
+    return file_type if head_type is None else f"{file_type}-head-{head_type}"
 
 
 def requantize_gguf(source: str | Path, destination: str | Path, file_type: str = "Q4_0",
