@@ -99,3 +99,16 @@ def test_mistyped_speculative_config_fails_before_loading(config, message, capsy
     assert main(["generate", "--model", "x", "--speculative-config", config, "hi"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_missing_draft_is_refused_before_the_target_loads(stories_path, monkeypatch, capsys):
+    import draftwise.builder as builder
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a weight file was read before the missing draft was refused")
+
+    monkeypatch.setattr(builder, "load_model", no_loading)
+    argv = ["generate", "--model", str(stories_path), "--speculative-model", "/nope/draft.gguf", "hi"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "GGUF file not found: /nope/draft.gguf" in err and "Traceback" not in err

@@ -31,7 +31,7 @@ from draftwise.engine import (
     SpeculativeEngine,
 )
 from draftwise.methods import METHODS, get_method
-from draftwise.models.loading import LoadedModel, load_model
+from draftwise.models.loading import LoadedModel, check_model_source, load_model
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import Proposer
 
@@ -483,7 +483,15 @@ def build_engine(
             ``k_policy="auto"`` the load-aware K); any other target or method the one-request-at-a-time
             :class:`SpeculativeEngine` (logged).
         max_num_batched_tokens: the batched engine's rows per target pass (prompt chunks included).
+
+    Raises:
+        ModelLoadError: the target or a draft model is missing (a local path, or a registry name not pulled);
+            checked before any weights are read (:func:`draftwise.models.loading.check_model_source`), and
+            whatever :func:`draftwise.models.loading.load_model` raises.
     """
+    check_model_source(target)
+    if speculative_config is not None and get_method(speculative_config.method).model == "draft":
+        check_model_source(speculative_config.model or "")  # a missing draft fails now, not after the target loads
     target_runtime = runtime
     if runtime == "auto" and speculative_config is not None and get_method(speculative_config.method).model == "heads":
         target_runtime = "transformers"

@@ -33,7 +33,7 @@ from draftwise.backends.quantization import int8_usable, parse_quantization, qua
 if TYPE_CHECKING:
     from draftwise.frspec import HeadSubset
 
-__all__ = ["RANDOM_PREFIX", "randomize_weights", "LoadedModel", "ModelLoadError", "load_model", "load_tokenizer",
+__all__ = ["RANDOM_PREFIX", "check_model_source", "randomize_weights", "LoadedModel", "ModelLoadError", "load_model", "load_tokenizer",
            "resolve_model", "select_backend", "select_runtime", "dequantized_cache_dir", "BACKENDS", "RUNTIMES"]
 
 #: ``load_model("random:SPEC")``: SPEC's architecture and tokenizer with random weights.
@@ -405,6 +405,21 @@ def _load_llama_cpp(spec: str, path: str, *, max_context: int | None, threads: i
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model {spec!r} with llama.cpp: {exc}") from exc
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids, quantization="gguf")
+
+
+def check_model_source(spec: str) -> None:
+    """Refuse, before anything is read, a model that cannot be loaded: a registry name not pulled, or a local
+    path (``.gguf`` file, model directory) that does not exist. Hub ids and ``random:`` specs pass (their
+    checks need the hub or the architecture). Cheap: it only looks at the file system.
+
+    Raises:
+        ModelLoadError: the registry model is not pulled, or the file or directory is missing.
+    """
+    path = resolve_model(spec[len(RANDOM_PREFIX):] if spec.startswith(RANDOM_PREFIX) else spec)
+    if path.endswith(".gguf") and not Path(path).is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    if _looks_local(path) and not Path(path).exists():
+        raise ModelLoadError(f"model not found: {path}")
 
 
 def _looks_local(spec: str) -> bool:
