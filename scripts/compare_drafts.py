@@ -8,13 +8,11 @@ Loads the target once (lean runtime) and each draft GGUF on llama.cpp's native k
 prompts through :func:`draftwise.benchmark.run_benchmark`. Prints one JSON line per method and category: tokens/s,
 speed-up over the plain passes, acceptance, tau, identical outputs. ``--requantize Q4_0`` adds a copy of the
 first draft in that type (llama.cpp's quantizer), as ``--speculative-backend auto`` makes one; ``--head-type Q4_0``
-adds a second copy whose LM head is Q4_0 too. ``--catch-up`` adds, beside each draft, the same draft with its long
-catch-ups run on the first draft loaded on the lean runtime (:class:`draftwise.backends.catch_up.CatchUpDraft`, as
-``--speculative-backend auto`` combines them where the lean runtime prefills faster).
+adds a second copy whose LM head is Q4_0 too.
 
 Usage (idle machine; the CPU is printed):
     scripts/compare_drafts.py --target qwen2.5-coder-1.5b --draft q4km=qwen2.5-coder-0.5b --requantize Q4_0 \
-        [--head-type Q4_0] [--catch-up] --category coding --limit 5 --k 4 --max-tokens 96
+        [--head-type Q4_0] --category coding --limit 5 --k 4 --max-tokens 96
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import json
 import tempfile
 from pathlib import Path
 
-from draftwise.backends.catch_up import CatchUpDraft
 from draftwise.backends.llama_cpp_backend import REQUANTIZE_TYPES, copy_recipe, requantize_gguf
 from draftwise.benchmark import MethodSpec, default_prompts_path, load_prompts, run_benchmark, summarize
 from draftwise.builder import assemble_engine
@@ -47,8 +44,6 @@ def main() -> None:
                         help="also run a copy of the first draft in this GGUF type")
     parser.add_argument("--head-type", choices=REQUANTIZE_TYPES, default=None,
                         help="with --requantize: also run a second copy whose LM head is this type")
-    parser.add_argument("--catch-up", action="store_true",
-                        help="also run each draft with its catch-ups on the first draft's lean runtime")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--category", default="coding")
     parser.add_argument("--limit", type=int, default=5)
@@ -71,22 +66,12 @@ def main() -> None:
     target = load_model(args.target, quantization=args.quantization, runtime="lean")
     vocab = target.backend.vocab_size
     specs = [MethodSpec("plain", "plain", engine=assemble_engine(target))]
-    lean = None
-    if args.catch_up:
-        lean = load_model(drafts[0][1], quantization=args.quantization, runtime="lean",
-                          max_context=target.backend.max_context)
-    def on_llama_cpp(spec: str):
-        return load_model(spec, backend="llama.cpp", threads=args.threads, max_context=target.backend.max_context,
-                          drafting=True).backend
-
     for label, spec in drafts:
-        variants = [(label, on_llama_cpp(spec))]
-        if lean is not None:  # its own llama.cpp context: the wrapper must be the only user of its decoder
-            variants.append((f"{label}+lean catch-up", CatchUpDraft(on_llama_cpp(spec), lean.backend)))
-        for name, backend in variants:
-            proposer = DraftModelProposer(backend, vocab)
-            specs.append(MethodSpec(f"{name} K={args.k}", "draft", args.k,
-                                    engine=assemble_engine(target, proposer, args.k)))
+        draft = load_model(spec, backend="llama.cpp", threads=args.threads, max_context=target.backend.max_context,
+                           drafting=True)
+        proposer = DraftModelProposer(draft.backend, vocab)
+        specs.append(MethodSpec(f"{label} K={args.k}", "draft", args.k,
+                                engine=assemble_engine(target, proposer, args.k)))
     prompts = load_prompts(default_prompts_path(), args.category.split(","), args.limit)
     runs = run_benchmark(target, with_baseline_repeat(specs), prompts, SamplingParams(max_tokens=args.max_tokens),
                          chat=True)

@@ -73,21 +73,13 @@ def draft(tmp_path):
     return path
 
 
-def combined(decoding, catching_up):
-    """A fake :func:`with_catch_up`: the model whose backend's kind names both runtimes."""
-    return SimpleNamespace(backend=SimpleNamespace(kind=f"{decoding.backend.kind}+{catching_up.backend.kind}"),
-                           file=decoding.file)
-
-
 def test_the_faster_backend_is_chosen_cached_and_reused(tmp_path, draft):
     loaded: list[str] = []
     choice, model = choose_draft_backend(str(draft), fake_load(loaded), threads=2, quantization="int8",
                                          cache_dir=tmp_path / "cache", candidates=AS_IS,
                                          measure=timings(torch=0.076, llama_cpp=0.041),
-                                         measure_prefill=timings(torch=0.005, llama_cpp=0.01), combine=combined)
-    assert choice.backend == "llama.cpp" and not choice.cached
-    assert choice.catch_up == "torch" and model.backend.kind == "llama.cpp+torch"  # torch prefills 2x faster
-    assert "catch-ups of 64+ tokens (context up to 1024) on torch, which prefills 2.0x faster" in choice.reason
+                                         measure_prefill=timings(torch=0.005, llama_cpp=0.01))
+    assert choice.backend == "llama.cpp" and model.backend.kind == "llama.cpp" and not choice.cached
     assert choice.candidate == "llama.cpp" and choice.file == str(draft)
     assert choice.seconds_per_token == {"torch": 0.076, "llama.cpp": 0.041}
     assert choice.prefill_seconds_per_token == {"torch": 0.005, "llama.cpp": 0.01}
@@ -100,9 +92,8 @@ def test_the_faster_backend_is_chosen_cached_and_reused(tmp_path, draft):
 
     loaded.clear()
     again, model = choose_draft_backend(str(draft), fake_load(loaded), threads=2, quantization="int8",
-                                        cache_dir=tmp_path / "cache", measure=no_measuring, combine=combined)
-    assert again.cached and again.backend == "llama.cpp" and loaded == ["llama.cpp", "torch"]
-    assert model.backend.kind == "llama.cpp+torch"
+                                        cache_dir=tmp_path / "cache", measure=no_measuring)
+    assert again.cached and again.backend == "llama.cpp" and loaded == ["llama.cpp"]
     assert again.prefill_seconds_per_token == {"torch": 0.005, "llama.cpp": 0.01}
     other, _ = choose_draft_backend(str(draft), fake_load([]), threads=1, quantization="int8",  # another key
                                     cache_dir=tmp_path / "cache", candidates=AS_IS,
@@ -269,18 +260,3 @@ def test_costs_says_which_draft_runtime_auto_chose(stories_path, draftwise_home,
     assert "draft runtime (auto): " in capsys.readouterr().out
     assert main([*common, "--speculative-backend", "llama.cpp", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["draft_runtime_choice"] is None  # forced: nothing measured
-
-
-@pytest.mark.parametrize("torch_s, llama_s, prefill, expected", [
-    (0.076, 0.041, dict(torch=0.009, llama_cpp=0.01), ""),  # torch prefills only 1.1x faster: not worth moving
-    (0.030, 0.041, dict(torch=0.005, llama_cpp=0.01), ""),  # torch decodes fastest: it catches up itself
-    (0.076, 0.041, dict(torch=0.008, llama_cpp=0.01), "torch"),  # 1.25x
-])
-def test_a_catch_up_runtime_is_kept_only_where_it_prefills_faster_than_the_llama_cpp_draft(
-        tmp_path, draft, torch_s, llama_s, prefill, expected):
-    choice, model = choose_draft_backend(str(draft), fake_load([]), threads=2, quantization="int8",
-                                         cache_dir=tmp_path / "cache", candidates=AS_IS,
-                                         measure=timings(torch=torch_s, llama_cpp=llama_s),
-                                         measure_prefill=timings(**prefill), combine=combined)
-    assert choice.catch_up == expected
-    assert ("+torch" in model.backend.kind) == bool(expected)

@@ -13,10 +13,7 @@ token, the best of a few), and the fastest is kept. A re-quantized copy must als
 it must predict the same next token at :data:`MIN_AGREEMENT` of the positions of a fixed probe text, or it is
 measured and reported but not chosen (a copy that guesses differently would lose in acceptance what it gains in
 speed). Each candidate's prefill rate (one pass over ``context`` tokens) is reported beside it: a draft catches
-up on the whole prompt once per request (``docs/draft_trees.md``). When the chosen runtime is llama.cpp and the
-lean runtime prefilled at least :data:`MIN_CATCH_UP_GAIN` times faster, both stay loaded: the draft decodes on
-llama.cpp and runs its long catch-ups on the lean runtime (:class:`draftwise.backends.catch_up.CatchUpDraft`).
-The choice, and the re-quantized copy, are
+up on the whole prompt once per request (``docs/draft_trees.md``). The choice, and the re-quantized copy, are
 cached per draft file and machine (CPU model and flags, torch and llama-cpp-python versions, threads,
 quantization) under ``draftwise_home()/draft_backends/``, like the kernel self-test, so later loads measure
 nothing.
@@ -35,19 +32,15 @@ from pathlib import Path
 import torch
 
 from draftwise import progress
-from draftwise.backends.catch_up import DEFAULT_MAX_CONTEXT, DEFAULT_MIN_TOKENS, CatchUpDraft
 from draftwise.files import draftwise_home, write_json_atomic
 from draftwise.machine import cpu_flags, cpu_model_name
 
 __all__ = ["Candidate", "DraftBackendChoice", "choose_draft_backend", "draft_backend_cache_dir", "draft_candidates",
-           "prefill_seconds_per_token", "probe_predictions", "seconds_per_token", "with_catch_up", "MIN_AGREEMENT",
-           "MIN_CATCH_UP_GAIN"]
+           "prefill_seconds_per_token", "probe_predictions", "seconds_per_token", "MIN_AGREEMENT"]
 
 logger = logging.getLogger(__name__)
 
-CACHE_SCHEMA = 5
-#: how much faster (prefill rate) another runtime must prefill than the chosen one to run its catch-ups
-MIN_CATCH_UP_GAIN = 1.2
+CACHE_SCHEMA = 4
 #: context (tokens) the candidates decode on top of, and one-token passes timed per candidate
 CONTEXT_TOKENS = 256
 TIMED_TOKENS = 8
@@ -106,7 +99,6 @@ class DraftBackendChoice:
             next token as the file as it is on llama.cpp.
         reason: one line saying what was measured and chosen.
         cached: the choice came from the cache (nothing measured now).
-        catch_up: the candidate that runs the draft's long catch-ups (``"torch"``), or ``""``: the chosen one.
     """
 
     backend: str
@@ -118,7 +110,6 @@ class DraftBackendChoice:
     candidate: str = ""
     file: str = ""
     agreement: dict[str, float] = field(default_factory=dict)
-    catch_up: str = ""
 
 
 def draft_backend_cache_dir() -> Path:
@@ -231,7 +222,6 @@ def choose_draft_backend(path: str, load: Callable[[str, str], object], *, threa
                          measure_prefill: Callable[[object], float] = prefill_seconds_per_token,
                          predict: Callable[[object], torch.Tensor] = probe_predictions,
                          requantize: Callable[[str, str, str | None], str] | None = None,
-                         combine: Callable[[object, object], object] | None = None,
                          ) -> tuple[DraftBackendChoice, object]:
     """Load the GGUF draft ``path`` on each candidate runtime, time it, keep the one that decodes fastest among
     those allowed (a re-quantized copy needs :data:`MIN_AGREEMENT` with the file as it is on llama.cpp; prefill
@@ -248,8 +238,6 @@ def choose_draft_backend(path: str, load: Callable[[str, str], object], *, threa
         predict: ``LoadedModel -> [positions]`` next-token ids on the probe (default :func:`probe_predictions`).
         requantize: ``(path, file type, head type or None) -> copy's path`` (default: llama.cpp's quantizer,
             cached in ``cache_dir``).
-        combine: ``(decoding model, catch-up model) -> model`` when a catch-up runtime is chosen (default
-            :func:`with_catch_up`).
 
     Returns:
         ``(choice, loaded draft on the chosen runtime)``.
@@ -264,17 +252,12 @@ def choose_draft_backend(path: str, load: Callable[[str, str], object], *, threa
     if cached is not None:
         logger.info("draft backend (auto, cached): %s", cached.reason)
         progress.report(f"draft backend (auto, cached): {cached.reason}")
-        model = load(cached.backend, cached.file)
-        if cached.catch_up:
-            model = (combine or with_catch_up)(model, load(cached.catch_up, path))
-        return cached, model
+        return cached, load(cached.backend, cached.file)
     requantize = requantize or (lambda source, file_type, head_type: _requantized_copy(
         source, file_type, head_type, cache_dir / "copies", threads))
     measured = _measure_all(path, load, candidates if candidates is not None else draft_candidates(path),
                             measure, measure_prefill, predict, requantize)
     choice, model = _decide(measured)
-    if choice.catch_up:
-        model = (combine or with_catch_up)(model, measured.catch_up[1])
     if len(measured.timings) >= 2:  # a choice between measured candidates is worth keeping
         try:
             write_json_atomic(cache_file, {"key": key, "choice": asdict(choice)})
@@ -296,7 +279,6 @@ class _Measured:
     kinds: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     best: tuple[str, object] | None = None  # the fastest allowed candidate so far, still loaded
-    catch_up: tuple[str, object] | None = None  # a lean candidate that may run the catch-ups, still loaded
 
     def allowed(self, name: str) -> bool:
         return name not in self.agreement or self.agreement[name] >= MIN_AGREEMENT
@@ -328,9 +310,6 @@ def _measure_all(path, load, candidates, measure, measure_prefill, predict, requ
             found.agreement[name] = _agreement(predict(model), reference)
         if found.allowed(name) and (found.best is None or found.timings[name] < found.timings[found.best[0]]):
             found.best = (name, model)  # the one loaded before it is let go
-        faster_prefill = found.catch_up is None or found.prefill[name] < found.prefill[found.catch_up[0]]
-        if candidate.backend == "torch" and faster_prefill:
-            found.catch_up = (name, model)
     return found
 
 
@@ -355,44 +334,12 @@ def _decide(found: _Measured) -> tuple[DraftBackendChoice, object]:
     agreed = "".join(f"; {b} predicts the file's next token at {a:.0%} of probe positions"
                      f"{'' if a >= MIN_AGREEMENT else f' (below {MIN_AGREEMENT:.0%}: not chosen)'}"
                      for b, a in found.agreement.items())
-    catch_up = _catch_up_candidate(found, chosen)
-    helper = (f"; catch-ups of {DEFAULT_MIN_TOKENS}+ tokens (context up to {DEFAULT_MAX_CONTEXT}) on "
-              f"{catch_up}, which prefills {found.prefill[chosen] / found.prefill[catch_up]:.1f}x faster"
-              if catch_up else "")
     reason = (f"{chosen}: one draft token on top of {CONTEXT_TOKENS} tokens took {measured}{skipped}; "
-              f"prefill of {CONTEXT_TOKENS} tokens {rates}{agreed}{helper} (measured on {cpu_model_name()})")
+              f"prefill of {CONTEXT_TOKENS} tokens {rates}{agreed} (measured on {cpu_model_name()})")
     choice = DraftBackendChoice(found.kinds[chosen], dict(found.timings), CONTEXT_TOKENS, reason,
                                 prefill_seconds_per_token=dict(found.prefill), candidate=chosen,
-                                file=found.files[chosen], agreement=dict(found.agreement), catch_up=catch_up)
+                                file=found.files[chosen], agreement=dict(found.agreement))
     return choice, model
-
-
-def _catch_up_candidate(found: _Measured, chosen: str) -> str:
-    """The lean candidate that should run a llama.cpp draft's catch-ups (prefill at least
-    :data:`MIN_CATCH_UP_GAIN` times faster), or ``""``."""
-    if found.kinds[chosen] != "llama.cpp" or found.catch_up is None:
-        return ""
-    name = found.catch_up[0]
-    faster = found.prefill[name] > 0 and found.prefill[chosen] >= MIN_CATCH_UP_GAIN * found.prefill[name]
-    return name if faster else ""
-
-
-def with_catch_up(decoding, catching_up):
-    """``decoding`` (a llama.cpp :class:`~draftwise.models.loading.LoadedModel`) with its long catch-ups run on
-    ``catching_up`` (the same draft on the lean runtime): a copy whose backend is a
-    :class:`~draftwise.backends.catch_up.CatchUpDraft`; ``decoding`` unchanged when the two cannot be combined
-    (another runtime than the lean one, which says why in the log)."""
-    import dataclasses
-
-    from draftwise.backends.lean import LeanCausalLM
-
-    if not isinstance(catching_up.backend, LeanCausalLM) or not hasattr(decoding.backend, "write_cache"):
-        logger.info("draft catch-ups stay on %s (%s cannot take them)", decoding.backend.name,
-                    catching_up.backend.name)
-        return decoding
-    backend = CatchUpDraft(decoding.backend, catching_up.backend, min_tokens=DEFAULT_MIN_TOKENS,
-                           max_context=DEFAULT_MAX_CONTEXT)
-    return dataclasses.replace(decoding, backend=backend)
 
 
 def _read(path: Path, key: dict) -> DraftBackendChoice | None:

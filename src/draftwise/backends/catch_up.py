@@ -27,17 +27,13 @@ import torch
 
 from draftwise.backends.base import CausalLM, ForwardOutput, KVState
 
-__all__ = ["CatchUpDraft", "DEFAULT_MIN_TOKENS", "DEFAULT_MAX_CONTEXT", "interleave_rope_pairs", "split_rope_pairs"]
+__all__ = ["CatchUpDraft", "DEFAULT_MIN_TOKENS", "interleave_rope_pairs", "split_rope_pairs"]
 
 logger = logging.getLogger(__name__)
 
-#: Catch-ups of at least this many tokens run on the prefiller. Measured for Qwen2.5-Coder-0.5B (lean int8
-#: prefiller, llama.cpp Q4_0 decoder; AMD EPYC, 2 cores, AVX-512): 32 tokens 0.94-0.96x llama.cpp's time, 64
-#: tokens 1.09-1.37x, 256 tokens 1.41x (docs/draft_trees.md).
-DEFAULT_MIN_TOKENS = 64
-#: ... and only while the context after the catch-up holds at most this many tokens: the lean runtime's
-#: attention grows faster with the context (256 tokens on top of 1,500: 0.75x llama.cpp's time).
-DEFAULT_MAX_CONTEXT = 1024
+#: Catch-ups of at least this many tokens run on the prefiller (below it, moving the cache costs more than the
+#: faster prefill saves; measured in docs/draft_trees.md).
+DEFAULT_MIN_TOKENS = 32
 
 
 def interleave_rope_pairs(keys: torch.Tensor) -> torch.Tensor:
@@ -61,8 +57,7 @@ class CatchUpDraft(CausalLM):
         prefiller: the same model on a runtime that exports and imports its cache as per layer ``(keys,
             values)`` ``[kv_heads, length, head_dim]`` with rotate-half keys (the lean runtime).
         min_tokens: a forward runs its leading rows on the prefiller when at least this many precede the rows
-            whose logits (or hidden states) are wanted (tokens, >= 1) ...
-        max_context: ... and the context after them holds at most this many tokens.
+            whose logits (or hidden states) are wanted (tokens, >= 1).
 
     Raises:
         ValueError: the two disagree on the vocabulary, the prefiller cannot export its cache or holds less
@@ -76,8 +71,7 @@ class CatchUpDraft(CausalLM):
     supports_hidden_states = False
     supports_cache_export = False
 
-    def __init__(self, decoder: CausalLM, prefiller: CausalLM, *, min_tokens: int = DEFAULT_MIN_TOKENS,
-                 max_context: int = DEFAULT_MAX_CONTEXT) -> None:
+    def __init__(self, decoder: CausalLM, prefiller: CausalLM, *, min_tokens: int = DEFAULT_MIN_TOKENS) -> None:
         if decoder.vocab_size != prefiller.vocab_size:
             raise ValueError(f"{decoder.name} has {decoder.vocab_size} logits, {prefiller.name} "
                              f"{prefiller.vocab_size}: not the same draft model")
@@ -91,7 +85,6 @@ class CatchUpDraft(CausalLM):
         self.decoder = decoder
         self.prefiller = prefiller
         self.min_tokens = int(min_tokens)
-        self.prefill_context = int(max_context)
         self.name = decoder.name
         self.vocab_size = decoder.vocab_size
         self.max_context = decoder.max_context
@@ -121,7 +114,7 @@ class CatchUpDraft(CausalLM):
         if return_hidden and hidden_rows is not None:
             keep = max(keep, min(int(hidden_rows), n))
         lead = n - keep
-        if lead >= self.min_tokens and len(self._tokens) + lead <= self.prefill_context:
+        if lead >= self.min_tokens:
             self._catch_up(ids[:lead])
             ids = ids[lead:]
         extra = {"return_hidden": True} if return_hidden else {}
