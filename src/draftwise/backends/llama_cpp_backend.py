@@ -51,7 +51,6 @@ import functools
 import importlib.util
 import logging
 import os
-import struct
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from draftwise.backends.base import CausalLM, ContextOverflowError, ForwardOutput
+from draftwise.backends.base import CausalLM, ForwardOutput
 
 __all__ = ["LlamaCppCausalLM", "LlamaCppTokenizer", "llama_cpp_available", "load_llama_cpp",
            "compiled_cpu_features", "has_amx_kernels", "parse_system_info", "gguf_file_type", "requantize_gguf",
@@ -268,7 +267,6 @@ class LlamaCppCausalLM(CausalLM):
         self.flash_attention = flash_attention
         self.device = torch.device("cpu")
         self._batch_capacity = self._largest_pass()
-        self._header: bytes | None = None  # see _state_header
         self._ctx = self._create_context(lib)
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(self._batch_capacity, 0, 1)
@@ -404,87 +402,6 @@ class LlamaCppCausalLM(CausalLM):
             raise RuntimeError(f"{self.name}: llama_decode returned {status} for {len(chunk)} tokens at position "
                                f"{start + chunk.start}")
 
-    # ------------------------------------------------------------------ keys and values
-    @property
-    def rope_interleaved(self) -> bool:
-        """True when llama.cpp rotates adjacent pairs of each head's key dimensions (``LLAMA_ROPE_TYPE_NORM``,
-        Llama: the GGUF's query/key rows are permuted to match), False for the rotate-half convention
-        (``LLAMA_ROPE_TYPE_NEOX``, Qwen2) that Hugging Face models use throughout.
-
-        Raises:
-            ValueError: another rope type (multimodal, none), whose cached keys :meth:`write_cache` does not map.
-        """
-        lib = _lib()
-        kind = int(lib.llama_model_rope_type(self.handle.ptr))
-        if kind == lib.LLAMA_ROPE_TYPE_NORM:
-            return True
-        if kind == lib.LLAMA_ROPE_TYPE_NEOX:
-            return False
-        raise ValueError(f"{self.name}: rope type {kind} is neither NORM nor NEOX")
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads per layer (the cached rows are ``kv_heads * head_dim`` wide)."""
-        return int(_lib().llama_model_n_head_kv(self.handle.ptr))
-
-    def read_cache(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The cached keys and values: per layer ``(keys, values)``, each ``[num_cached, kv_heads * head_dim]``
-        float32 (llama.cpp's layout: keys with rope applied, see :attr:`rope_interleaved`), read through
-        ``llama_state_seq_get_data``.
-
-        Raises:
-            ValueError: a state this module cannot read (see :func:`_parse_seq_state`).
-        """
-        lib = _lib()
-        size = lib.llama_state_seq_get_size(self._ctx, 0)
-        buffer = (ctypes.c_uint8 * size)()
-        written = lib.llama_state_seq_get_data(self._ctx, buffer, size, 0)
-        layers = _parse_seq_state(memoryview(buffer)[:written], self._num_cached)[1]
-        return [(k.astype(np.float32), v.astype(np.float32)) for k, v in layers]
-
-    def write_cache(self, layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Replace the cache by the given keys and values, positions ``0 .. length-1``: per layer ``(keys,
-        values)``, each ``[length, kv_heads * head_dim]`` (any float dtype; stored in the cache's type), keys in
-        llama.cpp's layout (:attr:`rope_interleaved`). Computed elsewhere (another runtime of the same model),
-        they make this backend continue from a context it never ran: for drafts, whose numerics do not decide
-        the output. Written through ``llama_state_seq_set_data``.
-
-        Raises:
-            ContextOverflowError: more positions than the context holds.
-            ValueError: shapes that do not fit the model, or a state llama.cpp refuses.
-        """
-        lib = _lib()
-        length = int(layers[0][0].shape[0]) if layers else 0
-        if length > self.max_context:
-            raise ContextOverflowError(f"{self.name}: {length} cached tokens exceed the context length of "
-                                       f"{self.max_context} tokens")
-        self._remove_from(0)
-        self._num_cached = 0
-        self.cache_owner = None
-        if length == 0:
-            return
-        blob = _seq_state(self._state_header(), layers, self._cache_types())
-        buffer = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        if lib.llama_state_seq_set_data(self._ctx, buffer, len(blob), 0) != len(blob):
-            self._remove_from(0)
-            raise ValueError(f"{self.name}: llama.cpp refused a cache of {length} positions")
-        self._num_cached = length
-
-    def _state_header(self) -> bytes:
-        """The bytes a sequence state starts with (read from this context with its cache empty)."""
-        if self._header is None:
-            self._remove_from(0)  # (callers empty the cache first; the header is read with no cells)
-            lib = _lib()
-            size = lib.llama_state_seq_get_size(self._ctx, 0)
-            buffer = (ctypes.c_uint8 * size)()
-            lib.llama_state_seq_get_data(self._ctx, buffer, size, 0)
-            self._header = _parse_seq_state(memoryview(buffer), 0)[0]
-        return self._header
-
-    def _cache_types(self) -> tuple[int, int]:
-        """ggml types of the cached keys and values (F16 unless the context was made otherwise)."""
-        return _GGML_F16, _GGML_F16
-
     def _read_logits(self, rows: int) -> np.ndarray:
         """Copy the last decode's logits: ``[rows, vocab]`` float32."""
         pointer = _lib().llama_get_logits(self._ctx)
@@ -498,75 +415,6 @@ class LlamaCppCausalLM(CausalLM):
         if not pointer:
             raise RuntimeError(f"{self.name}: llama.cpp returned no hidden states")
         return np.ctypeslib.as_array(pointer, shape=(rows, width)).copy()
-
-
-_GGML_F32, _GGML_F16 = 0, 1
-_NUMPY_TYPES = {_GGML_F32: np.float32, _GGML_F16: np.float16}
-
-
-def _parse_seq_state(data: memoryview, length: int) -> tuple[bytes, list[tuple[np.ndarray, np.ndarray]]]:
-    """Read a one-sequence state of ``llama_state_seq_get_data`` (llama.cpp's ``llama_kv_cache::state_write``,
-    as in llama-cpp-python 0.3.36): an 8-byte header, ``n_stream`` (u32, 1), ``cell_count`` (u32), per cell
-    ``pos`` (i32), ``n_seq_id`` (u32) and its seq ids (i32 each); then ``v_trans`` (u32), ``n_layer`` (u32),
-    per layer the keys (type i32, row bytes u64, ``cell_count`` rows), then per layer the values alike.
-
-    Returns:
-        ``(header, layers)``: the header's bytes and per layer ``(keys, values)`` ``[length, width]`` arrays
-        (views of ``data``).
-
-    Raises:
-        ValueError: another layout (several streams, transposed values, cells that are not positions
-            ``0 .. length-1``, a cache type other than F16/F32) or a size that does not add up.
-    """
-    header, offset = bytes(data[:8]), 8
-    n_stream, cells = struct.unpack_from("<II", data, offset)
-    offset += 8
-    if n_stream != 1 or cells != length:
-        raise ValueError(f"llama.cpp state with {n_stream} streams and {cells} cells (expected 1 and {length})")
-    for position in range(cells):
-        pos, n_seq = struct.unpack_from("<iI", data, offset)
-        offset += 8 + 4 * n_seq
-        if pos != position:
-            raise ValueError(f"llama.cpp state cell {position} holds position {pos}")
-    if cells == 0:
-        return header, []
-    v_trans, n_layer = struct.unpack_from("<II", data, offset)
-    offset += 8
-    if v_trans:
-        raise ValueError("llama.cpp state with transposed values (flash attention off) is not read here")
-    tables: list[list[np.ndarray]] = [[], []]
-    for table in tables:
-        for _ in range(n_layer):
-            kind, row_bytes = struct.unpack_from("<iQ", data, offset)
-            offset += 12
-            if kind not in _NUMPY_TYPES:
-                raise ValueError(f"llama.cpp cache type {kind} is not read here (F16 or F32 only)")
-            dtype = np.dtype(_NUMPY_TYPES[kind])
-            rows = np.frombuffer(data, dtype=dtype, count=cells * row_bytes // dtype.itemsize, offset=offset)
-            table.append(rows.reshape(cells, row_bytes // dtype.itemsize))
-            offset += cells * row_bytes
-    if offset != len(data):
-        raise ValueError(f"llama.cpp state of {len(data)} bytes, {offset} read")
-    return header, list(zip(tables[0], tables[1]))
-
-
-def _seq_state(header: bytes, layers: Sequence[tuple[np.ndarray, np.ndarray]], types: tuple[int, int]) -> bytes:
-    """Write a one-sequence state (the layout :func:`_parse_seq_state` reads) holding positions ``0 .. length-1``
-    of sequence 0 with the given per-layer ``(keys, values)`` ``[length, width]``, stored as ggml ``types``
-    (keys, values)."""
-    length = int(layers[0][0].shape[0])
-    cells = np.zeros((length, 3), dtype="<i4")
-    cells[:, 0] = np.arange(length)
-    cells[:, 1] = 1  # one sequence id per cell: sequence 0 (the third column)
-    parts = [header, struct.pack("<II", 1, length), cells.tobytes(), struct.pack("<II", 0, len(layers))]
-    for which, kind in enumerate(types):
-        for layer in layers:
-            rows = np.ascontiguousarray(np.asarray(layer[which], dtype=_NUMPY_TYPES[kind]))
-            if rows.shape[0] != length:
-                raise ValueError(f"{rows.shape[0]} cached rows in a layer where the first has {length}")
-            parts.append(struct.pack("<iQ", kind, rows.shape[1] * rows.itemsize))
-            parts.append(rows.tobytes())
-    return b"".join(parts)
 
 
 class LlamaCppTokenizer:
