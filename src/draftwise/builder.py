@@ -485,11 +485,10 @@ def build_engine(
         max_num_batched_tokens: the batched engine's rows per target pass (prompt chunks included).
 
     Raises:
-        ModelLoadError: the target or a draft model is missing (a local path, or a registry name not pulled);
-            checked before any weights are read (:func:`draftwise.models.loading.check_model_source`), and
-            whatever :func:`draftwise.models.loading.load_model` raises.
+        ModelLoadError: a draft model is missing (a local path, or a registry name not pulled), checked before
+            the target's weights are read (:func:`draftwise.models.loading.check_model_source`), and whatever
+            :func:`draftwise.models.loading.load_model` raises (a missing target, first thing).
     """
-    check_model_source(target)
     if speculative_config is not None and get_method(speculative_config.method).model == "draft":
         check_model_source(speculative_config.model or "")  # a missing draft fails now, not after the target loads
     target_runtime = runtime

@@ -33,8 +33,9 @@ from draftwise.backends.quantization import int8_usable, parse_quantization, qua
 if TYPE_CHECKING:
     from draftwise.frspec import HeadSubset
 
-__all__ = ["RANDOM_PREFIX", "check_model_source", "randomize_weights", "LoadedModel", "ModelLoadError", "load_model", "load_tokenizer",
-           "resolve_model", "select_backend", "select_runtime", "dequantized_cache_dir", "BACKENDS", "RUNTIMES"]
+__all__ = ["RANDOM_PREFIX", "check_model_source", "randomize_weights", "LoadedModel", "ModelLoadError", "load_model",
+           "load_tokenizer", "resolve_model", "select_backend", "select_runtime", "dequantized_cache_dir", "BACKENDS",
+           "RUNTIMES"]
 
 #: ``load_model("random:SPEC")``: SPEC's architecture and tokenizer with random weights.
 RANDOM_PREFIX = "random:"
