@@ -220,3 +220,16 @@ def test_probe_reports_per_token_acceptance_from_the_engine_counts():
     assert accepted == probe.accepted_tokens and probe.token_acceptance == accepted / (accepted + rejected)
     assert probe.token_acceptance >= probe.acceptance_rate  # positions after a rejection are not judged
     assert probe.to_dict()["token_acceptance"] == probe.token_acceptance
+
+
+def test_prompts_are_found_in_the_shared_folder_named_by_draftwise_shared(tmp_path, monkeypatch):
+    questions = tmp_path / "data" / "spec_bench" / "question.jsonl"
+    questions.parent.mkdir(parents=True)
+    questions.write_text('{"question_id": 1, "category": "coding", "turns": ["hi"]}\n')
+    monkeypatch.delenv("DRAFTWISE_PROMPTS", raising=False)
+    monkeypatch.setenv("DRAFTWISE_SHARED", str(tmp_path))
+    assert default_prompts_path() == questions
+    explicit = tmp_path / "mine.jsonl"
+    explicit.write_text('{"prompt": "x"}\n')
+    monkeypatch.setenv("DRAFTWISE_PROMPTS", str(explicit))  # the file itself still comes first
+    assert default_prompts_path() == explicit

@@ -130,8 +130,9 @@ def draftwise_mismatches(runs: Sequence[PromptRun]) -> list[PromptRun]:
 
 
 def default_prompts_path() -> Path:
-    """The Spec-Bench questions: ``$DRAFTWISE_PROMPTS``, else ``shared/data/spec_bench/question.jsonl`` next to
-    the current directory or the source checkout.
+    """The Spec-Bench questions: ``$DRAFTWISE_PROMPTS``, else ``data/spec_bench/question.jsonl`` in
+    ``$DRAFTWISE_SHARED`` (the shared folder, as for the tests' models), else ``shared/data/spec_bench/question.jsonl``
+    next to the current directory or the source checkout.
 
     Raises:
         FileNotFoundError: when none exists.
@@ -140,12 +141,15 @@ def default_prompts_path() -> Path:
     if os.environ.get("DRAFTWISE_PROMPTS"):
         candidates.append(Path(os.environ["DRAFTWISE_PROMPTS"]))
     relative = Path("shared/data/spec_bench/question.jsonl")
+    if os.environ.get("DRAFTWISE_SHARED"):
+        candidates.append(Path(os.environ["DRAFTWISE_SHARED"]) / relative.relative_to("shared"))
     for base in (Path.cwd(), Path.cwd().parent, Path(__file__).resolve().parents[3]):  # repo's parent
         candidates.append(base / relative)
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    raise FileNotFoundError("Spec-Bench prompts not found; pass --prompts FILE or set DRAFTWISE_PROMPTS")
+    raise FileNotFoundError("Spec-Bench prompts not found; pass --prompts FILE or set DRAFTWISE_PROMPTS (the file) "
+                            "or DRAFTWISE_SHARED (the shared folder)")
 
 
 def _parse_prompt_line(row: object, where: str) -> tuple[str, str | None, tuple[str, ...]]:
