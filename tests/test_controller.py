@@ -293,10 +293,45 @@ def test_auto_is_never_slower_than_the_best_fixed_choice(name):
     factory = k_controller_factory("auto", max_k, costs)
     for request in range(3):
         auto = simulate(factory(), costs, right, prompt_tokens, max_tokens)
-        # the first request on a fresh engine starts from a weak prior; at 98% on the CPU curve every choice
-        # is within 1% of break-even and its first probes cost 3%
-        floor = 0.965 if request == 0 and name == "cpu, draft right 98%" else 0.97
+        # at 98% on the CPU curve plain, K=3 and K=4 are within 1.3% of each other: the first request's probes
+        # and the optimism of the acceptance bounds (a few steps at a worse K) cost up to 3.5% there
+        floor = 0.965 if name == "cpu, draft right 98%" else 0.97
         assert min(fixed.values()) / auto >= floor, (request, auto, fixed)
+
+
+def right_by_depth(n: int, rates: list[float], seed: int) -> list[bool]:
+    """Whether the draft's guess is right at each output position, with probability ``rates[d]`` at depth d of
+    the current run of right guesses (the last rate beyond): a draft whose conditional acceptance varies with
+    the position in its draft, as measured per Spec-Bench category."""
+    rng, out, depth = random.Random(seed), [], 0
+    for _ in range(n):
+        out.append(rng.random() < rates[min(depth, len(rates) - 1)])
+        depth = depth + 1 if out[-1] else 0
+    return out
+
+
+# The bench's pair on this CPU (Qwen2.5-Coder 1.5B int8 target, 0.5B llama.cpp draft): target 78.5 ms a token,
+# draft 13.4 ms a token + 7 ms a step, catch-up 3.5 ms a token.
+CPU_QWEN = CostModel(tuple(0.0785 * r for r in (1.0, 1.04, 1.04, 1.05, 1.11)), draft_seconds_per_token=0.0134,
+                     draft_prefill_seconds_per_token=0.0035, draft_step_seconds=0.007)
+
+
+def test_a_few_unlucky_first_drafts_do_not_switch_a_good_draft_off_for_good():
+    """Roleplay's measured conditional acceptance by position (0.62, 0.52, 0.57, 0.77; K=2 is 1.36x plain):
+    with the plain estimate, 6 of 100 fresh engines whose first drafts were rejected decoded every later
+    request plainly (a re-probe's catch-up never fit the probe budget, and the engine's memory kept the low
+    estimate). With upper confidence bounds none does, and every engine stays within 10% of the best fixed K."""
+    rates = [0.62, 0.52, 0.57, 0.77]
+    for seed in range(30):
+        factory = k_controller_factory("auto", 4, CPU_QWEN, prior_strength=4.0)
+        auto = best = 0.0
+        for request in range(3):
+            right = right_by_depth(400, rates, seed * 10 + request)
+            controller = factory()
+            auto += simulate(controller, CPU_QWEN, right, 60, 128)
+            best += min(simulate(FixedK(k), CPU_QWEN, right, 60, 128) for k in range(5))
+        assert sum(controller.history) > 0, seed
+        assert best / auto >= 0.9, (seed, best / auto)
 
 
 def test_long_prompt_with_few_new_tokens_never_pays_the_catch_up():
@@ -378,7 +413,9 @@ def test_the_engine_memory_carries_acceptance_across_requests():
     simulate(second, CPU_NGRAM, right, 20, 100)
     assert first.memory is second.memory and first.memory.num_requests == 2
     best = CPU_NGRAM.best_k(1.0, 5)
-    assert first.history[0] < best and second.history[0] == best
+    assert second.history[0] == best
+    fresh = AutoK(CPU_NGRAM, 5)
+    assert all(s > f for s, f in zip(AutoK(CPU_NGRAM, 5, memory=first.memory).acceptance(5), fresh.acceptance(5)))
     other_engine = k_controller_factory("auto", 5, CPU_NGRAM)()
     assert other_engine.memory is not first.memory and other_engine.history == []
 
@@ -398,22 +435,25 @@ def test_engine_calls_start_with_the_request():
     assert controller._context_len == 3 + 20 - 1 and controller._remaining == 1
 
 
-def test_a_draft_model_prior_survives_one_rejected_first_probe():
+def test_a_draft_model_prior_survives_rejected_first_drafts():
     """Measured: a Qwen2.5-Coder 0.5B draft (acceptance 0.86 at fixed K) lost its first probe (the answer's
     opening token) and, with a prior worth one draft, decoded every later request plainly. The draft-model
-    prior keeps speculating after one rejection; the weak prior still stops."""
+    prior keeps speculating through more rejected first drafts than the weak prior, which still stops soon."""
     from draftwise.controller import MODEL_PRIOR_STRENGTH, k_controller_factory
 
     costs = CostModel((0.08, 0.085, 0.09, 0.095, 0.1), draft_seconds_per_token=0.025,
                       draft_prefill_seconds_per_token=0.001)
-    after = {}
+    rejections_survived = {}
     for strength in (1.0, MODEL_PRIOR_STRENGTH):
         controller = k_controller_factory("auto", 4, costs, prior_strength=strength, learn_costs=False)()
         controller.start(50, 200)
-        assert controller.choose_k() == 1  # the first probe
-        controller.observe(1, 0, 0.075, 0.085)  # rejected
-        after[strength] = controller.choose_k()
-    assert after[1.0] == 0 and after[MODEL_PRIOR_STRENGTH] > 0
+        ks = []
+        for _ in range(6):
+            ks.append(controller.choose_k())
+            controller.observe(ks[-1], 0, 0.075, 0.085)  # rejected at its first token
+        assert ks[0] > 0 and ks[-1] == 0, ks
+        rejections_survived[strength] = ks.index(0)
+    assert rejections_survived[MODEL_PRIOR_STRENGTH] >= 3 > rejections_survived[1.0]
 
 
 def test_draft_cost_fit_separates_a_step_overhead_from_the_cost_per_token():

@@ -179,8 +179,13 @@ class AcceptanceEstimator:
         trials = sum(map(sum, self._trials))
         return (successes + self.prior_mean * self.prior_strength) / (trials + self.prior_strength)
 
-    def rates(self, k: int, regime: int | None = None) -> list[float]:
-        """Conditional acceptance rates of positions 1..k in ``regime`` (default: the current one)."""
+    def rates(self, k: int, regime: int | None = None, optimism: float = 0.0) -> list[float]:
+        """Conditional acceptance rates of positions 1..k in ``regime`` (default: the current one).
+
+        ``optimism`` z >= 0 raises each rate by z standard errors of a Beta estimate, ``sqrt(r (1 - r) / (n + 1))``
+        with n the position's (decayed) trials plus ``prior_strength``: an upper confidence bound (UCB1's
+        optimism under uncertainty, Auer et al. 2002) that is wide where a position has little evidence (a
+        request's first drafts, positions deeper than the K tried so far) and closes as trials accumulate."""
         regime = self.regime if regime is None else regime
         pooled = self.overall
         out = []
@@ -190,6 +195,9 @@ class AcceptanceEstimator:
             rate = _shrunk(sum(successes), sum(trials), pooled, self.position_strength)
             if regime is not None:
                 rate = _shrunk(successes[regime], trials[regime], rate, self.regime_strength)
+            if optimism > 0:
+                evidence = sum(trials) + self.prior_strength
+                rate = min(1.0, rate + optimism * math.sqrt(rate * (1.0 - rate) / (evidence + 1.0)))
             out.append(rate)
         return out
 
@@ -278,7 +286,10 @@ class AutoK(KController):
     tokens on average (per-position conditional acceptance ``a_i`` from :class:`AcceptanceEstimator`, in the
     regime the previous draft left) and costs ``CostModel.step_cost(K)`` seconds at the request's current
     context length; K = 0 is a plain step. The controller returns ``argmax_K E(K) / cost(K)``, preferring
-    the smaller K on ties.
+    the smaller K on ties. The rates it uses are upper confidence bounds (``optimism`` standard errors above the
+    estimate): a few unlucky first drafts do not switch a good draft off, and positions deeper than the K tried
+    so far are tried instead of being judged by the shallow ones' rate; with evidence the bound closes on the
+    estimate.
 
     Catch-up: a draft model that has not seen the context (the prompt at the start of a request, tokens
     committed by plain steps) must prefill it before it drafts (``CostModel.catch_up_cost``). The controller
@@ -318,6 +329,7 @@ class AutoK(KController):
         cost_smoothing: weight of a new step time in the running averages, in (0, 1].
         catch_up_smoothing: weight of a new catch-up measurement (rare, so weighted more), in (0, 1].
         memory_strength: drafts' worth of the engine's acceptance estimate a request starts from (>= 0).
+        optimism: standard errors added to each acceptance rate the choice uses (>= 0; 0: the plain estimate).
 
     Raises:
         ValueError: on out-of-range arguments.
@@ -341,6 +353,7 @@ class AutoK(KController):
         cost_smoothing: float = 0.1,
         catch_up_smoothing: float = 0.5,
         memory_strength: float = 8.0,
+        optimism: float = 0.75,
     ) -> None:
         if max_k < 1 or not (1 <= probe_k <= max_k) or not (1 <= probe_interval <= max_probe_interval):
             raise ValueError("need max_k >= 1, 1 <= probe_k <= max_k and 1 <= probe_interval <= max_probe_interval")
@@ -348,8 +361,8 @@ class AutoK(KController):
                             ("catch_up_smoothing", catch_up_smoothing)):
             if not (0.0 < value <= 1.0):
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
-        if memory_strength < 0:
-            raise ValueError(f"memory_strength must be >= 0, got {memory_strength}")
+        if memory_strength < 0 or optimism < 0:
+            raise ValueError(f"memory_strength and optimism must be >= 0, got {memory_strength}, {optimism}")
         self.cost_model = cost_model
         self.max_k = max_k
         self.memory = memory or AutoKMemory.fresh(max_k)
@@ -364,6 +377,7 @@ class AutoK(KController):
         self.learn_costs = learn_costs
         self.cost_smoothing = cost_smoothing
         self.catch_up_smoothing = catch_up_smoothing
+        self.optimism = optimism
         self.history: list[int] = []
         self._notes: list[str] = []
         self._disabled = False
@@ -414,18 +428,23 @@ class AutoK(KController):
         return self._costs[1]
 
     # ------------------------------------------------------------------ the model
+    def acceptance(self, k: int) -> list[float]:
+        """The conditional acceptance rates of positions 1..k the choice uses: the estimator's, raised by
+        ``optimism`` standard errors (:meth:`AcceptanceEstimator.rates`)."""
+        return self.estimator.rates(k, optimism=self.optimism)
+
     def step_cost(self, k: int) -> float:
         """Predicted seconds of a step with K draft tokens at the current context."""
         return self.costs().step_cost(k, self._context_len)
 
     def expected_rate(self, k: int, acceptance: Sequence[float] | None = None) -> float:
         """Predicted committed tokens per second of a step with K draft tokens."""
-        rates = self.estimator.rates(k) if acceptance is None else list(acceptance)[:k]
+        rates = self.acceptance(k) if acceptance is None else list(acceptance)[:k]
         return expected_tokens(rates) / self.step_cost(k)
 
     def best_k(self, acceptance: Sequence[float] | None = None) -> int:
         """argmax over K in 0..max_k of :meth:`expected_rate` (smallest K on ties), catch-up not included."""
-        rates = self.estimator.rates(self.max_k) if acceptance is None else list(acceptance)
+        rates = self.acceptance(self.max_k) if acceptance is None else list(acceptance)
         return self.costs().best_k(rates, self.max_k, self._context_len)
 
     def can_pay(self) -> bool:
@@ -444,7 +463,7 @@ class AutoK(KController):
     def remaining_gain(self, k: int, acceptance: Sequence[float] | None = None) -> float:
         """Predicted seconds K draft tokens per step save over the remaining tokens, catch-up excluded
         (negative: lost; infinite when the request's length is unknown and K beats plain)."""
-        rates = self.estimator.rates(k) if acceptance is None else list(acceptance)[:k]
+        rates = self.acceptance(k) if acceptance is None else list(acceptance)[:k]
         per_token = self.step_cost(0) - self.step_cost(k) / expected_tokens(rates)
         if self._remaining is None:
             return math.inf if per_token > 0 else per_token
@@ -465,10 +484,13 @@ class AutoK(KController):
         return k
 
     def _choose(self) -> int:
-        rates = self.estimator.rates(self.max_k)
+        rates = self.acceptance(self.max_k)
         best = self.best_k(rates)
         if best > 0:
             if self.remaining_gain(best, rates) <= self.catch_up_cost():
+                if self._next_probe_k and self._probe_can_repay_catch_up():  # no evidence yet: the first probe
+                    self._probing = self._next_probe_k
+                    return self._probing
                 self._note(CATCH_UP_NOTE)
                 return 0
             if self._disabled:
