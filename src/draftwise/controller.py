@@ -299,7 +299,8 @@ class AutoK(KController):
     horizon is unbounded.
 
     Probing: when the best K is 0 although a perfect draft would pay, the controller probes with ``probe_k``
-    (at once before any evidence; the prior alone decides nothing). Once a probe is rejected the draft
+    (at once before any evidence, and then also when the prior's best K would not repay the draft's catch-up but
+    a perfect draft's would: the prior alone does not switch a draft off). Once a probe is rejected the draft
     disagrees with the target: :data:`SPECULATION_DISABLED_NOTE` is noted once, and speculation is
     re-probed with a small K after ``probe_interval`` plain steps. A probe that is fully accepted is followed
     at once by another with twice the K; a rejected probe doubles the interval, up to
