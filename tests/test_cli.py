@@ -112,3 +112,13 @@ def test_a_missing_draft_is_refused_before_the_target_loads(stories_path, monkey
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "GGUF file not found: /nope/draft.gguf" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("max_model_len", [5, 8, 9])
+def test_a_tiny_context_loads_and_generates(stories_path, draftwise_home, max_model_len, capsys):
+    """The load-time row-invariance self-test once ran 70 cached tokens + 9 rows whatever the context, and a
+    --max-model-len of 1-10 died in it with a traceback; it now fits its passes into the context."""
+    argv = ["generate", "--model", str(stories_path), "--max-model-len", str(max_model_len), "--max-tokens", "2",
+            "Once"]
+    assert main(argv) == 0
+    assert "Traceback" not in capsys.readouterr().err
