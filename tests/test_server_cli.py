@@ -57,6 +57,16 @@ def test_chat_template_from_file_or_inline(tmp_path):
         plan("t", "--chat-template", str(tmp_path / "missing.jinja"))
 
 
+@pytest.mark.parametrize("template, error", [("{% for %}", "TemplateSyntaxError"),
+                                             ("{{ messages[5]['content'] }}", "UndefinedError"),
+                                             ("{{ raise_exception('no system prompt') }}", "no system prompt")])
+def test_a_chat_template_that_fails_is_refused_at_start(template, error):
+    """Found by a new-user test: such a template was accepted, and every chat request then got a 400 that
+    blamed the client's messages."""
+    with pytest.raises(CliError, match=error):
+        plan("t", "--chat-template", template)
+
+
 @pytest.mark.parametrize("argv", [["a", "--model", "b"], ["t", "--default-max-tokens", "0"], ["t", "--port", "-1"],
                                   ["t", "--max-num-seqs", "0"], ["t", "--max-num-batched-tokens", "0"]])
 def test_bad_flags_are_cli_errors(argv):

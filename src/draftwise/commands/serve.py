@@ -157,15 +157,41 @@ def _api_key(flag: str | None) -> str | None:
 
 
 def _chat_template(value: str | None) -> str | None:
-    """A template file's contents, or the template itself when the value looks like Jinja."""
+    """A template file's contents, or the template itself when the value looks like Jinja; checked by
+    :func:`_check_chat_template` before any model loads.
+
+    Raises:
+        CliError: neither a file nor Jinja, or a template that fails (see :func:`_check_chat_template`).
+    """
     if value is None:
         return None
     path = Path(value)
     if path.is_file():
-        return path.read_text(encoding="utf-8")
-    if "{{" in value or "{%" in value:
-        return value
-    raise CliError(f"--chat-template: no such file, and not a Jinja template: {value!r}")
+        template = path.read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise CliError(f"--chat-template: no such file, and not a Jinja template: {value!r}")
+    _check_chat_template(template)
+    return template
+
+
+def _check_chat_template(template: str) -> None:
+    """Render ``template`` once, as transformers will for every chat request, on a one-message conversation: a
+    template that does not parse, or fails on the simplest conversation, would otherwise answer every chat
+    request with an error that blames the client.
+
+    Raises:
+        CliError: with the template's own error (Jinja's syntax and render errors, its ``raise_exception``).
+    """
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        render_jinja_template([[{"role": "user", "content": "Hello"}]], chat_template=template,
+                              add_generation_prompt=True)
+    except Exception as error:  # noqa: BLE001 - whatever the template raises is the user's to see
+        raise CliError(f"--chat-template fails on a one-message conversation: {type(error).__name__}: "
+                       f"{error}") from error
 
 
 def run(args: argparse.Namespace) -> int:
