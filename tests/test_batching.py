@@ -378,3 +378,18 @@ def test_build_engine_batches_lean_targets_only(stories_path, draftwise_home, ca
         assert isinstance(build_engine(str(stories_path), ngram_config, runtime="transformers",
                                        max_num_seqs=2).engine, SpeculativeEngine)
     assert "does not run in the batched engine" in caplog.text and "needs the lean runtime" in caplog.text
+
+
+def test_a_batched_engine_whose_k_outgrows_the_context_calibrates_what_fits(stories_path, draftwise_home):
+    """Found by a new-user test: `serve --max-model-len 40` with a suffix proposer at K=64 and k_policy auto
+    died at start ("cache entry 63 outside a context of 40"): the calibration timed 65-row passes in one slot.
+    It now times the row counts a slot can hold, and the engine serves (K is clamped to the room anyway)."""
+    from draftwise.builder import build_engine
+
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=64, k_policy="auto")
+    engine = build_engine(str(stories_path), config, quantization=MODE, runtime="lean", max_num_seqs=2,
+                          max_context=40).engine
+    assert isinstance(engine, EngineCore)
+    assert max(engine.pass_costs.points) <= 40
+    [result] = engine.generate([[1, 400, 500]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(result.token_ids) == 8

@@ -314,6 +314,7 @@ class EngineCore:
             raise RuntimeError("calibrate while no sequence runs")
         top = min(self.max_num_batched_tokens, self.max_num_seqs * (self.num_speculative_tokens + 1))
         counts = sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top, self.max_num_seqs})
+        counts = [c for c in counts if c <= self.backend.max_context]  # timed in one slot; a step never holds more
         slots = list(range(self.max_num_seqs))
         t0 = time.perf_counter()
         curve = calibrate_pass_costs(self.backend, counts, slots, curve=self.pass_costs, repeats=2,
