@@ -196,3 +196,29 @@ def test_only_draftwise_runs_that_differ_count_as_mismatches():
     assert draftwise_mismatches([plain, anchor, lookup]) == []
     wrong = replace(_run("draft K=4", "draft", 4, {}), identical_to_plain=False, first_difference=7)
     assert draftwise_mismatches([plain, anchor, wrong]) == [wrong]
+
+
+@pytest.mark.parametrize("text", ["0", "1,-1", "65", "4,1000"])
+def test_ks_outside_1_to_64_are_refused_like_the_config_refuses_them(text):
+    from draftwise.commands.bench import parse_ks
+    from draftwise.commands.common import CliError
+
+    with pytest.raises(CliError, match="1..64"):
+        parse_ks(text)
+    assert parse_ks("8,4,4") == [4, 8]
+
+
+def test_a_prompt_longer_than_the_context_is_skipped_and_named(stories, caplog):
+    """Found by a new-user test: one Spec-Bench prompt of 2,121 tokens against stories260K's 2,048 aborted the
+    whole bench; it is now skipped with a warning that names it, and the other prompts run."""
+    from draftwise.benchmark import BenchPrompt
+
+    limit = stories.backend.max_context
+    long_prompt = BenchPrompt("long", "rag", (" ".join(["Once upon a time"] * limit),))
+    short_prompt = BenchPrompt("short", "writing", ("Once upon a time",))
+    plain = SpeculativeEngine(stories.backend, eos_token_ids=stories.eos_token_ids)
+    methods = [MethodSpec("plain", "plain", engine=plain)]
+    with caplog.at_level("WARNING"):
+        runs = run_benchmark(stories, methods, [long_prompt, short_prompt], SamplingParams(max_tokens=4), chat=False)
+    assert [r.prompt_id for r in runs] == ["short"]
+    assert "prompt long (rag) skipped" in caplog.text and f"context length is {limit} tokens" in caplog.text

@@ -45,7 +45,7 @@ def test_bench_writes_json_with_exactness(stories, stories_path, tmp_path, capsy
         (["generate", "--model", "/nonexistent/model.gguf", "hi"], "not found"),
         (["generate", "--model", "x", "--temperature", "-1", "hi"], "temperature"),
         (["generate", "--model", "x", "--speculative-config", "{bad", "hi"], "not valid JSON"),
-        (["bench", "--ks", "0"], "K >= 1"),
+        (["bench", "--ks", "0"], "every K must be in 1..64"),
     ],
 )
 def test_user_errors_are_one_line(argv, message, capsys):

@@ -261,10 +261,23 @@ def run_benchmark(
         if {(m.label, t) for m in methods for t in range(num_turns)} <= have:
             continue
         runs = [r for r in runs if r.prompt_id != prompt.id]  # drop a half-finished prompt
+        if not _fits_context(target, prompt, chat):
+            continue
         runs.extend(_run_prompt(target, methods, prompt, params, chat, all_turns, on_run, threads))
         if on_prompt:
             on_prompt(runs)
     return runs
+
+
+def _fits_context(target: LoadedModel, prompt: BenchPrompt, chat: bool) -> bool:
+    """Whether the prompt's first turn leaves the context room for a new token; logs a warning naming the prompt
+    when it does not (the benchmark then skips it rather than abort every other prompt's run)."""
+    num_tokens, limit = len(encode_turn(target, prompt, 0, [], chat)), target.backend.max_context
+    if num_tokens < limit:
+        return True
+    logger.warning("prompt %s (%s) skipped: %d tokens, and the context length is %d tokens (--max-model-len)",
+                   prompt.id, prompt.category, num_tokens, limit)
+    return False
 
 
 def _run_prompt(target, methods, prompt, params, chat, all_turns, on_run, threads) -> list[PromptRun]:

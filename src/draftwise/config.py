@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 
 from draftwise.methods import BACKENDS, validate_config
 
-__all__ = ["SamplingParams", "SpeculativeConfig", "GREEDY_TEMPERATURE", "SAMPLING_RULES", "BACKENDS"]
+__all__ = ["SamplingParams", "SpeculativeConfig", "GREEDY_TEMPERATURE", "SAMPLING_RULES", "BACKENDS",
+           "MAX_SPECULATIVE_TOKENS"]
 
 #: Temperatures below this are greedy decoding (as vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE = 1e-5
 #: How temperature > 0 draws tokens and verifies drafts (:attr:`SamplingParams.sampling`).
 SAMPLING_RULES = ("coupled", "rejection")
+#: The largest ``num_speculative_tokens`` (K) accepted anywhere (config, server, ``bench --ks``).
+MAX_SPECULATIVE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -177,8 +180,9 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         _check_field_types(self)
-        if not (1 <= self.num_speculative_tokens <= 64):
-            raise ValueError(f"num_speculative_tokens must be in 1..64, got {self.num_speculative_tokens}")
+        if not (1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
         validate_config(self)
 
 

@@ -60,6 +60,7 @@ from draftwise.commands.common import (
     print_table,
     sampling_params_from_args,
 )
+from draftwise.config import MAX_SPECULATIVE_TOKENS
 from draftwise.methods import K_POLICIES, MIN_DRAFT_WINDOW
 from draftwise.models.loading import LoadedModel, load_model
 
@@ -178,8 +179,8 @@ def parse_ks(text: str) -> list[int]:
         ks = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError as exc:
         raise CliError(f"--ks must be comma-separated integers, got {text!r}") from exc
-    if not ks or min(ks) < 1:
-        raise CliError("--ks needs at least one K >= 1")
+    if not ks or min(ks) < 1 or max(ks) > MAX_SPECULATIVE_TOKENS:
+        raise CliError(f"--ks: every K must be in 1..{MAX_SPECULATIVE_TOKENS}, got {text!r}")
     return ks
 
 
@@ -335,6 +336,9 @@ def run(args: argparse.Namespace) -> int:
         write_json(output, config, runs, summarize(runs, target_costs, draft_cost), calibration, complete=complete)
 
     runs = _run_with_progress(console, target, specs, prompts, params, args, done, save)
+    if not runs:
+        raise CliError(f"no selected prompt fits the context of {target.backend.max_context} tokens "
+                       "(see the warnings above; raise --max-model-len or pick other prompts)")
     summary = summarize(runs, target_costs, draft_cost)
     by_category = summarize(runs, target_costs, draft_cost, by_category=True)
     save(runs, complete=True)
