@@ -364,6 +364,11 @@ BAD_REQUESTS = [
      "messages.0.content"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, 400,
      "max_completion_tokens"),
+    # found by a new-user test: these three were accepted (200), or refused with a message that contradicted itself
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages.0.content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3,
+                          "max_tokens": -5}, 400, "max_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      400, "tools"),
     ("chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages"),
@@ -382,6 +387,8 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(spec, spec_ur
         assert set(error) == {"message", "type", "param", "code"} and error["message"], body
         assert error["param"] == param, (body, error)
     assert complete(spec, PROMPTS[0], max_tokens=4).choices[0].text
+    null_n = httpx.post(f"{spec_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": None}, timeout=30)
+    assert null_n.status_code == 200, null_n.text  # OpenAI's API allows null for n (meaning 1)
     with pytest.raises(openai.BadRequestError, match="context length"):
         complete(spec, PROMPTS[0], max_tokens=10**6)
     with pytest.raises(openai.NotFoundError, match="does not exist"):

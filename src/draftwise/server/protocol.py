@@ -57,7 +57,7 @@ class _SamplingFields(_Request):
     max_tokens: int | None = None
     temperature: float | None = None  # OpenAI's default: 1.0
     top_p: float | None = None
-    n: int = 1
+    n: int | None = None  # null or absent: 1 (OpenAI's default)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None

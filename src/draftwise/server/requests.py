@@ -237,6 +237,8 @@ class RequestBuilder:
         prompt_ids = self._chat_prompt(request.messages)
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
+            _reject(request.max_tokens is not None and request.max_tokens < 1,  # the one it replaces: still checked
+                    f"'max_tokens' must be at least 1, got {request.max_tokens}", "max_tokens")
         else:
             max_tokens, param = request.max_tokens, "max_tokens"
         return self._build("chatcmpl", request, prompt_ids, max_tokens, param, "messages", arrival)
@@ -346,11 +348,16 @@ def _count(value: int) -> str:
 def _plain_message(message: ChatMessage, index: int) -> dict[str, str]:
     """A ``{"role", "content"}`` dict for the chat template (text parts joined by newlines)."""
     content = message.content
+    if content is None and message.role != "assistant":  # an assistant turn may carry only tool calls
+        raise APIError(400, f"messages[{index}] ('{message.role}') needs a 'content'", param=f"messages.{index}")
     if isinstance(content, list):
         for part in content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise APIError(400, f"only text content parts are supported (messages[{index}] has a "
                                f"'{part.type}' part)", param=f"messages.{index}.content")
+            if part.text is None:
+                raise APIError(400, f"messages[{index}] has a text part without 'text'",
+                               param=f"messages.{index}.content")
         content = "\n".join(part.text for part in content)  # type: ignore[misc]
     role = "system" if message.role == "developer" else message.role
     return {"role": role, "content": content or ""}
@@ -416,8 +423,9 @@ def _reject(condition: bool, message: str, param: str) -> None:
 
 def _reject_unsupported_common(request) -> None:
     """Fields that would change the output in ways this server does not implement -> 400 (never ignored)."""
-    _reject(request.n < 1, f"'n' must be at least 1, got {request.n}", "n")
-    _reject(request.n > 1, f"n={request.n} is not supported: this server returns one choice per request; "
+    n = 1 if request.n is None else request.n
+    _reject(n < 1, f"'n' must be at least 1, got {n}", "n")
+    _reject(n > 1, f"n={n} is not supported: this server returns one choice per request; "
             "send n separate requests (with different seeds) instead", "n")
     _reject(request.presence_penalty not in (None, 0, 0.0), "presence_penalty is not supported", "presence_penalty")
     _reject(request.frequency_penalty not in (None, 0, 0.0), "frequency_penalty is not supported",
