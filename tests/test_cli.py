@@ -46,6 +46,7 @@ def test_bench_writes_json_with_exactness(stories, stories_path, tmp_path, capsy
         (["generate", "--model", "x", "--temperature", "-1", "hi"], "temperature"),
         (["generate", "--model", "x", "--speculative-config", "{bad", "hi"], "not valid JSON"),
         (["bench", "--ks", "0"], "every K must be in 1..64"),
+        (["generate", "--model", "x", "--temperature", "nan", "hi"], "must be a number >= 0, got nan"),
     ],
 )
 def test_user_errors_are_one_line(argv, message, capsys):
@@ -122,3 +123,21 @@ def test_a_tiny_context_loads_and_generates(stories_path, draftwise_home, max_mo
             "Once"]
     assert main(argv) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [(["generate", "--model", "x", "--threads", "-2", "hi"], "--threads"),
+                                           (["bench", "--limit", "-1"], "--limit")])
+def test_counts_below_one_are_refused_by_the_parser(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {message}: must be >= 1" in capsys.readouterr().err
+
+
+def test_a_file_that_is_no_model_is_named_as_such(tmp_path, capsys):
+    """Found by a new-user test: an existing non-model file was reported as 'model not found'."""
+    text = tmp_path / "notes.bin"
+    text.write_text("not weights")
+    assert main(["generate", "--model", str(text), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"not a model: {text}" in err and "Traceback" not in err

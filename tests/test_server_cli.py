@@ -170,3 +170,21 @@ def _wait_healthy(thread: threading.Thread, servers: list, url: str, timeout_s: 
             return
         time.sleep(0.1)
     raise AssertionError("serve did not become healthy")
+
+
+def test_a_port_in_use_is_refused_before_any_model_loads(stories_path, monkeypatch, capsys):
+    """Found by a new-user test: a taken port was reported by uvicorn only after the models had loaded."""
+    import draftwise.builder as builder
+    from draftwise.cli import main
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the port was checked")
+
+    monkeypatch.setattr(builder, "build_engine", no_loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(stories_path), "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err

@@ -57,6 +57,7 @@ from draftwise.commands.common import (
     add_speculative_backend_arg,
     check_device_args,
     memory_size,
+    positive_int,
     print_table,
     sampling_params_from_args,
 )
@@ -98,7 +99,7 @@ def register(subparsers) -> None:
     parser.add_argument("--token-map", default=None, help="FR-Spec: ranked token map file for --draft-vocab-size")
     parser.add_argument("--prompts", default=None, help="JSONL prompt file(s), comma-separated (default: Spec-Bench questions)")
     parser.add_argument("--category", default=None, help="comma-separated categories (default: all)")
-    parser.add_argument("--limit", type=int, default=None, help="prompts per category")
+    parser.add_argument("--limit", type=positive_int, default=None, help="prompts per category")
     parser.add_argument("--turns", choices=["first", "all"], default="first",
                         help="first turn only, or all turns (later turns see the model's own answers)")
     parser.add_argument("--chat", choices=["auto", "off"], default="auto", help="apply the chat template")

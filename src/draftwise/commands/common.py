@@ -13,7 +13,7 @@ from draftwise.methods import method_names
 
 __all__ = ["add_model_args", "add_sampling_args", "speculative_config_from_args", "sampling_params_from_args",
            "CliError", "add_quantization_arg", "add_backend_arg", "add_speculative_backend_arg", "memory_size",
-           "print_table", "check_device_args"]
+           "print_table", "check_device_args", "positive_int"]
 
 
 class CliError(Exception):
@@ -30,7 +30,7 @@ def memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:
         value = int(text)
@@ -60,7 +60,7 @@ def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = Fals
     parser.add_argument("--dtype", default=None,
                         help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on GPU); one the device cannot compute "
                         "in is an error before anything is loaded")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="context length in tokens (>= 1; at most the model's own, default: the model's own)")
 
 
@@ -95,7 +95,7 @@ def add_backend_arg(parser: argparse.ArgumentParser) -> None:
                         help="torch (default; GGUF files are dequantized to float), llama.cpp (GGUF files as they are, "
                         "on the CPU; needs llama-cpp-python) or auto (llama.cpp for .gguf files and registry names "
                         "when llama-cpp-python is installed and no PyTorch-only option is set)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="llama.cpp CPU threads (default: every CPU this process may use)")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,12 +195,29 @@ def _check_chat_template(template: str) -> None:
                        f"{error}") from error
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let go, before any model loads (a taken port was found only after loading,
+    a minute for the Qwen pair). uvicorn binds again with SO_REUSEADDR, as this does.
+
+    Raises:
+        CliError: the address does not resolve or cannot be bound (in use, not this machine's, no permission).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as error:
+        raise CliError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the models, then serve until interrupted."""
     from draftwise.builder import build_engine
     from draftwise.server import create_app, serve
 
     plan = plan_from_args(args)
+    _check_port_free(args.host, args.port)
     _enable_request_logging()
     logger.info("loading %s (%s)", plan.target,
                 f"draft {plan.speculative_config.model or plan.speculative_config.method}, "

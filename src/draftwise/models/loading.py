@@ -195,7 +195,7 @@ def load_model(
             progress.report("loading the weights", model=spec)
             model, tokenizer = _load_hf_dir(Path(path), torch_dtype, attention)
         elif _looks_local(path):
-            raise ModelLoadError(f"model not found: {path}")
+            raise _not_found(path)
         else:
             progress.report("loading the weights", model=spec)
             model, tokenizer = _load_hf_dir(path, torch_dtype, attention)  # hub id
@@ -420,7 +420,14 @@ def check_model_source(spec: str) -> None:
     if path.endswith(".gguf") and not Path(path).is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
     if _looks_local(path) and not Path(path).exists():
-        raise ModelLoadError(f"model not found: {path}")
+        raise _not_found(path)
+
+
+def _not_found(path: str) -> ModelLoadError:
+    """The error for a local path that is no model: missing, or a file of another kind."""
+    if Path(path).is_file():
+        return ModelLoadError(f"not a model: {path} (expected a .gguf file, a model directory or a hub id)")
+    return ModelLoadError(f"model not found: {path}")
 
 
 def _looks_local(spec: str) -> bool:
@@ -558,7 +565,7 @@ def load_tokenizer(spec: str):
                 return AutoTokenizer.from_pretrained(str(copy))
             return _gguf_tokenizer(gguf, gguf_metadata(gguf, ("tokenizer.chat_template",)).get("tokenizer.chat_template"))
         if _looks_local(path) and not Path(path).is_dir():
-            raise ModelLoadError(f"model not found: {path}")
+            raise _not_found(path)
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load the tokenizer of {spec!r}: {exc}") from exc
