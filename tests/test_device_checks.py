@@ -193,3 +193,71 @@ def test_load_model_refuses_a_context_below_one(stories_path):
 
     with pytest.raises(ValueError, match="must be >= 1"):
         load_model(str(stories_path), max_context=-5, quantization="none")
+
+
+# --------------------------------------------------------------------------- the default dtype (GPU finding)
+# On an H200, bf16 targets gave speculative output that differed from plain decoding (scripts/gpu_check.py:
+# 1 of 6 prompts identical), fp32 matched: a target defaults to fp32 everywhere, a draft to bf16 on a GPU.
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
+def test_a_target_defaults_to_fp32_on_every_device(device):
+    assert devices.parse_dtype(None, device) == torch.float32
+    assert devices.parse_dtype("auto", device) == torch.float32
+
+
+def test_a_draft_defaults_to_bf16_on_a_gpu_only():
+    assert devices.parse_dtype(None, "cuda", drafting=True) == torch.bfloat16
+    assert devices.parse_dtype(None, "cuda:0", drafting=True) == torch.bfloat16
+    assert devices.parse_dtype(None, "cpu", drafting=True) == torch.float32
+    assert devices.parse_dtype("fp32", "cuda", drafting=True) == torch.float32  # an explicit dtype wins
+
+
+def test_the_builder_loads_a_draft_as_a_draft():
+    from draftwise.builder import BuildOptions, draft_load_options
+    from draftwise.config import SpeculativeConfig
+
+    config = SpeculativeConfig(method="draft_model", model="some-draft.gguf", num_speculative_tokens=4)
+    assert draft_load_options(config, BuildOptions())["drafting"] is True
+
+
+def test_a_half_precision_target_is_warned_about_and_a_draft_is_not(stories_path, caplog):
+    from draftwise.models.loading import load_model
+
+    caplog.set_level("WARNING", logger="draftwise.models.loading")
+    try:
+        load_model(str(stories_path), device="cpu", dtype="bf16", quantization="none", runtime="transformers")
+    except DeviceError:
+        pytest.skip("this CPU cannot compute in bf16")
+    assert "not row-invariant" in caplog.text
+    caplog.clear()
+    load_model(str(stories_path), device="cpu", dtype="bf16", quantization="none", runtime="transformers",
+               drafting=True)
+    assert "not row-invariant" not in caplog.text
+    load_model(str(stories_path), device="cpu", dtype="fp32", quantization="none", runtime="transformers")
+    assert "not row-invariant" not in caplog.text
+
+
+def test_gpu_passes_leave_out_cudnn_attention():
+    """PyTorch picked cuDNN's attention for bf16 on an H200, which built a plan per key length: 50-80 ms a pass
+    against 6-8 ms without it (torch_backend.attention_backends). CPU passes keep PyTorch's choice."""
+    from torch.nn.attention import SDPBackend
+
+    from draftwise.backends.torch_backend import attention_backends
+
+    assert attention_backends("cpu") is None
+    for device in ("cuda", "cuda:1", torch.device("cuda", 0)):
+        kernels = attention_backends(device)
+        assert SDPBackend.CUDNN_ATTENTION not in kernels
+        assert SDPBackend.FLASH_ATTENTION in kernels and SDPBackend.MATH in kernels
+
+
+def test_a_gpu_run_is_not_judged_by_its_cpu_share():
+    """A GPU-bound run leaves the CPU idle: the bench flagged every H200 run 'machine busy' (6% CPU share)."""
+    from types import SimpleNamespace
+
+    from draftwise.measurement import backend_threads
+
+    assert backend_threads(SimpleNamespace(device=torch.device("cuda", 0))) is None
+    assert backend_threads(SimpleNamespace(device=torch.device("cpu"))) == torch.get_num_threads()
+    assert backend_threads(SimpleNamespace(n_threads=3)) == 3

@@ -190,8 +190,12 @@ def combine(measurements: Iterable[Measurement | None]) -> Measurement | None:
                        min(before) if before else None, max(after) if after else None)
 
 
-def backend_threads(backend) -> int:
-    """Threads a backend's forward passes may use: llama.cpp's ``n_threads``, else torch's intra-op threads."""
+def backend_threads(backend) -> int | None:
+    """Threads a backend's forward passes may use: llama.cpp's ``n_threads``, else torch's intra-op threads; None
+    for a backend on a GPU (its passes leave the CPU idle, so a low CPU share says nothing about other work)."""
+    device = getattr(backend, "device", None)
+    if device is not None and getattr(device, "type", str(device)) != "cpu":
+        return None
     threads = getattr(backend, "n_threads", None)
     if isinstance(threads, int) and threads > 0:
         return threads

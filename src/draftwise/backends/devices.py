@@ -32,14 +32,15 @@ class DeviceError(ValueError):
     """A device this machine lacks, or a dtype the device cannot compute in; the message says which."""
 
 
-def parse_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
-    """``"fp32"``/``"bf16"``/``"fp16"`` (or a torch dtype) to a torch dtype; None picks the device default.
+def parse_dtype(dtype: str | torch.dtype | None, device: str, *, drafting: bool = False) -> torch.dtype:
+    """``"fp32"``/``"bf16"``/``"fp16"`` (or a torch dtype) to a torch dtype; None picks the default
+    (:func:`~draftwise.backends.torch_backend.default_dtype`: fp32, bf16 for a draft model on a GPU).
 
     Raises:
         ValueError: unknown dtype name.
     """
     if dtype is None or dtype == "auto":
-        return default_dtype(device)
+        return default_dtype(device, drafting=drafting)
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:

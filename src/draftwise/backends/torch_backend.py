@@ -1,11 +1,12 @@
 """PyTorch / transformers backend: a ``transformers`` causal LM with a ``DynamicCache``.
 
-Rollback uses ``DynamicCache.crop`` (as Hugging Face assisted generation does). Defaults: fp32 on CPU,
-bf16 on CUDA.
+Rollback uses ``DynamicCache.crop`` (as Hugging Face assisted generation does). Default dtype: fp32, and bf16 for
+a draft model on a GPU (see :func:`default_dtype`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ import torch
 from draftwise.backends.base import CausalLM, ForwardOutput, KVState
 from draftwise.tree import check_parents, tree_attention_mask, tree_position_ids
 
-__all__ = ["TorchCausalLM", "default_attention", "default_device", "default_dtype"]
+__all__ = ["TorchCausalLM", "attention_backends", "default_attention", "default_device", "default_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +33,37 @@ def default_attention(device: str) -> str:
     return "sdpa" if device.startswith("cuda") else "eager"
 
 
-def default_dtype(device: str) -> torch.dtype:
-    """fp32 on CPU (bf16 is slow without AVX512-BF16), bf16 on GPU."""
-    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+def attention_backends(device: torch.device | str) -> list | None:
+    """The SDPA kernels a pass on ``device`` may use: on CUDA, flash, memory-efficient and math attention, not
+    cuDNN's; None (PyTorch's choice) elsewhere.
+
+    PyTorch 2.11 picks cuDNN's attention for bf16 on Hopper, and cuDNN builds an execution plan for each new
+    shape. Decoding changes the key length every pass, so every pass paid for a plan: measured on an NVIDIA
+    H200 (a random 1024-wide, 8-layer Llama in bf16, the key length growing by one per pass), a 1-row pass took
+    49.6 ms (median) with cuDNN and 5.8 ms without it, a 2-row pass 80.2 ms (up to 911 ms) against 7.4 ms, a
+    5-row pass 56.5 ms against 7.7 ms; fp32 (memory-efficient attention either way) 8.0-13.5 ms against
+    8.2-10.1 ms. With cuDNN a bf16 draft model ran at 0.08x plain decoding.
+    """
+    if torch.device(device).type != "cuda":
+        return None
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def default_dtype(device: str, *, drafting: bool = False) -> torch.dtype:
+    """fp32, except bf16 for a draft model (``drafting``) on a GPU.
+
+    A target computes in fp32 on a GPU too: transformers' bf16 kernels there are not row-invariant, so a
+    verify pass rounds a token's logits differently from the one-token pass of plain decoding, and the output
+    changes where the top logits nearly tie. Measured on an NVIDIA H200 (``scripts/gpu_check.py``, torch 2.11,
+    K=4, 6 prompts x 48 tokens, a randomly initialised 2048-wide 16-layer Llama): bf16 logits moved by up to
+    0.086 between a 1-row and a 5-row pass and greedy output matched plain decoding in 1 of 6 prompts with the
+    target as its own draft (2 of 6 with n-gram lookup); in fp32 they moved by up to 1e-5 and every output
+    matched (stories260K too). A draft's numerics never change the output, so a GPU draft keeps bf16's speed.
+    On the CPU bf16 is slow without AVX512-BF16 and the exact int8 / Q4_K runtimes compute in fp32.
+    """
+    return torch.bfloat16 if drafting and device.startswith("cuda") else torch.float32
 
 
 class TorchCausalLM(CausalLM):
@@ -62,6 +91,7 @@ class TorchCausalLM(CausalLM):
         # transformers >= 5.2x names the cache argument `cache`; older releases `past_key_values`.
         params = inspect.signature(type(model).forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._attention_backends = attention_backends(self.device)
         self.sliding_window = _active_sliding_window(config)
         # A tree pass builds its own mask over every cached key; a window shorter than the context would be
         # ignored there, so trees are refused on such models (chains go through the model's own masks).
@@ -159,16 +189,25 @@ class TorchCausalLM(CausalLM):
              mask: torch.Tensor | None = None, cache_positions: torch.Tensor | None = None):
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
         extra = {} if mask is None else {"attention_mask": mask}  # [1, 1, n, cached + n] additive
-        return self.model(
-            input_ids=input_ids,
-            position_ids=positions.unsqueeze(0),  # [1, n]
-            cache_position=positions if cache_positions is None else cache_positions,  # [n]
-            **{self._cache_arg: self._cache},
-            use_cache=True,
-            logits_to_keep=keep,
-            output_hidden_states=return_hidden,
-            **extra,
-        )
+        with self._attention_kernels():
+            return self.model(
+                input_ids=input_ids,
+                position_ids=positions.unsqueeze(0),  # [1, n]
+                cache_position=positions if cache_positions is None else cache_positions,  # [n]
+                **{self._cache_arg: self._cache},
+                use_cache=True,
+                logits_to_keep=keep,
+                output_hidden_states=return_hidden,
+                **extra,
+            )
+
+    def _attention_kernels(self):
+        """The SDPA kernels this device's passes may use (:func:`attention_backends`)."""
+        if self._attention_backends is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import sdpa_kernel
+
+        return sdpa_kernel(self._attention_backends)
 
     def _output(self, out, keep: int, hidden_rows: int) -> ForwardOutput:
         logits = out.logits[0, -keep:].float()  # [keep, vocab]

@@ -42,7 +42,7 @@ class CheckSettings:
 
     Attributes:
         device: ``"cpu"``, ``"cuda"``... (default: CUDA when present). dtype: ``"fp32"``/``"bf16"``/``"fp16"``
-            (default: fp32 on CPU, bf16 on GPU).
+            (default: fp32; a draft model on a GPU: bf16).
         memory_budget: bytes available for both models (None: what is free on the device now).
         max_model_len: context length in tokens (None: the target config's).
         max_num_seqs: sequences whose KV caches are held at once.

@@ -42,7 +42,7 @@ def register(subparsers) -> None:
     parser.add_argument("--max-k", type=int, default=8, help="predict the speed-up for K = 1..max-k (default 8)")
     parser.add_argument("--repeats", type=int, default=5, help="timed forward passes per token count (default 5)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    parser.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on GPU)")
+    parser.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default fp32; a draft model on a GPU bf16)")
     parser.add_argument("--memory-budget", default=None,
                         help="memory for both models, e.g. 24GiB, 24GB, 512MiB (default: free on the device)")
     parser.add_argument("--max-model-len", type=int, default=None,

@@ -58,8 +58,8 @@ def add_model_args(parser: argparse.ArgumentParser, *, demo_default: bool = Fals
                         help="cpu, cuda, cuda:N, mps or xpu (default: cuda when present); one this machine lacks is "
                         "an error before anything is loaded")
     parser.add_argument("--dtype", default=None,
-                        help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on GPU); one the device cannot compute "
-                        "in is an error before anything is loaded")
+                        help="fp32, bf16 or fp16 (default fp32; a draft model on a GPU bf16); one the device "
+                        "cannot compute in is an error before anything is loaded")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="context length in tokens (>= 1; at most the model's own, default: the model's own)")
 

@@ -59,7 +59,7 @@ def register(subparsers) -> None:
                         help="also time this draft model's one-token pass and print the cost ratio c")
     add_speculative_backend_arg(parser)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    parser.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on GPU)")
+    parser.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default fp32; a draft model on a GPU bf16)")
     parser.add_argument("--kernels", nargs="?", const="", default=None, metavar="MODES",
                         help="also run the linear-kernel self-test for the model's layer shapes (cached per machine) "
                         "and print its table; MODES: comma-separated of " + ", ".join(KERNEL_MODES)

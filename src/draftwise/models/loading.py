@@ -134,7 +134,8 @@ def load_model(
             a hub id (needs a reachable hub). ``random:SPEC`` loads SPEC's architecture and tokenizer with
             random weights (PyTorch backend only): a deliberately mismatched draft for benchmarks and tests.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: CUDA when present.
-        dtype: ``"fp32"``, ``"bf16"``, ``"fp16"``; default: fp32 on CPU, bf16 on GPU.
+        dtype: ``"fp32"``, ``"bf16"``, ``"fp16"``; default: fp32, and bf16 for a draft (``drafting``) on a GPU
+            (a target in bf16/fp16 on transformers' kernels is not row-invariant: a warning says so).
         max_context: context length in tokens (default: the model config's).
         attn_implementation: transformers attention kernel (default: see ``default_attention``).
         quantization: ``"none"`` (default), ``"int8"``: batch-invariant int8 linear layers and row-wise
@@ -155,7 +156,7 @@ def load_model(
         drafting: the model is a draft, whose numerics need not be batch-invariant (only the target's decide
             the output): on llama.cpp it then runs llama.cpp's native kernels (repacked weights, one-token
             passes, prefill passes of up to 512 tokens; see :mod:`draftwise.backends.llama_cpp_backend`). The
-            PyTorch backends are the same either way.
+            PyTorch backends differ only in the default dtype (bf16 for a draft on a GPU).
 
     Raises:
         ModelLoadError: missing file, unreadable model, a registry model that is not pulled, or the llama.cpp
@@ -184,7 +185,7 @@ def load_model(
     if not randomize and select_backend(backend, path, device=device, dtype=dtype, quantization=quantization) == "llama.cpp":
         return _load_llama_cpp(spec, path, max_context=max_context, threads=threads, exact=not drafting)
     device = check_device(device)
-    torch_dtype = parse_dtype(dtype, device)
+    torch_dtype = parse_dtype(dtype, device, drafting=drafting)
     attention = attn_implementation or default_attention(device)
     try:
         if path.endswith(".gguf"):
@@ -240,9 +241,21 @@ def load_model(
         quantize_model(model, quantization, kernel=Q4KKernel(_q4k_source(path, quantization, label=spec)))
     else:
         quantize_model(model, quantization)
+    if not drafting:
+        _warn_inexact_dtype(torch_dtype, spec)
     backend = TorchCausalLM(model, name=name, max_context=max_context)
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids,
                        quantization=quantization)
+
+
+def _warn_inexact_dtype(dtype: torch.dtype, name: str) -> None:
+    """Log a warning for a target on transformers' kernels in bf16/fp16: they are not row-invariant, so a
+    speculative verify pass may round a token's logits differently from plain decoding's one-token pass
+    (measured on an H200: see :func:`draftwise.backends.torch_backend.default_dtype`)."""
+    if dtype in (torch.bfloat16, torch.float16):
+        logger.warning("%s runs in %s on kernels that are not row-invariant: speculative output can differ from "
+                       "plain decoding where the top logits nearly tie; fp32 (the default) matched it in every "
+                       "measurement", name, str(dtype).removeprefix("torch."))
 
 
 def _warn_past_trained_context(max_context: int | None, config, name: str) -> None:
