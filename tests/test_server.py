@@ -374,6 +374,10 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages"),
     ("chat/completions", r'{"messages": [{"role": "user", "content": [{"type": "\ud800"}]}]}', 400,
      "messages.0.content.0.type"),
+    # a speculative setting in a request body was silently ignored (found by a new-user test): it is the server's
+    ("completions", {"prompt": "hi", "k_policy": "auto"}, 400, "k_policy"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "speculative_config": {"method": "ngram"}}, 400, "speculative_config"),
 ]
 
 
@@ -389,6 +393,9 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(spec, spec_ur
     assert complete(spec, PROMPTS[0], max_tokens=4).choices[0].text
     null_n = httpx.post(f"{spec_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": None}, timeout=30)
     assert null_n.status_code == 200, null_n.text  # OpenAI's API allows null for n (meaning 1)
+    other = httpx.post(f"{spec_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "metadata": {"a": 1}},
+                       timeout=30)
+    assert other.status_code == 200, other.text  # another unknown field is ignored (and logged), as vLLM does
     with pytest.raises(openai.BadRequestError, match="context length"):
         complete(spec, PROMPTS[0], max_tokens=10**6)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
@@ -440,3 +447,15 @@ def test_metrics_follow_vllm_names(spec, spec_url):
     assert accepted == per_position > 0
     assert metric(spec_url, "draftwise:request_success_total", finished_reason="length") >= 1
     assert metric(spec_url, "draftwise:time_to_first_token_seconds_count") >= 1
+
+
+def test_ignored_request_fields_are_logged_by_name(caplog):
+    from draftwise.server.protocol import CompletionRequest
+    from draftwise.server.requests import _check_extra_fields
+
+    caplog.set_level("WARNING", logger="draftwise.server.requests")
+    _check_extra_fields(CompletionRequest(prompt="hi", metadata={"a": 1}, foo=2))
+    assert "request fields ignored" in caplog.text and "foo, metadata" in caplog.text
+    caplog.clear()
+    _check_extra_fields(CompletionRequest(prompt="hi", num_speculative_tokens=2))
+    assert not caplog.text

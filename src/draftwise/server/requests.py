@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import dataclasses
+import logging
 import math
 import queue
 import threading
@@ -22,6 +23,8 @@ from draftwise.models.loading import LoadedModel
 from draftwise.server.errors import APIError
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from draftwise.server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GenerationRequest", "TextCodec", "RequestBuilder", "public_model_name", "cache_scope"]
 
@@ -226,6 +229,7 @@ class RequestBuilder:
         arrival = time.perf_counter()
         _reject_unsupported_common(request)
         _reject_unsupported_completion(request)
+        _check_extra_fields(request)
         prompt_ids = self._completion_prompt(request.prompt)
         return self._build("cmpl", request, prompt_ids, request.max_tokens, "max_tokens", "prompt", arrival)
 
@@ -234,6 +238,7 @@ class RequestBuilder:
         arrival = time.perf_counter()
         _reject_unsupported_common(request)
         _reject_unsupported_chat(request)
+        _check_extra_fields(request)
         prompt_ids = self._chat_prompt(request.messages)
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
@@ -419,6 +424,24 @@ def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 def _reject(condition: bool, message: str, param: str) -> None:
     if condition:
         raise APIError(400, message, param=param)
+
+
+# Extra fields that name a speculative setting: the server's own (serve --speculative-config, --k-policy...), so
+# a request that sends one would otherwise believe it took effect. The per-request one is num_speculative_tokens.
+_SERVER_SETTING_WORDS = ("specul", "k_policy", "draft", "proposer", "tree_width", "tree_budget")
+
+
+def _check_extra_fields(request) -> None:
+    """A request's fields outside the API: one naming a speculative setting is a 400 (it is the server's, set at
+    ``serve``; per request only ``num_speculative_tokens``); others are logged as ignored, as vLLM does."""
+    extra = sorted(request.model_extra or {})
+    for name in extra:
+        _reject(any(word in name.lower() for word in _SERVER_SETTING_WORDS),
+                f"'{name}' is not a per-request setting: speculative decoding is configured when the server starts "
+                "(serve --speculative-config, --num-speculative-tokens); a request may set only "
+                "'num_speculative_tokens' (0 for plain decoding)", name)
+    if extra:
+        logger.warning("request fields ignored (not part of the API this server serves): %s", ", ".join(extra))
 
 
 def _reject_unsupported_common(request) -> None:
