@@ -378,6 +378,12 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "k_policy": "auto"}, 400, "k_policy"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                           "speculative_config": {"method": "ngram"}}, 400, "speculative_config"),
+    ("completions", {"prompt": "hi", "K_Policy": "auto"}, 400, "K_Policy"),
+    ("completions", {"prompt": "hi", "draft_model": "x"}, 400, "draft_model"),
+    # vLLM extras that change the output were ignored (200): min_p 0.99 changed nothing
+    ("completions", {"prompt": "hi", "min_p": 0.5}, 400, "min_p"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}}, 400,
+     "guided_json"),
 ]
 
 
@@ -396,6 +402,10 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(spec, spec_ur
     other = httpx.post(f"{spec_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "metadata": {"a": 1}},
                        timeout=30)
     assert other.status_code == 200, other.text  # another unknown field is ignored (and logged), as vLLM does
+    for harmless in ({"fallback_policy": "x"}, {"drafts_enabled": True}, {"min_p": 0}, {"use_beam_search": False}):
+        response = httpx.post(f"{spec_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, **harmless},
+                              timeout=30)
+        assert response.status_code == 200, (harmless, response.text)  # whole words only; no-op values pass
     with pytest.raises(openai.BadRequestError, match="context length"):
         complete(spec, PROMPTS[0], max_tokens=10**6)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
@@ -455,7 +465,13 @@ def test_ignored_request_fields_are_logged_by_name(caplog):
 
     caplog.set_level("WARNING", logger="draftwise.server.requests")
     _check_extra_fields(CompletionRequest(prompt="hi", metadata={"a": 1}, foo=2))
-    assert "request fields ignored" in caplog.text and "foo, metadata" in caplog.text
+    assert "request fields ignored" in caplog.text and "'foo', 'metadata'" in caplog.text
+    caplog.clear()  # a name cannot forge a log line, and thousands of names make one short line
+    _check_extra_fields(CompletionRequest(prompt="hi", **{"x\nINFO fake: pwned": 1}))
+    assert "\nINFO fake" not in caplog.text and "\\nINFO fake" in caplog.text
+    caplog.clear()
+    _check_extra_fields(CompletionRequest(prompt="hi", **{f"f{i}": i for i in range(20000)}))
+    assert "and 19990 more" in caplog.text and len(caplog.text) < 1000
     caplog.clear()
     _check_extra_fields(CompletionRequest(prompt="hi", num_speculative_tokens=2))
     assert not caplog.text

@@ -253,9 +253,10 @@ def _warn_inexact_dtype(dtype: torch.dtype, name: str) -> None:
     speculative verify pass may round a token's logits differently from plain decoding's one-token pass
     (measured on an H200: see :func:`draftwise.backends.torch_backend.default_dtype`)."""
     if dtype in (torch.bfloat16, torch.float16):
-        logger.warning("%s runs in %s on kernels that are not row-invariant: speculative output can differ from "
-                       "plain decoding where the top logits nearly tie; fp32 (the default) matched it in every "
-                       "measurement", name, str(dtype).removeprefix("torch."))
+        logger.warning("%s runs in %s on kernels that are not row-invariant: as the target of speculative decoding "
+                       "its output can differ from its own plain decoding where the top logits nearly tie (fp32 "
+                       "matched plain decoding in every measurement; docs/gpu.md)", name,
+                       str(dtype).removeprefix("torch."))
 
 
 def _warn_past_trained_context(max_context: int | None, config, name: str) -> None:

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import queue
+import re
 import threading
 import time
 import uuid
@@ -428,20 +429,45 @@ def _reject(condition: bool, message: str, param: str) -> None:
 
 # Extra fields that name a speculative setting: the server's own (serve --speculative-config, --k-policy...), so
 # a request that sends one would otherwise believe it took effect. The per-request one is num_speculative_tokens.
-_SERVER_SETTING_WORDS = ("specul", "k_policy", "draft", "proposer", "tree_width", "tree_budget")
+# Matched on whole words of the name ("draft_model", not "drafts_enabled"; "k_policy", not "fallback_policy").
+_SERVER_SETTING_WORDS = frozenset({"speculative", "speculation", "draft", "proposer"})
+_SERVER_SETTING_NAMES = frozenset({"k_policy", "kpolicy", "tree_width", "tree_budget", "draft_window"})
+# vLLM's extra sampling fields that change the output, which this server does not implement: a 400, never ignored
+_UNSUPPORTED_VLLM_FIELDS = ("min_p", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
+                            "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                            "structured_outputs", "logits_processors", "prompt_logprobs", "include_stop_str_in_output",
+                            "truncate_prompt_tokens")
+_LOGGED_NAMES = 10  # unknown field names a log line lists (then a count)
+_LOGGED_NAME_CHARS = 40
+
+
+def _names_a_server_setting(name: str) -> bool:
+    lowered = name.lower()
+    words = set(re.split(r"[^a-z0-9]+", lowered))
+    return lowered in _SERVER_SETTING_NAMES or bool(words & _SERVER_SETTING_WORDS)
+
+
+def _changes_the_output(value) -> bool:
+    """A vLLM extra sent with a value that is not its no-op default (unset, false, empty, 0)."""
+    return value not in (None, False, 0, "", [], {})
 
 
 def _check_extra_fields(request) -> None:
-    """A request's fields outside the API: one naming a speculative setting is a 400 (it is the server's, set at
-    ``serve``; per request only ``num_speculative_tokens``); others are logged as ignored, as vLLM does."""
-    extra = sorted(request.model_extra or {})
-    for name in extra:
-        _reject(any(word in name.lower() for word in _SERVER_SETTING_WORDS),
-                f"'{name}' is not a per-request setting: speculative decoding is configured when the server starts "
-                "(serve --speculative-config, --num-speculative-tokens); a request may set only "
+    """A request's fields outside the API: a 400 for one naming a speculative setting (the server's, set at
+    ``serve``; per request only ``num_speculative_tokens``) or a vLLM sampling extra that would change the output;
+    other fields are logged as ignored (names escaped and the list cut short), as vLLM does."""
+    extra = request.model_extra or {}
+    for name, value in extra.items():
+        _reject(_names_a_server_setting(name),
+                f"{name[:_LOGGED_NAME_CHARS]!r} is not a per-request setting: speculative decoding is configured when "
+                "the server starts (serve --speculative-config, --num-speculative-tokens); a request may set only "
                 "'num_speculative_tokens' (0 for plain decoding)", name)
+        _reject(name in _UNSUPPORTED_VLLM_FIELDS and _changes_the_output(value), f"{name} is not supported", name)
     if extra:
-        logger.warning("request fields ignored (not part of the API this server serves): %s", ", ".join(extra))
+        names = sorted(extra)
+        shown = ", ".join(repr(n[:_LOGGED_NAME_CHARS]) for n in names[:_LOGGED_NAMES])
+        more = f" and {len(names) - _LOGGED_NAMES} more" if len(names) > _LOGGED_NAMES else ""
+        logger.warning("request fields ignored (not part of the API this server serves): %s%s", shown, more)
 
 
 def _reject_unsupported_common(request) -> None:
