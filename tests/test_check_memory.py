@@ -113,3 +113,26 @@ def test_gguf_header_reader_rejects_other_files(tmp_path):
         describe_model(str(bad))
     with pytest.raises(ModelLoadError, match="not found"):
         describe_model(str(tmp_path / "missing.gguf"))
+
+
+def test_a_gpu_draft_is_counted_in_its_own_dtype(stories_path):
+    """On a GPU the draft runs in bf16 by default and the target in fp32 (docs/gpu.md): the draft's weights and
+    cache are counted at 2 bytes, the target's at 4."""
+    model = describe_gguf(stories_path)
+    both = estimate_memory(model, model, dtype=torch.float32, context_len=100)
+    mixed = estimate_memory(model, model, dtype=torch.float32, draft_dtype=torch.bfloat16, context_len=100)
+    assert mixed.draft_dtype == "bfloat16" and mixed.dtype == "float32"
+    assert mixed.target_weights == both.target_weights and mixed.draft_weights * 2 == both.draft_weights
+    assert mixed.draft_kv * 2 == both.draft_kv and mixed.total < both.total
+
+
+def test_check_counts_a_gpu_draft_in_bf16(monkeypatch, stories_path):
+    """``check --device cuda`` (CUDA faked; nothing is loaded by the static check) reports the draft in bf16."""
+    from draftwise.check.runner import CheckSettings, static_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    model = describe_gguf(stories_path)
+    report = static_check(model, model, CheckSettings(device="cuda", memory_budget=2**30))
+    assert report.settings["dtype"] == "float32" and report.settings["draft_dtype"] == "bfloat16"
+    assert report.memory.draft_weights * 2 == report.memory.target_weights

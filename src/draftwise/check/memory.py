@@ -73,7 +73,8 @@ class MemoryReport:
     """Memory of a target + draft pair, in bytes.
 
     Attributes:
-        dtype: the dtype both models run in (e.g. ``"float32"``); ``bytes_per_param``: its size.
+        dtype: the dtype the target runs in (e.g. ``"float32"``); ``bytes_per_param``: its size.
+        draft_dtype: the draft's (bf16 on a GPU by default); ``draft_bytes_per_param``: its size.
         context_len: tokens per sequence; ``num_seqs``: concurrent sequences.
         target_weights, draft_weights: weight bytes.
         target_kv_per_token, draft_kv_per_token: KV-cache bytes per token.
@@ -86,6 +87,8 @@ class MemoryReport:
 
     dtype: str
     bytes_per_param: int
+    draft_dtype: str
+    draft_bytes_per_param: int
     context_len: int
     num_seqs: int
     target_weights: int
@@ -125,24 +128,29 @@ def estimate_memory(
     dtype: torch.dtype,
     context_len: int,
     num_seqs: int = 1,
+    draft_dtype: torch.dtype | None = None,
     budget: int | None = None,
     budget_source: str = "--memory-budget",
 ) -> MemoryReport:
-    """Weights and KV cache of both models at ``context_len`` tokens x ``num_seqs`` sequences, vs ``budget``.
+    """Weights and KV cache of both models at ``context_len`` tokens x ``num_seqs`` sequences, vs ``budget``; the
+    target in ``dtype``, the draft in ``draft_dtype`` (default: ``dtype``).
 
     Raises:
         ValueError: ``context_len`` or ``num_seqs`` below 1.
     """
     if context_len < 1 or num_seqs < 1:
         raise ValueError(f"context length and concurrency must be >= 1, got {context_len} and {num_seqs}")
-    size = dtype_bytes(dtype)
+    draft_dtype = dtype if draft_dtype is None else draft_dtype
+    size, draft_size = dtype_bytes(dtype), dtype_bytes(draft_dtype)
     tokens = context_len * num_seqs
-    target_weights, draft_weights = target.weight_bytes(size), draft.weight_bytes(size)
-    target_kv_token, draft_kv_token = target.kv_bytes_per_token(size), draft.kv_bytes_per_token(size)
+    target_weights, draft_weights = target.weight_bytes(size), draft.weight_bytes(draft_size)
+    target_kv_token, draft_kv_token = target.kv_bytes_per_token(size), draft.kv_bytes_per_token(draft_size)
     draft_total = draft_weights + draft_kv_token * tokens
     total = target_weights + target_kv_token * tokens + draft_total
     return MemoryReport(
-        dtype=str(dtype).removeprefix("torch."), bytes_per_param=size, context_len=context_len, num_seqs=num_seqs,
+        dtype=str(dtype).removeprefix("torch."), bytes_per_param=size,
+        draft_dtype=str(draft_dtype).removeprefix("torch."), draft_bytes_per_param=draft_size,
+        context_len=context_len, num_seqs=num_seqs,
         target_weights=target_weights, draft_weights=draft_weights, target_kv_per_token=target_kv_token,
         draft_kv_per_token=draft_kv_token, target_kv=target_kv_token * tokens, draft_kv=draft_kv_token * tokens,
         draft_total=draft_total, total=total, budget=budget, budget_source=budget_source if budget is not None else "",

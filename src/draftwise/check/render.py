@@ -19,22 +19,26 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 def _models_table(report: CheckReport) -> Table:
-    size = report.settings["bytes_per_param"]
+    settings = report.settings
+    target_size = settings["bytes_per_param"]
+    draft_size = settings.get("draft_bytes_per_param", target_size)
+    draft_dtype = settings.get("draft_dtype", settings["dtype"])
+    dtypes = settings["dtype"] if draft_dtype == settings["dtype"] else f"{settings['dtype']} / {draft_dtype}"
     table = Table(title="models", title_justify="left")
     for column in ("", "target", "draft"):
         table.add_column(column)
-    rows = [
-        ("model", lambda d: d.name),
-        ("architecture", lambda d: d.architecture),
-        ("parameters", lambda d: f"{d.num_parameters / 1e6:,.1f} M"),
-        (f"weights ({report.settings['dtype']})", lambda d: format_bytes(d.weight_bytes(size))),
-        ("KV cache per token", lambda d: format_bytes(d.kv_bytes_per_token(size))),
-        ("layers x KV heads x head dim", lambda d: f"{d.num_layers} x {max(d.kv_heads)} x {d.key_dim}"),
-        ("logits width / tokenizer tokens", lambda d: f"{d.vocab_width} / {len(d.tokenizer.tokens)}"),
-        ("context length", lambda d: _fmt(d.context_length, "d")),
+    rows = [  # each cell from a model's description and the bytes per element it runs in
+        ("model", lambda d, size: d.name),
+        ("architecture", lambda d, size: d.architecture),
+        ("parameters", lambda d, size: f"{d.num_parameters / 1e6:,.1f} M"),
+        (f"weights ({dtypes})", lambda d, size: format_bytes(d.weight_bytes(size))),
+        ("KV cache per token", lambda d, size: format_bytes(d.kv_bytes_per_token(size))),
+        ("layers x KV heads x head dim", lambda d, size: f"{d.num_layers} x {max(d.kv_heads)} x {d.key_dim}"),
+        ("logits width / tokenizer tokens", lambda d, size: f"{d.vocab_width} / {len(d.tokenizer.tokens)}"),
+        ("context length", lambda d, size: _fmt(d.context_length, "d")),
     ]
     for label, cell in rows:
-        table.add_row(label, cell(report.target), cell(report.draft))
+        table.add_row(label, cell(report.target, target_size), cell(report.draft, draft_size))
     return table
 
 
@@ -54,7 +58,8 @@ def _memory_table(report: CheckReport) -> Table:
     mem = report.memory
     assert mem is not None
     tokens = f"{mem.context_len} tokens x {mem.num_seqs} seq"
-    table = Table(title=f"memory ({mem.dtype})", title_justify="left")
+    dtypes = mem.dtype if mem.draft_dtype == mem.dtype else f"target {mem.dtype}, draft {mem.draft_dtype}"
+    table = Table(title=f"memory ({dtypes})", title_justify="left")
     table.add_column("")
     table.add_column("bytes", justify="right")
     for label, value in (("target weights", mem.target_weights), ("draft weights", mem.draft_weights),

@@ -85,10 +85,13 @@ class CheckSettings:
             raise ValueError(f"memory_budget must be >= 0 bytes, got {self.memory_budget}")
 
 
-def _resolved_settings(settings: CheckSettings, target: ModelDescription, device: str, dtype: torch.dtype) -> dict:
-    """The settings with defaults filled in: device, dtype (and its bytes per element), context length."""
+def _resolved_settings(settings: CheckSettings, target: ModelDescription, device: str, dtype: torch.dtype,
+                       draft_dtype: torch.dtype) -> dict:
+    """The settings with defaults filled in: device, the target's and the draft's dtype (and their bytes per
+    element), context length."""
     return {**asdict(settings), "device": device, "dtype": str(dtype).removeprefix("torch."),
-            "bytes_per_param": dtype_bytes(dtype),
+            "bytes_per_param": dtype_bytes(dtype), "draft_dtype": str(draft_dtype).removeprefix("torch."),
+            "draft_bytes_per_param": dtype_bytes(draft_dtype),
             "context_len": settings.max_model_len or target.context_length or FALLBACK_CONTEXT}
 
 
@@ -101,7 +104,8 @@ def static_check(target: ModelDescription, draft: ModelDescription, settings: Ch
     """
     device = settings.device or default_device()
     dtype = parse_dtype(settings.dtype, device)
-    resolved = _resolved_settings(settings, target, device, dtype)
+    draft_dtype = parse_dtype(settings.dtype, device, drafting=True)  # bf16 for a draft on a GPU by default
+    resolved = _resolved_settings(settings, target, device, dtype, draft_dtype)
     tokenizer = compare_tokenizers(target.tokenizer, draft.tokenizer, target_vocab_width=target.vocab_width,
                                    draft_vocab_width=draft.vocab_width, target_name=target.name,
                                    draft_name=draft.name)
@@ -113,7 +117,8 @@ def static_check(target: ModelDescription, draft: ModelDescription, settings: Ch
     budget, source = settings.memory_budget, "--memory-budget"
     if budget is None:
         budget, source = available_memory(device) or (None, "")
-    report.memory = estimate_memory(target, draft, dtype=dtype, context_len=resolved["context_len"],
+    report.memory = estimate_memory(target, draft, dtype=dtype, draft_dtype=draft_dtype,
+                                    context_len=resolved["context_len"],
                                     num_seqs=settings.max_num_seqs, budget=budget, budget_source=source)
     report.settings["memory_budget"] = budget
     if report.memory.fits is False:
@@ -172,7 +177,8 @@ def load_and_measure(
                               max_context=report.settings["context_len"])
     if settings.speculative_backend == "auto":
         _stage(on_stage, "measuring the draft's candidate runtimes (cached per machine)")
-    draft_model = load_named_draft(draft, target_model, BuildOptions(device=device, dtype=dtype,
+    # the draft gets the user's --dtype, else its own default (bf16 on a GPU), as serve loads it
+    draft_model = load_named_draft(draft, target_model, BuildOptions(device=device, dtype=settings.dtype,
                                                                      quantization=quantization),
                                    settings.speculative_backend)
     report.settings["quantization"] = target_model.quantization
