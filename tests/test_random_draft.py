@@ -52,3 +52,21 @@ def test_random_prefix_refuses_llama_cpp(stories_path):
 
     with pytest.raises(ValueError, match="PyTorch backend"):
         load_model(f"random:{stories_path}", backend="llama.cpp")
+
+
+def test_random_weights_need_only_the_config_and_tokenizer(tmp_path):
+    """``random:DIR`` for a directory without weight files builds the architecture from ``config.json``: a model
+    with a real architecture's shapes from a few MB (e.g. carried to a lent GPU machine; docs/gpu.md)."""
+    from draftwise.models.loading import load_model
+    from test_check_support import tiny_pair_dirs
+
+    target, _ = tiny_pair_dirs(tmp_path)
+    for weights in [*target.glob("*.safetensors"), *target.glob("*.bin")]:
+        weights.unlink()
+    with pytest.raises(Exception, match="model.safetensors|pytorch_model.bin"):
+        load_model(str(target), device="cpu")  # a real model still needs its weights
+    loaded = load_model(f"random:{target}", device="cpu", quantization="none", runtime="transformers")
+    assert loaded.backend.vocab_size == 96 and loaded.encode("the") != []
+    again = load_model(f"random:{target}", device="cpu", quantization="none", runtime="transformers")
+    ids = [1, 2, 3]
+    assert torch.equal(loaded.backend.forward(ids).logits, again.backend.forward(ids).logits)  # seeded weights

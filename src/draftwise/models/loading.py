@@ -132,7 +132,8 @@ def load_model(
     Args:
         spec: a registry name (see ``draftwise pull``), a ``.gguf`` file, a local Hugging Face directory or
             a hub id (needs a reachable hub). ``random:SPEC`` loads SPEC's architecture and tokenizer with
-            random weights (PyTorch backend only): a deliberately mismatched draft for benchmarks and tests.
+            random weights (PyTorch backend only): a deliberately mismatched draft for benchmarks and tests; for
+            a directory, ``config.json`` and the tokenizer files are enough (no weight files needed).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default: CUDA when present.
         dtype: ``"fp32"``, ``"bf16"``, ``"fp16"``; default: fp32, and bf16 for a draft (``drafting``) on a GPU
             (a target in bf16/fp16 on transformers' kernels is not row-invariant: a warning says so).
@@ -192,6 +193,9 @@ def load_model(
             model_dir = _dequantized_dir(Path(path), label=spec)
             progress.report("loading the weights", model=spec)
             model, tokenizer = _load_hf_dir(model_dir, torch_dtype, attention)
+        elif Path(path).is_dir() and randomize and not _has_weight_files(Path(path)):
+            progress.report("building the architecture (random weights)", model=spec)
+            model, tokenizer = _load_hf_architecture(Path(path), torch_dtype, attention)
         elif Path(path).is_dir():
             progress.report("loading the weights", model=spec)
             model, tokenizer = _load_hf_dir(Path(path), torch_dtype, attention)
@@ -456,6 +460,22 @@ def _load_hf_dir(source: Path | str, torch_dtype: torch.dtype, attention: str):
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype, attn_implementation=attention)
     tokenizer = AutoTokenizer.from_pretrained(str(source))
     return model.eval(), tokenizer
+
+
+def _has_weight_files(directory: Path) -> bool:
+    """Whether a Hugging Face directory holds weights (safetensors or PyTorch ``.bin`` files)."""
+    return any(directory.glob("*.safetensors")) or any(directory.glob("*.bin"))
+
+
+def _load_hf_architecture(directory: Path, torch_dtype: torch.dtype, attention: str):
+    """A model built from ``directory``'s ``config.json`` alone (no weight files: ``random:DIR``, whose weights
+    are drawn anyway), with the directory's tokenizer: a model of a real architecture's shapes from a few MB of
+    files, e.g. carried to a machine that cannot hold the checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(str(directory))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attention)
+    return model.eval(), AutoTokenizer.from_pretrained(str(directory))
 
 
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:
