@@ -475,3 +475,5 @@ def test_ignored_request_fields_are_logged_by_name(caplog):
     caplog.clear()
     _check_extra_fields(CompletionRequest(prompt="hi", num_speculative_tokens=2))
     assert not caplog.text
+    _check_extra_fields(CompletionRequest(prompt="hi", stream=True, stream_options={"continuous_usage_stats": True}))
+    assert "'stream_options.continuous_usage_stats'" in caplog.text

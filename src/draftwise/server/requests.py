@@ -463,6 +463,8 @@ def _check_extra_fields(request) -> None:
                 "the server starts (serve --speculative-config, --num-speculative-tokens); a request may set only "
                 "'num_speculative_tokens' (0 for plain decoding)", name)
         _reject(name in _UNSUPPORTED_VLLM_FIELDS and _changes_the_output(value), f"{name} is not supported", name)
+    options = request.stream_options.model_extra if request.stream_options is not None else None
+    extra = {**extra, **{f"stream_options.{name}": value for name, value in (options or {}).items()}}
     if extra:
         names = sorted(extra)
         shown = ", ".join(repr(n[:_LOGGED_NAME_CHARS]) for n in names[:_LOGGED_NAMES])
