@@ -245,11 +245,12 @@ def right_tokens(n: int, alpha: float | None = None, runs: tuple[int, int] | Non
 
 
 def simulate(controller: KController, costs: CostModel, right: list[bool], prompt_tokens: int,
-             max_tokens: int) -> float:
-    """Simulated seconds of one request (prefill excluded, as it is the same for every policy)."""
+             max_tokens: int, answer_tokens: int | None = None) -> float:
+    """Simulated seconds of one request (prefill excluded, as it is the same for every policy); the answer ends
+    after ``answer_tokens`` (its EOS, unknown to the controller) or ``max_tokens``."""
     controller.start(prompt_tokens, max_tokens)
     generated, seconds, behind, context = 1, 0.0, prompt_tokens + 1, prompt_tokens + 1
-    while generated < max_tokens:
+    while generated < min(max_tokens, answer_tokens or max_tokens):
         k = max(0, min(controller.choose_k(), max_tokens - generated - 1))  # the engine's clamp
         accepted = 0
         while accepted < k and right[generated + accepted]:
@@ -475,3 +476,25 @@ def test_draft_cost_fit_separates_a_step_overhead_from_the_cost_per_token():
     b, a = fit_draft_cost(moments([(1, 0.01)] * 5), 2.0)
     assert b == pytest.approx(0.01) and a == 0.0
 
+
+
+def test_a_deferred_catch_up_never_pays_for_a_short_answer_and_bounds_the_loss_on_a_long_one():
+    """Ski rental (catch_up="deferred"): a rag-like 741-token prompt whose answer ends after 16 tokens (of 128
+    allowed) lost the draft's 2.6 s catch-up with the eager horizon; deferred decodes it plainly. On a 128-token
+    answer deferred loses at most about one catch-up to eager, and on a short prompt (a cheap catch-up) it is
+    eager's equal."""
+    right = right_by_depth(400, [0.85], seed=1)
+    prompt, catch_up = 741, CPU_QWEN.catch_up_cost(741, 742)
+
+    def run(mode: str, prompt_tokens: int, answer: int) -> float:
+        return simulate(AutoK(CPU_QWEN, 4, catch_up=mode), CPU_QWEN, right, prompt_tokens, 128, answer)
+
+    plain_short = simulate(FixedK(0), CPU_QWEN, right, prompt, 128, 16)
+    assert run("eager", prompt, 16) > 2 * plain_short  # eager paid the catch-up for 16 tokens (3.04 s vs 1.18 s)
+    assert run("deferred", prompt, 16) == pytest.approx(plain_short)
+    eager_long, deferred_long = run("eager", prompt, 128), run("deferred", prompt, 128)
+    assert eager_long < simulate(FixedK(0), CPU_QWEN, right, prompt, 128)  # where eager is right to pay
+    assert deferred_long <= eager_long + 1.2 * catch_up
+    assert run("deferred", 55, 128) <= 1.01 * run("eager", 55, 128)
+    with pytest.raises(ValueError, match="catch_up must be one of"):
+        AutoK(CPU_QWEN, 4, catch_up="lazy")

@@ -39,7 +39,7 @@ def test_each_method_accepts_its_defaults_and_refuses_foreign_fields(method, mod
     for other in METHODS.values():
         for name in set(other.fields) - set(spec.fields):
             value = {"tree": [[0]], "tree_budget": 3, "draft_vocab_size": 64, "token_map": "map.npy",
-                     "backend": "llama.cpp", "draft_window": 256}.get(name)
+                     "backend": "llama.cpp", "draft_window": 256, "catch_up": "deferred"}.get(name)
             if value is None:
                 default = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}[name]
                 value = default + 1 if not isinstance(default, float) else default / 2
@@ -56,6 +56,15 @@ def test_model_and_k_policy_rules_come_from_the_registry():
         SpeculativeConfig(method="medusa", model="h", k_policy="auto")
     assert SpeculativeConfig(method="suffix", k_policy="auto").k_policy == "auto"
     assert SpeculativeConfig(method="hybrid", model="d", k_policy="auto").k_policy == "auto"
+
+
+def test_catch_up_is_a_choice_of_the_auto_k_policy():
+    config = SpeculativeConfig(method="draft_model", model="d", k_policy="auto", catch_up="deferred")
+    assert config.catch_up == "deferred"
+    with pytest.raises(ValueError, match="catch_up 'deferred' is a choice of k_policy 'auto'"):
+        SpeculativeConfig(method="draft_model", model="d", catch_up="deferred")
+    with pytest.raises(ValueError, match="catch_up must be one of 'eager', 'deferred', got 'lazy'"):
+        SpeculativeConfig(method="hybrid", model="d", k_policy="auto", catch_up="lazy")
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])

@@ -503,6 +503,9 @@ def build_engine(
                               quantization=quantization, backend=backend, threads=threads, runtime=target_runtime,
                               num_slots=max_num_seqs if batch else 1)
     if batch:
+        if speculative_config is not None and speculative_config.catch_up != "eager":
+            logger.warning("catch_up %r is AutoK's, which runs one request at a time; the batched engine's "
+                           "load-aware K ignores it", speculative_config.catch_up)
         if isinstance(target_model.backend, LeanCausalLM):
             options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend,
                                    threads=threads, runtime=runtime)
@@ -529,9 +532,15 @@ def build_engine(
     engine = assemble_engine(target_model, proposer, max_k,
                              controller_factory=k_controller_factory(
                                  speculative_config.k_policy, max_k, cost_model,
-                                 prior_strength=_prior_strength(speculative_config)),
+                                 prior_strength=_prior_strength(speculative_config),
+                                 **_auto_options(speculative_config)),
                              prefix_cache=PrefixCache(kv_cache_memory))
     return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
+
+
+def _auto_options(config: SpeculativeConfig) -> dict:
+    """:class:`~draftwise.controller.AutoK` options from ``config``: ``catch_up`` for a method with a draft model."""
+    return {"catch_up": config.catch_up} if config.k_policy == "auto" and config.catch_up != "eager" else {}
 
 
 def _prior_strength(config: SpeculativeConfig) -> float:

@@ -117,6 +117,12 @@ class SpeculativeConfig:
             Xiao et al. 2023). A long prompt then costs the draft a prefill of W tokens instead of the whole
             prompt; the output is unchanged (the target verifies), acceptance may fall where the draft needs the
             cut part (summarization). None (default): the whole context. Not a vLLM field.
+        catch_up: ``draft_model`` / ``hybrid`` with ``k_policy`` ``"auto"``: how the draft model's catch-up
+            prefill of the prompt is priced: ``"eager"`` (default) against the remaining ``max_tokens`` (a long
+            answer repays it at once; a short answer after a long prompt loses it), ``"deferred"`` against the
+            tokens generated so far (ski rental: plain decoding until the saving given up would have paid the
+            catch-up; a short answer never pays it, a long one loses at most one catch-up's worth). Where a
+            per-request K controller runs (not the batched server's load-aware K). Not a vLLM field.
         tree: ``medusa``: an explicit static tree as Medusa "choices", a list of top-k rank paths such as
             ``[[0], [1], [0, 0]]`` (overrides ``tree_width`` / ``tree_budget``; see
             :class:`draftwise.tree.TreeTemplate`).
@@ -167,6 +173,7 @@ class SpeculativeConfig:
     tree_width: int = 1
     tree_budget: int | None = None
     draft_window: int | None = None
+    catch_up: str = "eager"
     tree: tuple[tuple[int, ...], ...] | None = None
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_spec_factor: float = 1.0

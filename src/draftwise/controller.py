@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from draftwise.cost_model import CostModel, expected_tokens, expected_tokens_per_step
+from draftwise.methods import CATCH_UP_MODES
 
 __all__ = [
     "KController",
@@ -296,7 +297,13 @@ class AutoK(KController):
     speculates only when the time the chosen K saves over the request's remaining ``max_tokens`` exceeds that
     catch-up (:data:`CATCH_UP_NOTE` otherwise), so a request with a long prompt and few new tokens decodes
     plainly and never pays the draft's prefill. Needs :meth:`start` (the engine calls it); without it the
-    horizon is unbounded.
+    horizon is unbounded. The answer's length is not known, only its bound: with ``catch_up="eager"`` (the
+    default) the horizon is the remaining ``max_tokens``, so a draft catches up at once when a full-length answer
+    would repay it, and a short answer after a long prompt loses the catch-up. With ``"deferred"`` the horizon
+    is the tokens generated so far (at least :data:`DEFERRED_HORIZON_FLOOR`, at most the remaining
+    ``max_tokens``): the ski-rental rule (Karlin et al. 1988), which decodes plainly until the saving given up
+    would have paid the catch-up, never pays a catch-up for an answer that ends before that, and loses at most
+    one catch-up's worth on a long answer (docs/draft_trees.md).
 
     Probing: when the best K is 0 although a perfect draft would pay, the controller probes with ``probe_k``
     (at once before any evidence, and then also when the prior's best K would not repay the draft's catch-up but
@@ -331,6 +338,8 @@ class AutoK(KController):
         catch_up_smoothing: weight of a new catch-up measurement (rare, so weighted more), in (0, 1].
         memory_strength: drafts' worth of the engine's acceptance estimate a request starts from (>= 0).
         optimism: standard errors added to each acceptance rate the choice uses (>= 0; 0: the plain estimate).
+        catch_up: ``"eager"`` or ``"deferred"``: the horizon a draft model's catch-up is priced against (above;
+            :data:`CATCH_UP_MODES`).
 
     Raises:
         ValueError: on out-of-range arguments.
@@ -355,7 +364,10 @@ class AutoK(KController):
         catch_up_smoothing: float = 0.5,
         memory_strength: float = 8.0,
         optimism: float = 0.75,
+        catch_up: str = "eager",
     ) -> None:
+        if catch_up not in CATCH_UP_MODES:
+            raise ValueError(f"catch_up must be one of {', '.join(CATCH_UP_MODES)}, got {catch_up!r}")
         if max_k < 1 or not (1 <= probe_k <= max_k) or not (1 <= probe_interval <= max_probe_interval):
             raise ValueError("need max_k >= 1, 1 <= probe_k <= max_k and 1 <= probe_interval <= max_probe_interval")
         for name, value in (("probe_budget", probe_budget), ("cost_smoothing", cost_smoothing),
@@ -379,6 +391,7 @@ class AutoK(KController):
         self.cost_smoothing = cost_smoothing
         self.catch_up_smoothing = catch_up_smoothing
         self.optimism = optimism
+        self.catch_up = catch_up
         self.history: list[int] = []
         self._notes: list[str] = []
         self._disabled = False
@@ -388,6 +401,7 @@ class AutoK(KController):
         self._probing = 0  # K of the probe in flight
         self._context_len: int | None = None  # tokens in the context (None: unknown, the calibrated one)
         self._remaining: int | None = None  # tokens still allowed (None: unbounded)
+        self._generated = 0  # tokens this request has generated (the deferred catch-up's horizon)
         self._draft_behind = 0  # context tokens a draft model has not seen
         self._costs: tuple[tuple, CostModel] | None = None
 
@@ -466,9 +480,19 @@ class AutoK(KController):
         (negative: lost; infinite when the request's length is unknown and K beats plain)."""
         rates = self.acceptance(k) if acceptance is None else list(acceptance)[:k]
         per_token = self.step_cost(0) - self.step_cost(k) / expected_tokens(rates)
-        if self._remaining is None:
+        horizon = self.horizon()
+        if horizon is None:
             return math.inf if per_token > 0 else per_token
-        return self._remaining * per_token
+        return horizon * per_token
+
+    def horizon(self) -> int | None:
+        """Tokens the catch-up is priced against: the remaining ``max_tokens`` (``catch_up="eager"``), or the
+        tokens generated so far, at least :data:`DEFERRED_HORIZON_FLOOR` and at most the remaining ones
+        (``"deferred"``); None when unbounded."""
+        if self.catch_up == "deferred":
+            floor_or_seen = max(self._generated, DEFERRED_HORIZON_FLOOR)
+            return floor_or_seen if self._remaining is None else min(self._remaining, floor_or_seen)
+        return self._remaining
 
     # ------------------------------------------------------------------ KController
     def start(self, prompt_tokens: int, max_tokens: int, cached_tokens: int = 0) -> None:
@@ -477,6 +501,7 @@ class AutoK(KController):
         ``cached_tokens`` of the prompt already, so only the rest is catch-up."""
         self._context_len = prompt_tokens + 1
         self._remaining = max(0, max_tokens - 1)
+        self._generated = 1  # the prefill's token
         self._draft_behind = prompt_tokens + 1 - min(cached_tokens, prompt_tokens)
 
     def choose_k(self) -> int:
@@ -556,6 +581,7 @@ class AutoK(KController):
             self._context_len += committed
         if self._remaining is not None:
             self._remaining = max(0, self._remaining - committed)
+        self._generated += committed
         self._draft_behind = 1 if num_drafted > 0 else self._draft_behind + committed
 
     def notes(self) -> list[str]:
@@ -651,6 +677,10 @@ def fit_draft_cost(moments: Sequence[float], calibrated_per_token: float) -> tup
 #: token (the opening token of a chat answer is the hardest to guess) put the estimate below break-even, and
 #: the engine's memory carried that to every later request, which then decoded plainly.
 MODEL_PRIOR_STRENGTH = 4.0
+
+
+#: The deferred catch-up's smallest horizon (tokens): a short prompt's catch-up (a few ms) is paid at once.
+DEFERRED_HORIZON_FLOOR = 16
 
 
 def k_controller_factory(k_policy: str, max_k: int, cost_model: CostModel | None = None,

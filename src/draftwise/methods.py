@@ -131,6 +131,11 @@ def _check_draft(config: SpeculativeConfig) -> None:
     _check_tree_shape(config)
     if config.draft_window is not None:
         _in_range("draft_window", config.draft_window, MIN_DRAFT_WINDOW, 1 << 20)
+    if config.catch_up not in CATCH_UP_MODES:
+        raise ValueError(f"catch_up must be one of {', '.join(map(repr, CATCH_UP_MODES))}, got {config.catch_up!r}")
+    if config.catch_up != "eager" and config.k_policy != "auto":
+        raise ValueError(f"catch_up {config.catch_up!r} is a choice of k_policy 'auto' (AutoK decides when the draft "
+                         "catches up); set k_policy 'auto'")
 
 
 #: The smallest ``draft_window`` (tokens) accepted.
@@ -140,7 +145,10 @@ MIN_DRAFT_WINDOW = 32
 DRAFT_VOCAB_FIELDS = ("draft_vocab_size", "token_map")
 
 #: The draft model's own backend and its draft tree's shape (methods that run a draft model).
-DRAFT_FIELDS = ("backend", "tree_width", "tree_budget", "draft_window")
+DRAFT_FIELDS = ("backend", "tree_width", "tree_budget", "draft_window", "catch_up")
+#: How AutoK prices a draft model's catch-up (``catch_up``; draftwise.controller.AutoK): against the remaining
+#: ``max_tokens`` ("eager") or the tokens generated so far ("deferred", ski rental).
+CATCH_UP_MODES = ("eager", "deferred")
 #: The suffix-decoding fields (method ``suffix``, and ``hybrid``'s suffix side).
 SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
                  "suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens",

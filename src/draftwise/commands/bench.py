@@ -62,7 +62,7 @@ from draftwise.commands.common import (
     sampling_params_from_args,
 )
 from draftwise.config import MAX_SPECULATIVE_TOKENS
-from draftwise.methods import K_POLICIES, MIN_DRAFT_WINDOW
+from draftwise.methods import CATCH_UP_MODES, K_POLICIES, MIN_DRAFT_WINDOW
 from draftwise.models.loading import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,10 @@ def register(subparsers) -> None:
                              "token count >= 32: the draft reads only the context's first 4 and most recent tokens "
                              "(draft_window, docs/draft_trees.md)")
     parser.add_argument("--k-policies", default="fixed", help="fixed, auto or fixed,auto (auto: K_max = max(ks))")
+    parser.add_argument("--catch-up", default="eager",
+                        help="draft with --k-policies auto: eager, deferred or eager,deferred: price the draft's "
+                        "catch-up prefill against the remaining max_tokens (eager) or the tokens generated so far "
+                        "(deferred, ski rental); see docs/draft_trees.md")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
                         help="FR-Spec: the draft's LM head over the N most frequent tokens only (docs/frspec.md)")
     parser.add_argument("--token-map", default=None, help="FR-Spec: ranked token map file for --draft-vocab-size")
@@ -185,19 +189,21 @@ def parse_ks(text: str) -> list[int]:
     return ks
 
 
-def method_label(kind: str, k: int, policy: str = "fixed", tree_width: int = 1, window: int | None = None) -> str:
+def method_label(kind: str, k: int, policy: str = "fixed", tree_width: int = 1, window: int | None = None,
+                 catch_up: str = "eager") -> str:
     """A method's name in tables and JSON: ``"draft K=4"``, ``"ngram auto(K<=4)"``, ``"eagle K=4 w=2"``,
-    ``"draft K=4 win=256"`` (a draft window)."""
+    ``"draft K=4 win=256"`` (a draft window), ``"draft auto(K<=4) deferred"`` (a deferred catch-up)."""
     label = f"{kind} K={k}" if policy == "fixed" else f"{kind} auto(K<={k})"
-    return label + (f" w={tree_width}" if tree_width > 1 else "") + (f" win={window}" if window else "")
+    return (label + (f" w={tree_width}" if tree_width > 1 else "") + (f" win={window}" if window else "")
+            + (f" {catch_up}" if catch_up != "eager" else ""))
 
 
 def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[str], ks: list[int],
                   policies: list[str], calibrated: dict, heads: dict[str, str] | None = None,
                   tree_widths: list[int] = (1,), anchors: tuple | None = None,
-                  windows: list[int | None] = (None,)) -> list[MethodSpec]:
-    """Plain first, then each requested method x policy x K (x tree width x draft window for the draft model; x
-    tree width for Medusa / EAGLE at fixed K only),
+                  windows: list[int | None] = (None,), catch_ups: list[str] = ("eager",)) -> list[MethodSpec]:
+    """Plain first, then each requested method x policy x K (x tree width x draft window for the draft model, and
+    x ``catch_ups`` for its auto policy; x tree width for Medusa / EAGLE at fixed K only),
     sharing the target backend. ``heads`` maps ``"medusa"`` / ``"eagle"`` to heads directories; ``anchors`` is
     ``(target, draft)`` on the transformers runtime for the ``hf`` methods (default: ``target`` and ``draft``)."""
     from draftwise.anchors import hf_runner
@@ -220,10 +226,11 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
     for kind, width, window, proposer in proposers:
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                label = method_label(kind, k, policy, width, window)
-                factory = _controller_factory(policy, k, kind, target, draft, proposer, calibrated)
-                engine = assemble_engine(target, proposer, k, controller_factory=factory)
-                specs.append(MethodSpec(label, kind, k, policy, engine=engine))
+                for catch_up in (catch_ups if policy == "auto" and kind == "draft" else ["eager"]):
+                    label = method_label(kind, k, policy, width, window, catch_up)
+                    factory = _controller_factory(policy, k, kind, target, draft, proposer, calibrated, catch_up)
+                    engine = assemble_engine(target, proposer, k, controller_factory=factory)
+                    specs.append(MethodSpec(label, kind, k, policy, engine=engine))
     for kind in ("medusa", "eagle"):
         if kind in methods:
             specs.extend(_head_methods(target, kind, (heads or {})[kind], ks, tree_widths))
@@ -270,7 +277,7 @@ def _head_methods(target: LoadedModel, kind: str, heads_dir: str, ks: list[int],
     return specs
 
 
-def _controller_factory(policy, k, kind, target, draft, proposer, calibrated):
+def _controller_factory(policy, k, kind, target, draft, proposer, calibrated, catch_up="eager"):
     from draftwise.calibration import calibrate_cost_model
     from draftwise.controller import MODEL_PRIOR_STRENGTH, k_controller_factory
 
@@ -281,7 +288,7 @@ def _controller_factory(policy, k, kind, target, draft, proposer, calibrated):
         calibrated[key] = calibrate_cost_model(target.backend, k, draft=draft.backend if kind == "draft" else None,
                                                proposer=proposer if kind != "draft" else None)
     strength = MODEL_PRIOR_STRENGTH if kind == "draft" else 1.0
-    return k_controller_factory("auto", k, calibrated[key], prior_strength=strength)
+    return k_controller_factory("auto", k, calibrated[key], prior_strength=strength, catch_up=catch_up)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -291,8 +298,11 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     params = sampling_params_from_args(args)
     ks = parse_ks(args.ks)
+    if "auto" not in _csv(args.k_policies, K_POLICIES, "--k-policies") and args.catch_up != "eager":
+        raise CliError("--catch-up is a choice of the auto K policy: add --k-policies auto")
     methods = _csv(args.methods, METHODS, "--methods")
     policies = _csv(args.k_policies, K_POLICIES, "--k-policies")
+    catch_ups = _csv(args.catch_up, CATCH_UP_MODES, "--catch-up")
     done: list[PromptRun] = []
     output = _output_file(args.resume or args.output or f"bench_results/bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     if args.resume:
@@ -323,11 +333,11 @@ def run(args: argparse.Namespace) -> int:
     anchors = _anchor_models(args, methods, target, draft, options)
     calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
     specs = build_methods(target, draft, methods, ks, policies, {}, heads, tree_widths, anchors=anchors,
-                          windows=windows)
+                          windows=windows, catch_ups=catch_ups)
     if args.baseline_repeat:
         specs = measurement.with_baseline_repeat(specs)
     config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
-              "ks": ks, "k_policies": policies, "prompts": str(prompts_path), "categories": categories,
+              "ks": ks, "k_policies": policies, "catch_up": catch_ups, "prompts": str(prompts_path), "categories": categories,
               "limit": args.limit, "turns": args.turns, "quantization": args.quantization, "backend": args.backend,
               "draft_backend": backend_kind(draft) if draft is not None else None,
               "threads": args.threads, "dtype": args.dtype, "max_tokens": params.max_tokens, "greedy": params.greedy,
@@ -550,6 +560,9 @@ def run_agent(args: argparse.Namespace) -> int:
     greedy output differs from the baseline's."""
     from draftwise.agent_bench import AgentBenchError, agent_doubts, session_totals, summarize_agent
 
+    if args.catch_up != "eager":
+        raise CliError("--catch-up applies to --workload prompts (the agent replay builds its engines with the "
+                       "default eager catch-up)")
     console = Console()
     params = sampling_params_from_args(args)
     if args.resume:
