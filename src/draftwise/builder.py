@@ -533,14 +533,9 @@ def build_engine(
                              controller_factory=k_controller_factory(
                                  speculative_config.k_policy, max_k, cost_model,
                                  prior_strength=_prior_strength(speculative_config),
-                                 **_auto_options(speculative_config)),
+                                 catch_up=speculative_config.catch_up),
                              prefix_cache=PrefixCache(kv_cache_memory))
     return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
-
-
-def _auto_options(config: SpeculativeConfig) -> dict:
-    """:class:`~draftwise.controller.AutoK` options from ``config``: ``catch_up`` for a method with a draft model."""
-    return {"catch_up": config.catch_up} if config.k_policy == "auto" and config.catch_up != "eager" else {}
 
 
 def _prior_strength(config: SpeculativeConfig) -> float:

@@ -298,11 +298,11 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     params = sampling_params_from_args(args)
     ks = parse_ks(args.ks)
-    if "auto" not in _csv(args.k_policies, K_POLICIES, "--k-policies") and args.catch_up != "eager":
-        raise CliError("--catch-up is a choice of the auto K policy: add --k-policies auto")
     methods = _csv(args.methods, METHODS, "--methods")
     policies = _csv(args.k_policies, K_POLICIES, "--k-policies")
     catch_ups = _csv(args.catch_up, CATCH_UP_MODES, "--catch-up")
+    if "auto" not in policies and catch_ups != ["eager"]:
+        raise CliError("--catch-up is a choice of the auto K policy: add --k-policies auto")
     done: list[PromptRun] = []
     output = _output_file(args.resume or args.output or f"bench_results/bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     if args.resume:
@@ -337,7 +337,8 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline_repeat:
         specs = measurement.with_baseline_repeat(specs)
     config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
-              "ks": ks, "k_policies": policies, "catch_up": catch_ups, "prompts": str(prompts_path), "categories": categories,
+              "ks": ks, "k_policies": policies, "catch_up": catch_ups, "prompts": str(prompts_path),
+              "categories": categories,
               "limit": args.limit, "turns": args.turns, "quantization": args.quantization, "backend": args.backend,
               "draft_backend": backend_kind(draft) if draft is not None else None,
               "threads": args.threads, "dtype": args.dtype, "max_tokens": params.max_tokens, "greedy": params.greedy,

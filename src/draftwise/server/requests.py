@@ -453,16 +453,15 @@ def _changes_the_output(value) -> bool:
 
 
 def _check_extra_fields(request) -> None:
-    """A request's fields outside the API: a 400 for one naming a speculative setting (the server's, set at
-    ``serve``; per request only ``num_speculative_tokens``) or a vLLM sampling extra that would change the output;
-    other fields are logged as ignored (names escaped and the list cut short), as vLLM does."""
+    """A request's fields outside the API (after :func:`_reject_unsupported_common`): a 400 for one naming a
+    speculative setting (the server's, set at ``serve``; per request only ``num_speculative_tokens``); the others
+    are logged as ignored (names escaped and the list cut short), as vLLM does."""
     extra = request.model_extra or {}
-    for name, value in extra.items():
+    for name in extra:
         _reject(_names_a_server_setting(name),
                 f"{name[:_LOGGED_NAME_CHARS]!r} is not a per-request setting: speculative decoding is configured when "
                 "the server starts (serve --speculative-config, --num-speculative-tokens); a request may set only "
                 "'num_speculative_tokens' (0 for plain decoding)", name)
-        _reject(name in _UNSUPPORTED_VLLM_FIELDS and _changes_the_output(value), f"{name} is not supported", name)
     options = request.stream_options.model_extra if request.stream_options is not None else None
     extra = {**extra, **{f"stream_options.{name}": value for name, value in (options or {}).items()}}
     if extra:
@@ -485,6 +484,8 @@ def _reject_unsupported_common(request) -> None:
     _reject(request.min_tokens not in (None, 0), "min_tokens is not supported", "min_tokens")
     _reject(request.repetition_penalty not in (None, 1, 1.0), "repetition_penalty is not supported",
             "repetition_penalty")
+    for name, value in (request.model_extra or {}).items():  # vLLM extras outside the protocol's fields
+        _reject(name in _UNSUPPORTED_VLLM_FIELDS and _changes_the_output(value), f"{name} is not supported", name)
 
 
 def _reject_unsupported_completion(request: CompletionRequest) -> None:
