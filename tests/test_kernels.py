@@ -367,6 +367,13 @@ def test_dram_bandwidth_is_plausible():
         K.measure_dram_bandwidth(1024)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_memory_bandwidth_is_measured_on_the_gpu():
+    # An H200 reads ~4 TB/s, far above any host's DRAM: a figure under 200 GB/s means the host was measured
+    # (costs once printed the host's 95 GB/s as the bound of a model on an H200).
+    assert 2e11 < K.measure_dram_bandwidth(256 << 20, repeats=3, device="cuda") < 1e14
+
+
 def test_cpu_description_lists_what_the_cpu_has_and_lacks(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu sse avx2 fma avx512f amx_tile\n\n"
@@ -418,9 +425,10 @@ def test_costs_prints_machine_figures_and_kernel_table(stories, stories_path, ca
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     machine = result["machine"]
-    assert machine["dram_read_bytes_per_s"] > 1e8 and machine["cpu"] == K.cpu_description()
-    assert machine["linear_weight_bytes"] > 0
-    assert machine["weight_bound_s"] == pytest.approx(machine["linear_weight_bytes"] / machine["dram_read_bytes_per_s"])
+    assert machine["memory_read_bytes_per_s"] > 1e8 and machine["cpu"] == K.cpu_description()
+    assert machine["memory_device"] == "cpu" and machine["linear_weight_bytes"] > 0
+    bound = machine["linear_weight_bytes"] / machine["memory_read_bytes_per_s"]
+    assert machine["weight_bound_s"] == pytest.approx(bound)
     kernels = result["kernels"]["none"]
     assert kernels["mode"] == "none" and {t["name"] for t in kernels["trials"]} >= {"fp32-mkl-pad"}
     assert main(["costs", str(stories_path), "--kernels", "int3"]) == 2

@@ -73,29 +73,35 @@ def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return f"{model}, {os.cpu_count()} CPUs; has {' '.join(has) or 'none of them'}; lacks {' '.join(lacks) or 'none'}"
 
 
-def measure_dram_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, *, threads: int | None = None) -> float:
-    """Streaming read bandwidth of main memory, bytes/s: ``torch.sum`` over an fp32 buffer of ``nbytes``
-    (much larger than the last-level cache), the fastest of ``repeats`` passes after one warm-up pass.
+def measure_dram_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, *, threads: int | None = None,
+                           device: str | torch.device = "cpu") -> float:
+    """Streaming read bandwidth of ``device``'s memory, bytes/s: ``torch.sum`` over an fp32 buffer of ``nbytes``
+    (much larger than the last-level cache) on that device, the fastest of ``repeats`` passes after one warm-up
+    pass (on a GPU each pass is timed up to a synchronize; the GPU's memory, not the host's, is measured).
 
     The fastest pass, not the median: it is the figure a weight-streaming lower bound per token
-    (weight bytes / bandwidth) needs. Uses ``threads`` intra-op threads (default: torch's current setting);
-    logged with the result. About 0.3-1 s for 512 MiB.
+    (weight bytes / bandwidth) needs. Uses ``threads`` intra-op threads (default: torch's current setting;
+    they matter on the CPU only); logged with the result. About 0.3-1 s for 512 MiB on a CPU.
 
     Raises:
         ValueError: ``nbytes`` under 1 MiB or ``repeats`` < 1.
     """
     if nbytes < (1 << 20) or repeats < 1:
         raise ValueError(f"need nbytes >= 1 MiB and repeats >= 1, got {nbytes} and {repeats}")
+    device = torch.device(device)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch_threads(threads) as n_threads:
-        buffer = torch.ones(nbytes // 4, dtype=torch.float32)  # written once: pages are mapped before timing
+        buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # written once: pages are mapped
         torch.sum(buffer)
+        synchronize()
         best = math.inf
         for _ in range(repeats):
             t0 = time.perf_counter()
             torch.sum(buffer)
+            synchronize()
             best = min(best, time.perf_counter() - t0)
         del buffer
     bandwidth = (nbytes // 4 * 4) / best
-    logger.info("DRAM read bandwidth %.1f GB/s (%d MiB, %d threads, best of %d)", bandwidth / 1e9, nbytes >> 20,
-                n_threads, repeats)
+    logger.info("%s memory read bandwidth %.1f GB/s (%d MiB, %d threads, best of %d)", device.type, bandwidth / 1e9,
+                nbytes >> 20, n_threads, repeats)
     return bandwidth

@@ -197,17 +197,27 @@ def _doubts(timed: dict, draft_timed: dict | None) -> list[tuple[str, measuremen
 
 
 def _machine_figures(backend, costs: ForwardCosts, bandwidth_mib: int) -> dict:
-    """CPU, threads, DRAM read bandwidth, linear weight bytes and the weight-streaming bound per token
-    (bytes / bandwidth) against the measured one-token time. Weight bytes are None for a backend without a
-    PyTorch module (llama.cpp)."""
-    bandwidth = measure_dram_bandwidth(bandwidth_mib << 20)
+    """CPU, threads, the read bandwidth of the memory the weights sit in (the GPU's for a model on a GPU, else
+    DRAM), linear weight bytes and the weight-streaming bound per token (bytes / bandwidth) against the measured
+    one-token time. Weight bytes are None for a backend without a PyTorch module (llama.cpp)."""
     model = getattr(backend, "model", None)
+    device = _weights_device(model)
+    bandwidth = measure_dram_bandwidth(bandwidth_mib << 20, device=device)
     weight_bytes = linear_weight_bytes(model) if isinstance(model, torch.nn.Module) else None
     bound = None if weight_bytes is None else weight_bytes / bandwidth
     one = costs.seconds[1]
-    return {"cpu": cpu_description(), "torch_threads": torch.get_num_threads(), "dram_read_bytes_per_s": bandwidth,
+    return {"cpu": cpu_description(), "torch_threads": torch.get_num_threads(), "memory_device": device.type,
+            "memory_read_bytes_per_s": bandwidth,
             "linear_weight_bytes": weight_bytes, "weight_bound_s": bound, "one_token_s": one,
             "one_token_over_bound": None if bound is None else one / bound}
+
+
+def _weights_device(model) -> torch.device:
+    """The device of ``model``'s first parameter (the CPU for a backend without a PyTorch module)."""
+    if isinstance(model, torch.nn.Module):
+        for parameter in model.parameters():
+            return parameter.device
+    return torch.device("cpu")
 
 
 def _kernel_choices(console: Console, backend, modes: list[str]) -> dict[str, KernelChoice | str]:
@@ -273,7 +283,8 @@ def _print_curve(console: Console, args: argparse.Namespace, costs: ForwardCosts
 
 def _print_machine(console: Console, machine: dict) -> None:
     console.print(f"CPU: {machine['cpu']}; torch threads {machine['torch_threads']}")
-    line = f"DRAM read bandwidth: {machine['dram_read_bytes_per_s'] / 1e9:.1f} GB/s"
+    memory = "DRAM" if machine["memory_device"] == "cpu" else f"{machine['memory_device'].upper()} memory"
+    line = f"{memory} read bandwidth: {machine['memory_read_bytes_per_s'] / 1e9:.1f} GB/s"
     if machine["linear_weight_bytes"] is not None:
         line += (f"; linear weights {machine['linear_weight_bytes'] / 1e9:.3f} GB -> weight-streaming bound "
                  f"{machine['weight_bound_s'] * 1e3:.1f} ms per token; measured one token "
