@@ -39,7 +39,8 @@ def test_each_method_accepts_its_defaults_and_refuses_foreign_fields(method, mod
     for other in METHODS.values():
         for name in set(other.fields) - set(spec.fields):
             value = {"tree": [[0]], "tree_budget": 3, "draft_vocab_size": 64, "token_map": "map.npy",
-                     "backend": "llama.cpp", "draft_window": 256, "catch_up": "deferred"}.get(name)
+                     "backend": "llama.cpp", "draft_window": 256, "catch_up": "deferred",
+                     "draft_confidence_threshold": 0.25}.get(name)
             if value is None:
                 default = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}[name]
                 value = default + 1 if not isinstance(default, float) else default / 2

@@ -352,7 +352,8 @@ def _build_draft_model(config: SpeculativeConfig, target: LoadedModel, options: 
     _check_tree_verifier(config, target)
     verify = tree_verify_seconds(target.backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
     return BuiltProposer(DraftModelProposer(draft.backend, target.backend.vocab_size, config.tree_width,
-                                            config.tree_budget, verify, window=config.draft_window), draft)
+                                            config.tree_budget, verify, window=config.draft_window,
+                                            confidence_threshold=config.draft_confidence_threshold), draft)
 
 
 def tree_verify_seconds(target: CausalLM, k: int, tree_width: int, tree_budget: int | None
@@ -590,7 +591,8 @@ def build_batched_engine(
         verify = tree_verify_seconds(backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
         proposer = BatchedDraftModel(draft.backend, backend.vocab_size, tree_width=config.tree_width,
                                      tree_budget=config.tree_budget, verify_seconds=verify,
-                                     window=config.draft_window)
+                                     window=config.draft_window,
+                                     confidence_threshold=config.draft_confidence_threshold)
     engine = EngineCore(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
     return engine, draft
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from draftwise.methods import BACKENDS, validate_config
 
 __all__ = ["SamplingParams", "SpeculativeConfig", "GREEDY_TEMPERATURE", "SAMPLING_RULES", "BACKENDS",
-           "MAX_SPECULATIVE_TOKENS"]
+           "MAX_SPECULATIVE_TOKENS", "DEFAULT_DRAFT_CONFIDENCE"]
 
 #: Temperatures below this are greedy decoding (as vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE = 1e-5
@@ -16,6 +16,8 @@ GREEDY_TEMPERATURE = 1e-5
 SAMPLING_RULES = ("coupled", "rejection")
 #: The largest ``num_speculative_tokens`` (K) accepted anywhere (config, server, ``bench --ks``).
 MAX_SPECULATIVE_TOKENS = 64
+#: ``draft_confidence_threshold``'s default (:class:`SpeculativeConfig`): 0 drafts every chain K deep.
+DEFAULT_DRAFT_CONFIDENCE = 0.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,11 @@ class SpeculativeConfig:
             tokens generated so far (ski rental: plain decoding until the saving given up would have paid the
             catch-up; a short answer never pays it, a long one loses at most one catch-up's worth). Where a
             per-request K controller runs (not the batched server's load-aware K). Not a vLLM field.
+        draft_confidence_threshold: ``draft_model`` / ``hybrid``: a draft chain stops growing once the draft's
+            probability of its whole path falls below this (the token that crossed it is still proposed), so K
+            is the longest chain, drawn only as deep as the draft is confident (EAGLE-2's reading of draft
+            confidence; Hugging Face's ``assistant_confidence_threshold`` is a per-token form). 0 drafts every
+            chain K deep. The output is unchanged. Not a vLLM field.
         tree: ``medusa``: an explicit static tree as Medusa "choices", a list of top-k rank paths such as
             ``[[0], [1], [0, 0]]`` (overrides ``tree_width`` / ``tree_budget``; see
             :class:`draftwise.tree.TreeTemplate`).
@@ -174,6 +181,7 @@ class SpeculativeConfig:
     tree_budget: int | None = None
     draft_window: int | None = None
     catch_up: str = "eager"
+    draft_confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE
     tree: tuple[tuple[int, ...], ...] | None = None
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_spec_factor: float = 1.0

@@ -131,6 +131,9 @@ def _check_draft(config: SpeculativeConfig) -> None:
     _check_tree_shape(config)
     if config.draft_window is not None:
         _in_range("draft_window", config.draft_window, MIN_DRAFT_WINDOW, 1 << 20)
+    if not 0.0 <= config.draft_confidence_threshold < 1.0:
+        raise ValueError("draft_confidence_threshold must be in [0, 1) (0 drafts every chain K deep), got "
+                         f"{config.draft_confidence_threshold}")
     if config.catch_up not in CATCH_UP_MODES:
         raise ValueError(f"catch_up must be one of {', '.join(map(repr, CATCH_UP_MODES))}, got {config.catch_up!r}")
     if config.catch_up != "eager" and config.k_policy != "auto":
@@ -145,7 +148,7 @@ MIN_DRAFT_WINDOW = 32
 DRAFT_VOCAB_FIELDS = ("draft_vocab_size", "token_map")
 
 #: The draft model's own backend and its draft tree's shape (methods that run a draft model).
-DRAFT_FIELDS = ("backend", "tree_width", "tree_budget", "draft_window", "catch_up")
+DRAFT_FIELDS = ("backend", "tree_width", "tree_budget", "draft_window", "catch_up", "draft_confidence_threshold")
 #: How AutoK prices a draft model's catch-up (``catch_up``; draftwise.controller.AutoK): against the remaining
 #: ``max_tokens`` ("eager") or the tokens generated so far ("deferred", ski rental).
 CATCH_UP_MODES = ("eager", "deferred")

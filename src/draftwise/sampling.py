@@ -23,6 +23,7 @@ the first output token has ``t = len(prompt)``. It never depends on how many tok
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 from collections.abc import Sequence
 
@@ -197,6 +198,17 @@ class Sampler:
     def sample(self, logits: torch.Tensor, position: int) -> int:
         """The token at sequence ``position`` from ``logits`` ``[vocab]`` (see :meth:`choose`)."""
         return self.choose(logits, position)[0]
+
+    def logprob(self, logits: torch.Tensor, token: int, probs: torch.Tensor | None = None) -> float:
+        """The log-probability of ``token`` under the processed distribution of ``logits`` (``[vocab]``, a
+        draft's; temperature / top-k / top-p, plain log-softmax when greedy): the draft's confidence in a token
+        :meth:`choose` returned. ``probs``: that distribution when :meth:`choose` gave it (rejection sampling),
+        read instead of recomputed. -inf for a token the distribution excludes."""
+        if probs is not None:
+            value = float(probs[token])
+            return math.log(value) if value > 0.0 else float("-inf")
+        scores = logits.float() if self.params.greedy else processed_scores(logits.unsqueeze(0), self.params)[0]
+        return float(scores[token] - torch.logsumexp(scores, dim=-1))
 
     def candidates(self, logits: torch.Tensor, position: int, n: int) -> tuple[list[int], list[float]]:
         """The ``n`` best distinct tokens at sequence ``position`` for a deterministic draft tree's children

@@ -61,6 +61,7 @@ from draftwise.commands.common import (
     print_table,
     sampling_params_from_args,
 )
+from draftwise.config import DEFAULT_DRAFT_CONFIDENCE as DEFAULT_CONFIDENCE
 from draftwise.config import MAX_SPECULATIVE_TOKENS
 from draftwise.methods import CATCH_UP_MODES, K_POLICIES, MIN_DRAFT_WINDOW
 from draftwise.models.loading import LoadedModel, load_model
@@ -93,6 +94,10 @@ def register(subparsers) -> None:
                         help="draft/hybrid: comma-separated draft windows, 'full' (the whole context; default) or a "
                              "token count >= 32: the draft reads only the context's first 4 and most recent tokens "
                              "(draft_window, docs/draft_trees.md)")
+    parser.add_argument("--draft-confidence", default=None,
+                        help="draft/hybrid: comma-separated draft confidence thresholds in [0, 1): a draft chain "
+                             "stops once the draft's probability of its path falls below it (0: always K deep; "
+                             f"default {DEFAULT_CONFIDENCE}, draft_confidence_threshold, docs/draft_trees.md)")
     parser.add_argument("--k-policies", default="fixed", help="fixed, auto or fixed,auto (auto: K_max = max(ks))")
     parser.add_argument("--catch-up", default="eager",
                         help="draft with --k-policies auto: eager, deferred or eager,deferred: price the draft's "
@@ -190,20 +195,23 @@ def parse_ks(text: str) -> list[int]:
 
 
 def method_label(kind: str, k: int, policy: str = "fixed", tree_width: int = 1, window: int | None = None,
-                 catch_up: str = "eager") -> str:
+                 catch_up: str = "eager", confidence: float = DEFAULT_CONFIDENCE) -> str:
     """A method's name in tables and JSON: ``"draft K=4"``, ``"ngram auto(K<=4)"``, ``"eagle K=4 w=2"``,
-    ``"draft K=4 win=256"`` (a draft window), ``"draft auto(K<=4) deferred"`` (a deferred catch-up)."""
+    ``"draft K=4 win=256"`` (a draft window), ``"draft auto(K<=4) deferred"`` (a deferred catch-up),
+    ``"draft K=8 conf=0.4"`` (a draft confidence threshold other than the default)."""
     label = f"{kind} K={k}" if policy == "fixed" else f"{kind} auto(K<={k})"
     return (label + (f" w={tree_width}" if tree_width > 1 else "") + (f" win={window}" if window else "")
-            + (f" {catch_up}" if catch_up != "eager" else ""))
+            + (f" {catch_up}" if catch_up != "eager" else "")
+            + (f" conf={confidence:g}" if confidence != DEFAULT_CONFIDENCE else ""))
 
 
 def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[str], ks: list[int],
                   policies: list[str], calibrated: dict, heads: dict[str, str] | None = None,
                   tree_widths: list[int] = (1,), anchors: tuple | None = None,
-                  windows: list[int | None] = (None,), catch_ups: list[str] = ("eager",)) -> list[MethodSpec]:
-    """Plain first, then each requested method x policy x K (x tree width x draft window for the draft model, and
-    x ``catch_ups`` for its auto policy; x tree width for Medusa / EAGLE at fixed K only),
+                  windows: list[int | None] = (None,), catch_ups: list[str] = ("eager",),
+                  confidences: list[float] = (DEFAULT_CONFIDENCE,)) -> list[MethodSpec]:
+    """Plain first, then each requested method x policy x K (x tree width x draft window x confidence threshold for
+    the draft model, and x ``catch_ups`` for its auto policy; x tree width for Medusa / EAGLE at fixed K only),
     sharing the target backend. ``heads`` maps ``"medusa"`` / ``"eagle"`` to heads directories; ``anchors`` is
     ``(target, draft)`` on the transformers runtime for the ``hf`` methods (default: ``target`` and ``draft``)."""
     from draftwise.anchors import hf_runner
@@ -213,21 +221,22 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
 
     eos = target.eos_token_ids
     specs = [MethodSpec("plain", "plain", engine=assemble_engine(target))]
-    proposers = []  # (kind, tree width, draft window, proposer)
+    proposers = []  # (kind, tree width, draft window, confidence threshold, proposer)
     if "draft" in methods:
         widths = sorted(set(tree_widths)) if target.backend.supports_tree else [1]
         for w in widths:
             verify = tree_verify_seconds(target.backend, max(ks), w, None)  # None for a chain
-            for window in windows:
-                proposers.append(("draft", w, window, DraftModelProposer(
-                    draft.backend, target.backend.vocab_size, tree_width=w, verify_seconds=verify, window=window)))
+            for window, confidence in itertools.product(windows, confidences if w == 1 else [DEFAULT_CONFIDENCE]):
+                proposers.append(("draft", w, window, confidence, DraftModelProposer(
+                    draft.backend, target.backend.vocab_size, tree_width=w, verify_seconds=verify, window=window,
+                    confidence_threshold=confidence)))
     if "ngram" in methods:
-        proposers.append(("ngram", 1, None, NgramProposer()))
-    for kind, width, window, proposer in proposers:
+        proposers.append(("ngram", 1, None, DEFAULT_CONFIDENCE, NgramProposer()))
+    for kind, width, window, confidence, proposer in proposers:
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
                 for catch_up in (catch_ups if policy == "auto" and kind == "draft" else ["eager"]):
-                    label = method_label(kind, k, policy, width, window, catch_up)
+                    label = method_label(kind, k, policy, width, window, catch_up, confidence)
                     factory = _controller_factory(policy, k, kind, target, draft, proposer, calibrated, catch_up)
                     engine = assemble_engine(target, proposer, k, controller_factory=factory)
                     specs.append(MethodSpec(label, kind, k, policy, engine=engine))
@@ -320,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
     heads = _heads_dirs(args, methods)
     tree_widths = _tree_widths(args.tree_widths)
     windows = draft_windows(args.draft_windows)
+    confidences = draft_confidences(args.draft_confidence)
     if "hf" in methods and args.backend != "torch":
         raise CliError("--methods hf runs transformers' own generate and needs --backend torch")
     needs_draft = bool({"draft", "hf"} & set(methods))
@@ -333,11 +343,12 @@ def run(args: argparse.Namespace) -> int:
     anchors = _anchor_models(args, methods, target, draft, options)
     calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
     specs = build_methods(target, draft, methods, ks, policies, {}, heads, tree_widths, anchors=anchors,
-                          windows=windows, catch_ups=catch_ups)
+                          windows=windows, catch_ups=catch_ups, confidences=confidences)
     if args.baseline_repeat:
         specs = measurement.with_baseline_repeat(specs)
     config = {"target": args.model, "draft": args.draft if needs_draft else None, "methods": [s.label for s in specs],
-              "ks": ks, "k_policies": policies, "catch_up": catch_ups, "prompts": str(prompts_path),
+              "ks": ks, "k_policies": policies, "catch_up": catch_ups, "draft_confidence": confidences,
+              "prompts": str(prompts_path),
               "categories": categories,
               "limit": args.limit, "turns": args.turns, "quantization": args.quantization, "backend": args.backend,
               "draft_backend": backend_kind(draft) if draft is not None else None,
@@ -413,6 +424,31 @@ def _heads_dirs(args: argparse.Namespace, methods: list[str]) -> dict[str, str |
         if kind in methods and not heads[kind]:
             raise CliError(f"--methods {kind} needs --{kind}-heads DIR (train them with: draftwise train-heads)")
     return heads
+
+
+def draft_confidences(text: str | None) -> list[float]:
+    """``--draft-confidence``: comma-separated thresholds in [0, 1) (None: the default only).
+
+    Raises:
+        CliError: anything else.
+    """
+    if text is None:
+        return [DEFAULT_CONFIDENCE]
+    values = []
+    for item in (v.strip() for v in text.split(",")):
+        if not item:
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            value = -1.0
+        if not 0.0 <= value < 1.0:
+            raise CliError(f"--draft-confidence: each value must be a number in [0, 1), got {item!r}")
+        if value not in values:
+            values.append(value)
+    if not values:
+        raise CliError("--draft-confidence: give at least one threshold, e.g. 0,0.3")
+    return values
 
 
 def draft_windows(text: str) -> list[int | None]:
@@ -639,7 +675,8 @@ def _agent_methods(args: argparse.Namespace, params):
     plan = agent_method_plan(methods, parse_ks(args.ks), _csv(args.k_policies, K_POLICIES, "--k-policies"),
                              _tree_widths(args.tree_widths), _heads_dirs(args, methods), args.draft,
                              draft_vocab={"draft_vocab_size": args.draft_vocab_size, "token_map": args.token_map},
-                             draft_backend=args.speculative_backend, windows=draft_windows(args.draft_windows))
+                             draft_backend=args.speculative_backend, windows=draft_windows(args.draft_windows),
+                             confidences=draft_confidences(args.draft_confidence))
     chat_template = _chat_template(args.chat_template)
     specs = [_engine_method(label, kind, k, spec_config, args, params, chat_template)
              for label, kind, k, spec_config in plan]
@@ -652,12 +689,13 @@ def _agent_methods(args: argparse.Namespace, params):
 
 def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tree_widths: list[int],
                       heads: dict[str, str | None], draft: str | None, draft_vocab: dict | None = None, *,
-                      draft_backend: str | None = None, windows: list[int | None] = (None,)) -> list[tuple]:
+                      draft_backend: str | None = None, windows: list[int | None] = (None,),
+                      confidences: list[float] = (DEFAULT_CONFIDENCE,)) -> list[tuple]:
     """``(label, kind, k, SpeculativeConfig | None)`` per in-process method, plain first, in the order and with
     the labels of the prompts workload (draft and ngram per policy and K; Medusa / EAGLE per K and tree width).
     ``draft_vocab`` (``draft_vocab_size`` / ``token_map``) and ``draft_backend`` (the draft model's own backend,
-    ``--speculative-backend``) and ``windows`` (``draft_window`` values, None: the whole context) go to the methods
-    that run the draft model.
+    ``--speculative-backend``), ``windows`` (``draft_window`` values, None: the whole context) and ``confidences``
+    (``draft_confidence_threshold`` values) go to the methods that run the draft model.
 
     Raises:
         CliError: an invalid configuration (e.g. an unknown ``draft_backend``).
@@ -673,17 +711,20 @@ def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tr
         with_draft = kind in ("draft", "hybrid")
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                for width, window in itertools.product(sorted(set(tree_widths)) if with_draft else [1],
-                                                       windows if with_draft else [None]):
+                for width, window, confidence in itertools.product(
+                        sorted(set(tree_widths)) if with_draft else [1], windows if with_draft else [None],
+                        confidences if with_draft else [DEFAULT_CONFIDENCE]):
                     try:
                         config = SpeculativeConfig(method=method, model=draft if with_draft else None,
                                                    num_speculative_tokens=k, k_policy=policy, tree_width=width,
                                                    backend=draft_backend if with_draft else None,
-                                                   **({**(draft_vocab or {}), "draft_window": window}
+                                                   **({**(draft_vocab or {}), "draft_window": window,
+                                                       "draft_confidence_threshold": confidence}
                                                       if with_draft else {}))
                     except ValueError as exc:
                         raise CliError(str(exc)) from exc
-                    plan.append((method_label(kind, k, policy, width, window), kind, k, config))
+                    plan.append((method_label(kind, k, policy, width, window, confidence=confidence), kind, k,
+                                 config))
     for kind in ("medusa", "eagle"):
         if kind in methods:
             for k in ks:

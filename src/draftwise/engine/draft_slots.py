@@ -33,10 +33,12 @@ class BatchedDraftModel(BatchProposer):
             :func:`~draftwise.proposers.draft_model.sized_tree`).
         window: each sequence's draft reads at most this many tokens of its context (None: all; see
             :class:`~draftwise.proposers.draft_model.DraftSlots`).
+        confidence_threshold: chains stop below this path probability (0: always ``k`` deep; see
+            :class:`~draftwise.proposers.draft_model.DraftSlots`).
 
     Raises:
-        ValueError: ``tree_width`` or ``tree_budget`` < 1, ``tree_width`` > 1 on a draft that cannot grow trees, or
-            ``window`` too small.
+        ValueError: ``tree_width`` or ``tree_budget`` < 1, ``tree_width`` > 1 on a draft that cannot grow trees,
+            ``window`` too small, or ``confidence_threshold`` outside [0, 1).
     """
 
     name = "draft_model"
@@ -44,9 +46,10 @@ class BatchedDraftModel(BatchProposer):
 
     def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int,
                  max_pass_rows: int = 512, tree_width: int = 1, tree_budget: int | None = None,
-                 verify_seconds: Callable[[int], float] | None = None, window: int | None = None) -> None:
+                 verify_seconds: Callable[[int], float] | None = None, window: int | None = None,
+                 confidence_threshold: float = 0.0) -> None:
         check_tree_shape(tree_width, tree_budget)
-        self.slots = DraftSlots(draft, target_vocab_size, max_pass_rows, verify_seconds, window)
+        self.slots = DraftSlots(draft, target_vocab_size, max_pass_rows, verify_seconds, window, confidence_threshold)
         if tree_width > 1 and not self.slots.supports_trees:
             raise ValueError(f"{self.slots.backend.name}: tree_width {tree_width} needs a draft on the lean runtime")
         self.tree_width = tree_width

@@ -45,8 +45,8 @@ from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_leng
 from draftwise.sampling import Sampler
 from draftwise.tree import DraftNode, best_frontier, children_of, select_tree
 
-__all__ = ["DraftSlots", "DraftModelProposer", "DraftRequest", "WINDOW_SINKS", "check_tree_shape", "check_window",
-           "fit_vocab", "sized_tree", "window_view"]
+__all__ = ["DraftSlots", "DraftModelProposer", "DraftRequest", "WINDOW_SINKS", "check_confidence", "check_tree_shape",
+           "check_window", "fit_vocab", "sized_tree", "window_view"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,9 +155,16 @@ class DraftSlots:
             last W, and the view grows with the sequence until it outgrows 2W and is cut again (one catch-up of
             W tokens). A long prompt then costs the draft a prefill of W tokens. Lossless: the draft's context
             changes what it proposes, never what the target accepts.
+        confidence_threshold: a chain stops growing once the draft's probability of its whole path (the product
+            of its tokens' probabilities under the processed distribution, :meth:`Sampler.logprob`) falls below
+            this; the token that crossed it is kept. 0 drafts every chain ``k`` deep. Each further draft token
+            costs a draft pass and pays only if the path so far is right, which its probability estimates
+            (the draft's confidence, as EAGLE-2 reads it for trees and Hugging Face's
+            ``assistant_confidence_threshold`` per token). Trees are sized by :func:`sized_tree` instead.
+            Lossless: it changes how many tokens are proposed, never which are accepted.
 
     Raises:
-        ValueError: ``window`` below :data:`MIN_DRAFT_WINDOW`.
+        ValueError: ``window`` below :data:`MIN_DRAFT_WINDOW`; ``confidence_threshold`` outside [0, 1).
 
     Attributes:
         pass_costs: the measured seconds of its passes per row count.
@@ -167,10 +174,13 @@ class DraftSlots:
 
     def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int,
                  max_pass_rows: int = 512, verify_seconds: Callable[[int], float] | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, confidence_threshold: float = 0.0) -> None:
         check_window(window)
+        check_confidence(confidence_threshold)
         self.backend = as_slot_backend(draft)
         self.window = window
+        self.confidence_threshold = confidence_threshold
+        self._min_path_score = math.log(confidence_threshold) if confidence_threshold > 0 else float("-inf")
         self.verify_seconds = verify_seconds
         self.target_vocab_size = target_vocab_size
         self.max_pass_rows = max_pass_rows
@@ -290,7 +300,7 @@ class DraftSlots:
                 rows = logits[row:row + len(growth.expanded)]
                 row += len(growth.expanded)
                 self._add_children(growth, rows, depth)
-            active = [g for g in active if depth < g.room and self._choose_expanded(g, depth)]
+            active = [g for g in active if depth < g.room and self._confident(g) and self._choose_expanded(g, depth)]
             if not active:
                 break
             logits = self._run_depth(active, depth)
@@ -306,12 +316,18 @@ class DraftSlots:
             base_score = 0.0 if parent < 0 else growth.nodes[parent].score
             if not growth.is_tree:
                 token, p = request.sampler.choose(logits, position)
-                growth.nodes.append(DraftNode(token, parent, depth, 0.0))
+                score = base_score + request.sampler.logprob(logits, token, p) if self.confidence_threshold else 0.0
+                growth.nodes.append(DraftNode(token, parent, depth, score))
                 if p is not None:
                     growth.probs.append(p)
                 continue
             tokens, logprobs = request.sampler.candidates(logits, position, request.width)
             growth.nodes.extend(DraftNode(t, parent, depth, base_score + lp) for t, lp in zip(tokens, logprobs))
+
+    def _confident(self, growth: _Growth) -> bool:
+        """Whether a chain may grow past its newest token: its path probability is still at or above the
+        confidence threshold (trees always may: :func:`sized_tree` sizes them)."""
+        return growth.is_tree or growth.nodes[-1].score >= self._min_path_score
 
     @staticmethod
     def _choose_expanded(growth: _Growth, depth: int) -> bool:
@@ -441,20 +457,24 @@ class DraftModelProposer(Proposer):
         verify_seconds: the target's ``rows -> seconds`` pass cost; trees are then sized by it (see
             :class:`DraftSlots`).
         window: the draft reads at most this many tokens of a long context (None: all; see :class:`DraftSlots`).
+        confidence_threshold: chains stop below this path probability (0: always ``k`` deep; see
+            :class:`DraftSlots`).
 
     Raises:
-        ValueError: ``tree_width`` or ``tree_budget`` < 1, ``window`` below :data:`MIN_DRAFT_WINDOW`.
+        ValueError: ``tree_width`` or ``tree_budget`` < 1, ``window`` below :data:`MIN_DRAFT_WINDOW`,
+            ``confidence_threshold`` outside [0, 1).
     """
 
     name = "draft_model"
 
     def __init__(self, draft: CausalLM, target_vocab_size: int, tree_width: int = 1,
                  tree_budget: int | None = None, verify_seconds: Callable[[int], float] | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, confidence_threshold: float = 0.0) -> None:
         check_tree_shape(tree_width, tree_budget)
         self.draft = draft
         self.target_vocab_size = target_vocab_size
-        self.slots = DraftSlots(draft, target_vocab_size, verify_seconds=verify_seconds, window=window)
+        self.slots = DraftSlots(draft, target_vocab_size, verify_seconds=verify_seconds, window=window,
+                                confidence_threshold=confidence_threshold)
         self.tree_width = tree_width if self.slots.supports_trees else 1
         self.tree_budget = tree_budget
         if tree_width > 1 and not self.slots.supports_trees:
@@ -514,6 +534,12 @@ def sized_tree(nodes: Sequence[DraftNode], budget: int, draft_s: float, verify_s
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n
+
+
+def check_confidence(threshold: float) -> None:
+    """Raise ``ValueError`` unless the draft confidence threshold is in [0, 1) (0: no early stop)."""
+    if not 0.0 <= threshold < 1.0:
+        raise ValueError(f"draft_confidence_threshold must be in [0, 1) (0 drafts every chain K deep), got {threshold}")
 
 
 def check_tree_shape(tree_width: int, tree_budget: int | None) -> None:

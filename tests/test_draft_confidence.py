@@ -1,0 +1,151 @@
+"""The draft confidence stop (``draft_confidence_threshold``): a draft chain stops growing once the draft's
+probability of its path falls below the threshold. The chain is shorter exactly where the draft is unsure, the
+output stays the target's own (greedy and coupled sampling, alone and batched), and the threshold is validated
+wherever it can be set."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import first_layer_copy, tiny_llama
+from draftwise.backends.lean import build_lean
+from draftwise.backends.quantization import int8_kernels_available
+from draftwise.commands.bench import CliError, draft_confidences, method_label
+from draftwise.config import DEFAULT_DRAFT_CONFIDENCE, SamplingParams, SpeculativeConfig
+from draftwise.engine import BatchedDraftModel, EngineCore, SpeculativeEngine
+from draftwise.proposers.draft_model import DraftModelProposer, DraftRequest, DraftSlots
+from draftwise.sampling import Sampler
+
+MODE = "int8" if int8_kernels_available() else "none"
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+PROMPTS = [[3, 17, 42, 5], [9, 8, 7, 6, 5, 4, 3, 2] * 3, list(range(2, 50))]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_llama(0).model
+
+
+@pytest.fixture(scope="module")
+def weak_hf(hf):
+    return first_layer_copy(hf)
+
+
+@pytest.fixture(scope="module")
+def target(hf):
+    return build_lean(hf, quantization=MODE, name="tiny")
+
+
+@pytest.fixture(scope="module")
+def draft(weak_hf):
+    return build_lean(weak_hf, quantization=MODE, name="weak")
+
+
+@pytest.fixture(scope="module")
+def oracle(target):
+    return [SpeculativeEngine(target).generate(p, GREEDY).token_ids for p in PROMPTS]
+
+
+def _path_probabilities(draft, context, k):
+    """The draft's greedy chain ``k`` deep after ``context`` and each prefix's path probability, computed
+    directly from the draft's one-row passes (the reference the stop rule is checked against)."""
+    draft.reset()
+    logits = draft.forward(list(context), num_logits=1).logits[-1]
+    tokens, paths, path = [], [], 1.0
+    for _ in range(k):
+        probs = torch.softmax(logits.float(), dim=-1)
+        token = int(torch.argmax(probs))
+        path *= float(probs[token])
+        tokens.append(token)
+        paths.append(path)
+        logits = draft.forward([token], num_logits=1).logits[-1]
+    draft.reset()
+    return tokens, paths
+
+
+@pytest.mark.parametrize("threshold", [0.0005, 0.05, 0.3, 0.6])
+def test_the_chain_stops_after_the_token_whose_path_falls_below_the_threshold(draft, threshold):
+    k = 8
+    for context in PROMPTS:
+        tokens, paths = _path_probabilities(draft, context, k)
+        expected = next((i + 1 for i, p in enumerate(paths) if p < threshold), k)
+        slots = DraftSlots(draft, 96, confidence_threshold=threshold)
+        proposal = slots.draft([DraftRequest(0, 0, context, Sampler(GREEDY), k)])[0]
+        assert list(proposal.token_ids) == tokens[:expected], (threshold, paths)
+    # an unreachable threshold keeps one token (the first draft token is always proposed); 0 never stops
+    assert len(DraftSlots(draft, 96, confidence_threshold=0.999).draft(
+        [DraftRequest(0, 0, PROMPTS[0], Sampler(GREEDY), k)])[0].token_ids) == 1
+    assert len(DraftSlots(draft, 96).draft([DraftRequest(0, 0, PROMPTS[0], Sampler(GREEDY), k)])[0].token_ids) == k
+
+
+def test_the_stop_saves_draft_passes(draft):
+    """Tokens not drafted are passes not run: the whole point of the stop."""
+    passes = {}
+    for threshold in (0.0, 0.5):
+        slots = DraftSlots(draft, 96, confidence_threshold=threshold)
+        forward, count = slots.backend.forward, []
+        slots.backend.forward = lambda pieces, forward=forward, count=count: count.append(1) or forward(pieces)
+        for context in PROMPTS:
+            slots.draft([DraftRequest(0, 0, context, Sampler(GREEDY), 8)])
+        passes[threshold] = len(count)
+    assert passes[0.0] == 3 * 8 and passes[0.5] < passes[0.0]
+
+
+@pytest.mark.parametrize("threshold", [0.2, 0.5])
+def test_greedy_output_is_the_targets_alone_and_batched(target, hf, weak_hf, draft, oracle, threshold):
+    alone = [SpeculativeEngine(target, DraftModelProposer(draft, 96, confidence_threshold=threshold), 6)
+             .generate(p, GREEDY) for p in PROMPTS]
+    assert [r.token_ids for r in alone] == oracle
+    full = [SpeculativeEngine(target, DraftModelProposer(draft, 96), 6).generate(p, GREEDY) for p in PROMPTS]
+    assert sum(r.stats.num_draft_tokens for r in alone) < sum(r.stats.num_draft_tokens for r in full)
+    multi = build_lean(hf, quantization=MODE, name="tiny-batch", num_slots=2)
+    batched_draft = build_lean(weak_hf, quantization=MODE, name="weak-batch", num_slots=2)
+    engine = EngineCore(multi, BatchedDraftModel(batched_draft, 96, confidence_threshold=threshold), 6)
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == oracle  # 3 requests through 2 slots
+
+
+def test_coupled_and_rejection_sampling_keep_the_plain_text_or_distribution(target, draft):
+    for seed in (1, 2):
+        params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
+        for prompt in PROMPTS[1:]:
+            plain = SpeculativeEngine(target).generate(prompt, params).token_ids
+            stopped = SpeculativeEngine(target, DraftModelProposer(draft, 96, confidence_threshold=0.3), 5)
+            assert stopped.generate(prompt, params).token_ids == plain
+
+
+def test_the_confidence_is_the_processed_distributions(draft):
+    """Under rejection sampling the stop reads the distribution the token was drawn from (``Sampler.logprob``
+    with the probabilities ``choose`` returned), the same value recomputing it gives."""
+    logits = torch.randn(96)
+    for params in (GREEDY, SamplingParams(temperature=0.7, top_k=20, seed=3, sampling="rejection"),
+                   SamplingParams(temperature=0.7, top_p=0.9, seed=3)):
+        sampler = Sampler(params)
+        token, probs = sampler.choose(logits, 5)
+        recomputed = sampler.logprob(logits, token)
+        assert math.isfinite(recomputed) and recomputed <= 0.0
+        if probs is not None:
+            assert sampler.logprob(logits, token, probs) == pytest.approx(recomputed, abs=1e-5)
+    greedy = Sampler(GREEDY)
+    assert greedy.logprob(logits, int(torch.argmax(logits))) == pytest.approx(
+        float(torch.log_softmax(logits, -1).max()), abs=1e-6)
+
+
+def test_the_threshold_is_validated_everywhere(draft):
+    for bad in (-0.1, 1.0, 2.0):
+        with pytest.raises(ValueError, match="draft_confidence_threshold"):
+            SpeculativeConfig(method="draft_model", model="d", draft_confidence_threshold=bad)
+        with pytest.raises(ValueError, match="draft_confidence_threshold"):
+            DraftSlots(draft, 96, confidence_threshold=bad)
+    with pytest.raises(ValueError, match="draft_confidence_threshold"):
+        SpeculativeConfig(method="ngram", draft_confidence_threshold=0.3)  # a field ngram does not read
+    assert SpeculativeConfig(method="hybrid", model="d", draft_confidence_threshold=0.3).draft_confidence_threshold == 0.3
+    assert draft_confidences(None) == [DEFAULT_DRAFT_CONFIDENCE]
+    assert draft_confidences("0, 0.3,0.3") == [0.0, 0.3]
+    for bad in ("1", "-0.2", "x", ","):
+        with pytest.raises(CliError, match="--draft-confidence"):
+            draft_confidences(bad)
+    assert method_label("draft", 8, confidence=0.4) == "draft K=8 conf=0.4"
+    assert method_label("draft", 4, confidence=DEFAULT_DRAFT_CONFIDENCE) == "draft K=4"
