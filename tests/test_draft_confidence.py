@@ -78,7 +78,8 @@ def test_the_chain_stops_after_the_token_whose_path_falls_below_the_threshold(dr
     # an unreachable threshold keeps one token (the first draft token is always proposed); 0 never stops
     assert len(DraftSlots(draft, 96, confidence_threshold=0.999).draft(
         [DraftRequest(0, 0, PROMPTS[0], Sampler(GREEDY), k)])[0].token_ids) == 1
-    assert len(DraftSlots(draft, 96).draft([DraftRequest(0, 0, PROMPTS[0], Sampler(GREEDY), k)])[0].token_ids) == k
+    assert len(DraftSlots(draft, 96, confidence_threshold=0.0).draft(
+        [DraftRequest(0, 0, PROMPTS[0], Sampler(GREEDY), k)])[0].token_ids) == k
 
 
 def test_the_stop_saves_draft_passes(draft):
@@ -99,7 +100,8 @@ def test_greedy_output_is_the_targets_alone_and_batched(target, hf, weak_hf, dra
     alone = [SpeculativeEngine(target, DraftModelProposer(draft, 96, confidence_threshold=threshold), 6)
              .generate(p, GREEDY) for p in PROMPTS]
     assert [r.token_ids for r in alone] == oracle
-    full = [SpeculativeEngine(target, DraftModelProposer(draft, 96), 6).generate(p, GREEDY) for p in PROMPTS]
+    full = [SpeculativeEngine(target, DraftModelProposer(draft, 96, confidence_threshold=0.0), 6)
+            .generate(p, GREEDY) for p in PROMPTS]
     assert sum(r.stats.num_draft_tokens for r in alone) < sum(r.stats.num_draft_tokens for r in full)
     multi = build_lean(hf, quantization=MODE, name="tiny-batch", num_slots=2)
     batched_draft = build_lean(weak_hf, quantization=MODE, name="weak-batch", num_slots=2)
@@ -140,8 +142,9 @@ def test_the_threshold_is_validated_everywhere(draft):
         with pytest.raises(ValueError, match="draft_confidence_threshold"):
             DraftSlots(draft, 96, confidence_threshold=bad)
     with pytest.raises(ValueError, match="draft_confidence_threshold"):
-        SpeculativeConfig(method="ngram", draft_confidence_threshold=0.3)  # a field ngram does not read
-    assert SpeculativeConfig(method="hybrid", model="d", draft_confidence_threshold=0.3).draft_confidence_threshold == 0.3
+        SpeculativeConfig(method="ngram", draft_confidence_threshold=0.25)  # a field ngram does not read
+    hybrid = SpeculativeConfig(method="hybrid", model="d", draft_confidence_threshold=0.25)
+    assert hybrid.draft_confidence_threshold == 0.25
     assert draft_confidences(None) == [DEFAULT_DRAFT_CONFIDENCE]
     assert draft_confidences("0, 0.3,0.3") == [0.0, 0.3]
     for bad in ("1", "-0.2", "x", ","):
@@ -149,3 +152,44 @@ def test_the_threshold_is_validated_everywhere(draft):
             draft_confidences(bad)
     assert method_label("draft", 8, confidence=0.4) == "draft K=8 conf=0.4"
     assert method_label("draft", 4, confidence=DEFAULT_DRAFT_CONFIDENCE) == "draft K=4"
+
+
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
+def test_sampled_sequences_keep_the_targets_distribution_when_chains_stop_early(sampling):
+    """The stop depends only on the draft's own tokens, so each position is still either verified against the
+    target or drawn from it: the sequence distribution is the target's (chi-square goodness of fit over the
+    4^4 sequences, bins of expected count < 5 pooled), while fewer tokens are drafted than without the stop."""
+    from scipy.stats import chisquare
+
+    from fakes import BigramLM, sequence_distribution
+
+    vocab, length, draws, k = 4, 4, 6000, 3
+    gen = torch.Generator().manual_seed(0)
+    target_table = torch.randn(vocab, vocab, generator=gen) * 1.5
+    draft_table = torch.randn(vocab, vocab, generator=gen) * 1.5  # a different, imperfect draft
+    drafted = {}
+    for threshold in (0.0, 0.5):
+        engine = SpeculativeEngine(BigramLM(target_table), DraftModelProposer(BigramLM(draft_table), vocab,
+                                                                              confidence_threshold=threshold), k)
+        counts: dict[tuple, int] = {}
+        drafted[threshold] = 0
+        for seed in range(draws):
+            params = SamplingParams(temperature=0.8, max_tokens=length, ignore_eos=True, seed=seed, sampling=sampling)
+            result = engine.generate([0], params)
+            counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+            drafted[threshold] += result.stats.num_draft_tokens
+    expected = sequence_distribution(target_table, 0, length, 0.8)
+    observed, wanted, pooled = [], [], [0.0, 0.0]
+    for sequence, p in expected.items():
+        if p * draws >= 5:
+            observed.append(counts.get(sequence, 0))
+            wanted.append(p * draws)
+        else:
+            pooled[0] += counts.get(sequence, 0)
+            pooled[1] += p * draws
+    observed.append(pooled[0])
+    wanted.append(pooled[1])
+    assert sum(counts.values()) == draws and sum(observed) == draws
+    wanted = [w * draws / sum(wanted) for w in wanted]  # the exact distribution sums to 1 up to rounding
+    assert chisquare(observed, wanted).pvalue > 1e-3
+    assert drafted[0.5] < drafted[0.0]

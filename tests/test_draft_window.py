@@ -112,7 +112,8 @@ def test_draft_tokens_are_sampled_at_the_sequence_positions(weak_hf):
             return super().choose(logits, position)
 
     context = list(range(2, 90))
-    DraftSlots(draft, 96, window=WINDOW).draft([DraftRequest(0, 0, context, Recording(GREEDY), 3)])
+    DraftSlots(draft, 96, window=WINDOW, confidence_threshold=0.0).draft(
+        [DraftRequest(0, 0, context, Recording(GREEDY), 3)])
     assert positions == [len(context), len(context) + 1, len(context) + 2]
 
 

@@ -168,7 +168,10 @@ def run_acceptance_probe(
     if target.backend is draft.backend:
         raise ValueError("target and draft share one backend (one KV cache); load the model twice to probe it "
                          "as its own draft")
-    engine = assemble_engine(target, DraftModelProposer(draft.backend, target.backend.vocab_size), k)
+    # full K-deep chains (no confidence stop): the probe measures acceptance at every position up to K, which the
+    # prediction from it reads
+    proposer = DraftModelProposer(draft.backend, target.backend.vocab_size, confidence_threshold=0.0)
+    engine = assemble_engine(target, proposer, k)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     result = ProbeResult(k=k, max_tokens=max_tokens)
     for prompt in prompts:

@@ -9,6 +9,7 @@ from typing import Any
 from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import SlotBackend
+from draftwise.config import DEFAULT_DRAFT_CONFIDENCE
 from draftwise.engine.proposers import BatchProposer
 from draftwise.engine.sequence import BatchSequence
 from draftwise.proposers.base import DraftProposal
@@ -47,7 +48,7 @@ class BatchedDraftModel(BatchProposer):
     def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int,
                  max_pass_rows: int = 512, tree_width: int = 1, tree_budget: int | None = None,
                  verify_seconds: Callable[[int], float] | None = None, window: int | None = None,
-                 confidence_threshold: float = 0.0) -> None:
+                 confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE) -> None:
         check_tree_shape(tree_width, tree_budget)
         self.slots = DraftSlots(draft, target_vocab_size, max_pass_rows, verify_seconds, window, confidence_threshold)
         if tree_width > 1 and not self.slots.supports_trees:

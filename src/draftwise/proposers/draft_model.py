@@ -38,7 +38,7 @@ from draftwise.backends.slots import (
     as_slot_backend,
     chunk_counts,
 )
-from draftwise.config import SamplingParams
+from draftwise.config import DEFAULT_DRAFT_CONFIDENCE, SamplingParams
 from draftwise.methods import MIN_DRAFT_WINDOW
 from draftwise.cost_model import PassCostCurve
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
@@ -174,7 +174,7 @@ class DraftSlots:
 
     def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int,
                  max_pass_rows: int = 512, verify_seconds: Callable[[int], float] | None = None,
-                 window: int | None = None, confidence_threshold: float = 0.0) -> None:
+                 window: int | None = None, confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE) -> None:
         check_window(window)
         check_confidence(confidence_threshold)
         self.backend = as_slot_backend(draft)
@@ -469,7 +469,7 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, draft: CausalLM, target_vocab_size: int, tree_width: int = 1,
                  tree_budget: int | None = None, verify_seconds: Callable[[int], float] | None = None,
-                 window: int | None = None, confidence_threshold: float = 0.0) -> None:
+                 window: int | None = None, confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE) -> None:
         check_tree_shape(tree_width, tree_budget)
         self.draft = draft
         self.target_vocab_size = target_vocab_size
