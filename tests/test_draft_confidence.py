@@ -151,6 +151,22 @@ def test_the_threshold_is_validated_everywhere(draft):
         with pytest.raises(CliError, match="--draft-confidence"):
             draft_confidences(bad)
     assert method_label("draft", 8, confidence=0.4) == "draft K=8 conf=0.4"
+    assert method_label("draft", 4, confidence=0.1234567) != method_label("draft", 4, confidence=0.1234568)
+    assert method_label("draft", 4, confidence=0.3000001) == "draft K=4 conf=0.3000001"
+    for bad in ("0.3", None, True, [0.3]):
+        with pytest.raises(ValueError, match="draft_confidence_threshold"):
+            DraftSlots(draft, 96, confidence_threshold=bad)
+
+
+def test_a_threshold_beside_a_draft_tree_is_refused_and_bench_keeps_trees_at_the_default():
+    from draftwise.commands.bench import agent_method_plan
+
+    with pytest.raises(ValueError, match="tree_width > 1"):
+        SpeculativeConfig(method="draft_model", model="d", tree_width=2, draft_confidence_threshold=0.5)
+    assert SpeculativeConfig(method="draft_model", model="d", tree_width=2).tree_width == 2  # the default is fine
+    plan = agent_method_plan(["draft"], [4], ["fixed"], [1, 2], {}, "d", confidences=[0.0, 0.3])
+    labels = [label for label, *_ in plan]
+    assert labels == ["plain", "draft K=4 conf=0.0", "draft K=4", "draft K=4 w=2"]
     assert method_label("draft", 4, confidence=DEFAULT_DRAFT_CONFIDENCE) == "draft K=4"
 
 

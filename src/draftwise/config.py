@@ -132,8 +132,9 @@ class SpeculativeConfig:
             probability of its whole path falls below this (the token that crossed it is still proposed), so K
             is the longest chain, drawn only as deep as the draft is confident (EAGLE-2's reading of draft
             confidence; Hugging Face's ``assistant_confidence_threshold`` is a per-token form). Default 0.3
-            (:data:`DEFAULT_DRAFT_CONFIDENCE`); 0 drafts every chain K deep. The output is unchanged. Not a vLLM
-            field.
+            (:data:`DEFAULT_DRAFT_CONFIDENCE`); 0 drafts every chain K deep. Chains only: with ``tree_width`` > 1
+            the tree is sized by the verify cost, and setting this is an error. The output is unchanged. Not a
+            vLLM field.
         tree: ``medusa``: an explicit static tree as Medusa "choices", a list of top-k rank paths such as
             ``[[0], [1], [0, 0]]`` (overrides ``tree_width`` / ``tree_budget``; see
             :class:`draftwise.tree.TreeTemplate`).

@@ -134,6 +134,10 @@ def _check_draft(config: SpeculativeConfig) -> None:
     if not 0.0 <= config.draft_confidence_threshold < 1.0:
         raise ValueError("draft_confidence_threshold must be in [0, 1) (0 drafts every chain K deep), got "
                          f"{config.draft_confidence_threshold}")
+    default_threshold = next(f.default for f in dataclasses.fields(config) if f.name == "draft_confidence_threshold")
+    if config.tree_width > 1 and config.draft_confidence_threshold != default_threshold:
+        raise ValueError("draft_confidence_threshold stops draft chains; with tree_width > 1 the draft tree is "
+                         "sized by the verify cost instead: leave draft_confidence_threshold out or set tree_width 1")
     if config.catch_up not in CATCH_UP_MODES:
         raise ValueError(f"catch_up must be one of {', '.join(map(repr, CATCH_UP_MODES))}, got {config.catch_up!r}")
     if config.catch_up != "eager" and config.k_policy != "auto":

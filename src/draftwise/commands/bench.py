@@ -97,7 +97,8 @@ def register(subparsers) -> None:
     parser.add_argument("--draft-confidence", default=None,
                         help="draft/hybrid: comma-separated draft confidence thresholds in [0, 1): a draft chain "
                              "stops once the draft's probability of its path falls below it (0: always K deep; "
-                             f"default {DEFAULT_CONFIDENCE}, draft_confidence_threshold, docs/draft_trees.md)")
+                             f"default {DEFAULT_CONFIDENCE}, the rows without conf=; chains only: draft trees are "
+                             "sized by the verify cost; draft_confidence_threshold, docs/draft_trees.md)")
     parser.add_argument("--k-policies", default="fixed", help="fixed, auto or fixed,auto (auto: K_max = max(ks))")
     parser.add_argument("--catch-up", default="eager",
                         help="draft with --k-policies auto: eager, deferred or eager,deferred: price the draft's "
@@ -198,11 +199,12 @@ def method_label(kind: str, k: int, policy: str = "fixed", tree_width: int = 1, 
                  catch_up: str = "eager", confidence: float = DEFAULT_CONFIDENCE) -> str:
     """A method's name in tables and JSON: ``"draft K=4"``, ``"ngram auto(K<=4)"``, ``"eagle K=4 w=2"``,
     ``"draft K=4 win=256"`` (a draft window), ``"draft auto(K<=4) deferred"`` (a deferred catch-up),
-    ``"draft K=8 conf=0.4"`` (a draft confidence threshold other than the default)."""
+    ``"draft K=8 conf=0.4"`` (a draft confidence threshold other than the default, written exactly: two thresholds
+    never share a label)."""
     label = f"{kind} K={k}" if policy == "fixed" else f"{kind} auto(K<={k})"
     return (label + (f" w={tree_width}" if tree_width > 1 else "") + (f" win={window}" if window else "")
             + (f" {catch_up}" if catch_up != "eager" else "")
-            + (f" conf={confidence:g}" if confidence != DEFAULT_CONFIDENCE else ""))
+            + (f" conf={confidence!r}" if confidence != DEFAULT_CONFIDENCE else ""))  # repr: distinct values, labels
 
 
 def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[str], ks: list[int],
@@ -711,9 +713,10 @@ def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tr
         with_draft = kind in ("draft", "hybrid")
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                for width, window, confidence in itertools.product(
-                        sorted(set(tree_widths)) if with_draft else [1], windows if with_draft else [None],
-                        confidences if with_draft else [DEFAULT_CONFIDENCE]):
+                for width, window, confidence in (
+                        (w, win, c) for w, win in itertools.product(sorted(set(tree_widths)) if with_draft else [1],
+                                                                    windows if with_draft else [None])
+                        for c in (confidences if with_draft and w == 1 else [DEFAULT_CONFIDENCE])):
                     try:
                         config = SpeculativeConfig(method=method, model=draft if with_draft else None,
                                                    num_speculative_tokens=k, k_policy=policy, tree_width=width,

@@ -143,7 +143,7 @@ class DraftSlots:
 
     Args:
         draft: the draft as a slot backend, a lean model (its slots) or any CausalLM (one slot).
-        target_vocab_size: the target's logits width (draft logits are cut or zero-padded to it, so a draft
+        target_vocab_size: the target's logits width (draft logits are cut or padded with -inf to it, so a draft
             whose embedding is padded differently still yields ``[k, target_vocab]`` distributions; ids the
             target cannot produce are never proposed).
         max_pass_rows: rows per catch-up pass.
@@ -537,8 +537,8 @@ def sized_tree(nodes: Sequence[DraftNode], budget: int, draft_s: float, verify_s
 
 
 def check_confidence(threshold: float) -> None:
-    """Raise ``ValueError`` unless the draft confidence threshold is in [0, 1) (0: no early stop)."""
-    if not 0.0 <= threshold < 1.0:
+    """Raise ``ValueError`` unless the draft confidence threshold is a number in [0, 1) (0: no early stop)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
         raise ValueError(f"draft_confidence_threshold must be in [0, 1) (0 drafts every chain K deep), got {threshold}")
 
 
