@@ -107,7 +107,7 @@ def replay(args: argparse.Namespace) -> None:
     table = []
     for rule in RULES:
         settings = [(k, 0.0) for k in range(1, data["max_k"] + 1)] if rule == "fixed" else \
-            [(data["max_k"], t) for t in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)]
+            [(data["max_k"], float(t)) for t in args.thresholds.split(",")]
         for k, threshold in settings:
             per = defaultdict(lambda: [0, 0.0])
             for prompt in data["prompts"]:
@@ -146,6 +146,7 @@ def main() -> None:
     rep.add_argument("--target-ms", type=float, required=True, help="the target's one-token pass, ms")
     rep.add_argument("--draft-ms", type=float, required=True, help="the draft's one-token pass, ms")
     rep.add_argument("--verify", required=True, help="v_1..v_(K+1): a pass over n rows / a one-row pass")
+    rep.add_argument("--thresholds", default="0.1,0.2,0.3,0.4,0.5,0.6", help="comma-separated thresholds to try")
     args = parser.parse_args()
     (trace if args.command == "trace" else replay)(args)
 
