@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from draftwise.methods import BACKENDS, validate_config
+from draftwise.methods import BACKENDS, DEFAULT_DRAFT_CONFIDENCE, validate_config
 
 __all__ = ["SamplingParams", "SpeculativeConfig", "GREEDY_TEMPERATURE", "SAMPLING_RULES", "BACKENDS",
            "MAX_SPECULATIVE_TOKENS", "DEFAULT_DRAFT_CONFIDENCE"]
@@ -16,11 +16,6 @@ GREEDY_TEMPERATURE = 1e-5
 SAMPLING_RULES = ("coupled", "rejection")
 #: The largest ``num_speculative_tokens`` (K) accepted anywhere (config, server, ``bench --ks``).
 MAX_SPECULATIVE_TOKENS = 64
-#: ``draft_confidence_threshold``'s default (:class:`SpeculativeConfig` and the draft-model proposers): a draft chain
-#: stops once the draft's path probability falls below 0.3 (0 drafts every chain K deep). On Spec-Bench's 13
-#: categories with the Qwen2.5-Coder 0.5B/1.5B pair (AMD EPYC, 2 cores; docs/draft_trees.md) K=4 went from 1.23x
-#: to 1.30x plain with it and K=8 from 1.06x to 1.32x; a replay of drafts put the best threshold at 0.3-0.4 there.
-DEFAULT_DRAFT_CONFIDENCE = 0.3
 
 
 @dataclass(frozen=True)

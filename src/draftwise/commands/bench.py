@@ -228,7 +228,7 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
         widths = sorted(set(tree_widths)) if target.backend.supports_tree else [1]
         for w in widths:
             verify = tree_verify_seconds(target.backend, max(ks), w, None)  # None for a chain
-            for window, confidence in itertools.product(windows, confidences if w == 1 else [DEFAULT_CONFIDENCE]):
+            for window, confidence in itertools.product(windows, chain_confidences(confidences, w)):
                 proposers.append(("draft", w, window, confidence, DraftModelProposer(
                     draft.backend, target.backend.vocab_size, tree_width=w, verify_seconds=verify, window=window,
                     confidence_threshold=confidence)))
@@ -451,6 +451,12 @@ def draft_confidences(text: str | None) -> list[float]:
     if not values:
         raise CliError("--draft-confidence: give at least one threshold, e.g. 0,0.3")
     return values
+
+
+def chain_confidences(confidences: list[float], tree_width: int) -> list[float]:
+    """The draft confidence thresholds a draft of ``tree_width`` runs with: all of them for a chain (width 1), the
+    default alone for a tree (trees are sized by the verify cost; a threshold beside one is refused)."""
+    return list(confidences) if tree_width == 1 else [DEFAULT_CONFIDENCE]
 
 
 def draft_windows(text: str) -> list[int | None]:
@@ -713,10 +719,11 @@ def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tr
         with_draft = kind in ("draft", "hybrid")
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                for width, window, confidence in (
-                        (w, win, c) for w, win in itertools.product(sorted(set(tree_widths)) if with_draft else [1],
-                                                                    windows if with_draft else [None])
-                        for c in (confidences if with_draft and w == 1 else [DEFAULT_CONFIDENCE])):
+                shapes = itertools.product(sorted(set(tree_widths)) if with_draft else [1],
+                                           windows if with_draft else [None])
+                for width, window, confidence in [(w, win, c) for w, win in shapes
+                                                  for c in (chain_confidences(confidences, w) if with_draft
+                                                            else [DEFAULT_CONFIDENCE])]:
                     try:
                         config = SpeculativeConfig(method=method, model=draft if with_draft else None,
                                                    num_speculative_tokens=k, k_policy=policy, tree_width=width,

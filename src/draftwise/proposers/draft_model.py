@@ -38,15 +38,15 @@ from draftwise.backends.slots import (
     as_slot_backend,
     chunk_counts,
 )
-from draftwise.config import DEFAULT_DRAFT_CONFIDENCE, SamplingParams
-from draftwise.methods import MIN_DRAFT_WINDOW
+from draftwise.config import SamplingParams
+from draftwise.methods import DEFAULT_DRAFT_CONFIDENCE, MIN_DRAFT_WINDOW, check_draft_confidence
 from draftwise.cost_model import PassCostCurve
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import Sampler
 from draftwise.tree import DraftNode, best_frontier, children_of, select_tree
 
-__all__ = ["DraftSlots", "DraftModelProposer", "DraftRequest", "WINDOW_SINKS", "check_confidence", "check_tree_shape",
-           "check_window", "fit_vocab", "sized_tree", "window_view"]
+__all__ = ["DraftSlots", "DraftModelProposer", "DraftRequest", "WINDOW_SINKS", "check_tree_shape", "check_window",
+           "fit_vocab", "sized_tree", "window_view"]
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class DraftSlots:
                  max_pass_rows: int = 512, verify_seconds: Callable[[int], float] | None = None,
                  window: int | None = None, confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE) -> None:
         check_window(window)
-        check_confidence(confidence_threshold)
+        check_draft_confidence(confidence_threshold)
         self.backend = as_slot_backend(draft)
         self.window = window
         self.confidence_threshold = confidence_threshold
@@ -534,12 +534,6 @@ def sized_tree(nodes: Sequence[DraftNode], budget: int, draft_s: float, verify_s
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n
-
-
-def check_confidence(threshold: float) -> None:
-    """Raise ``ValueError`` unless the draft confidence threshold is a number in [0, 1) (0: no early stop)."""
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
-        raise ValueError(f"draft_confidence_threshold must be in [0, 1) (0 drafts every chain K deep), got {threshold}")
 
 
 def check_tree_shape(tree_width: int, tree_budget: int | None) -> None:
