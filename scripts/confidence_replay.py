@@ -11,14 +11,17 @@ speed-ups over plain decoding, prefill and the draft's catch-up left out. It rep
 points, so a rule that commits fewer tokens in a step is credited as if the next draft started where the recorded
 one did: a comparison of rules, not a prediction of ``bench``.
 
-Rules: ``fixed`` (K tokens), ``path`` (stop after the token whose path probability falls below the threshold: what
-draftwise does), ``pathdrop`` (the same, without proposing that token), ``token`` / ``tokendrop`` (the token's
-own probability, as Hugging Face's ``assistant_confidence_threshold``).
+Rules: ``fixed`` (K tokens), ``path`` (stop after the token whose path probability falls below the threshold: a
+number for ``draft_confidence_threshold``), ``cost`` (the same with one threshold per depth, ``value`` x (c + the
+next verify row's relative cost): ``draft_confidence_threshold`` "auto", draftwise's default, whose value 1.5 this
+replay chose; ``--stop-values``), ``pathdrop`` (the path rule without proposing the crossing token), ``token`` /
+``tokendrop`` (the token's own probability, as Hugging Face's ``assistant_confidence_threshold``).
 
 Usage (idle machine; the CPU is printed):
     scripts/confidence_replay.py trace --limit 2 --max-k 8 --out trace.json
     scripts/confidence_replay.py replay trace.json --target-ms 61.6 --draft-ms 10.3 \\
         --verify 1.00,1.03,1.05,1.10,1.10,1.12,1.18,1.21,1.31   (v_1..v_9 from `draftwise costs --ks 1,...,9`)
+        [--stop-values 1,1.5,2]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import json
 import time
 from collections import defaultdict
 
-RULES = ("fixed", "path", "pathdrop", "token", "tokendrop")
+RULES = ("fixed", "path", "cost", "pathdrop", "token", "tokendrop")
 
 
 def trace(args: argparse.Namespace) -> None:
@@ -85,30 +88,40 @@ def trace(args: argparse.Namespace) -> None:
     print(f"wrote {args.out} (CPU: {cpu_model_name()})")
 
 
-def proposed_length(logprobs: list[float], k: int, rule: str, threshold: float) -> tuple[int, int]:
+def proposed_length(logprobs: list[float], k: int, rule: str, threshold: float | tuple[float, ...]) -> tuple[int, int]:
     """``(tokens proposed, draft passes paid)`` of a recorded chain under ``rule`` with at most ``k`` tokens (a
-    ``*drop`` rule has paid the pass of the token it drops)."""
+    ``*drop`` rule has paid the pass of the token it drops); ``threshold``: one number, or one per depth (``cost``,
+    ``threshold[j - 1]`` after j tokens)."""
     import math
 
     depth = min(len(logprobs), k)
     path = 0.0
     for i in range(depth):
         path += logprobs[i]
-        value = path if rule.startswith("path") else logprobs[i]
-        if rule != "fixed" and math.exp(value) < threshold:
+        value = path if rule.startswith("path") or rule == "cost" else logprobs[i]
+        bound = threshold[min(i, len(threshold) - 1)] if isinstance(threshold, tuple) else threshold
+        if rule != "fixed" and math.exp(value) < bound:
             return (i, i + 1) if rule.endswith("drop") else (i + 1, i + 1)
     return depth, depth
 
 
 def replay(args: argparse.Namespace) -> None:
     """Print decode speed-ups over plain decoding per rule, threshold and category."""
+    from draftwise.cost_model import CostModel, draft_stop_thresholds
+
     data = json.load(open(args.trace))
     verify = [float(v) for v in args.verify.split(",")]
+    costs = CostModel(tuple(v * args.target_ms for v in verify), args.draft_ms)
     table = []
     for rule in RULES:
-        settings = [(k, 0.0) for k in range(1, data["max_k"] + 1)] if rule == "fixed" else \
-            [(data["max_k"], float(t)) for t in args.thresholds.split(",")]
-        for k, threshold in settings:
+        if rule == "fixed":
+            settings = [(k, 0.0, "") for k in range(1, data["max_k"] + 1)]
+        elif rule == "cost":
+            settings = [(data["max_k"], draft_stop_thresholds(costs, data["max_k"], float(v)), f" x{float(v):g}")
+                        for v in args.stop_values.split(",")]
+        else:
+            settings = [(data["max_k"], float(t), f" {float(t):g}") for t in args.thresholds.split(",")]
+        for k, threshold, suffix in settings:
             per = defaultdict(lambda: [0, 0.0])
             for prompt in data["prompts"]:
                 for draft in prompt["drafts"]:
@@ -118,7 +131,7 @@ def replay(args: argparse.Namespace) -> None:
                     per[prompt["category"]][1] += cost
             speedups = {c: tokens / cost * args.target_ms for c, (tokens, cost) in per.items()}
             overall = sum(t for t, _ in per.values()) / sum(c for _, c in per.values()) * args.target_ms
-            table.append((f"{rule} K={k}" + (f" {threshold:g}" if rule != "fixed" else ""), overall, speedups))
+            table.append((f"{rule} K={k}{suffix}", overall, speedups))
     categories = sorted(table[0][2])
     print(f"{data['cpu']}: decode speed-up over plain by rule (replayed; see the module docstring)")
     print(f"{'rule':20s} {'all':>5s} {'min':>5s} " + " ".join(f"{c[:7]:>7s}" for c in categories))
@@ -147,6 +160,8 @@ def main() -> None:
     rep.add_argument("--draft-ms", type=float, required=True, help="the draft's one-token pass, ms")
     rep.add_argument("--verify", required=True, help="v_1..v_(K+1): a pass over n rows / a one-row pass")
     rep.add_argument("--thresholds", default="0.1,0.2,0.3,0.4,0.5,0.6", help="comma-separated thresholds to try")
+    rep.add_argument("--stop-values", default="1,1.5,2",
+                     help="comma-separated values of the cost rule (draftwise.cost_model.DRAFT_STOP_VALUE)")
     args = parser.parse_args()
     (trace if args.command == "trace" else replay)(args)
 

@@ -95,6 +95,52 @@ def test_the_stop_saves_draft_passes(draft):
     assert passes[0.0] == 3 * 8 and passes[0.5] < passes[0.0]
 
 
+def test_per_depth_thresholds_stop_the_chain_at_the_first_depth_whose_threshold_its_path_misses(draft):
+    """``thresholds[j - 1]`` applies after j proposed tokens (deeper ones take the last); a threshold of 1 or
+    more stops the chain there; all zeros never stop it."""
+    k = 8
+    for context in PROMPTS:
+        tokens, paths = _path_probabilities(draft, context, k)
+        for thresholds in ((0.0, 0.0, 1.0), (paths[0] / 2, paths[1] * 2), (0.0,) * 3, (paths[0] * 2,)):
+            expected = next((j for j in range(1, k) if paths[j - 1] < thresholds[min(j, len(thresholds)) - 1]), k)
+            slots = DraftSlots(draft, 96, confidence_threshold=thresholds)
+            proposal = slots.draft([DraftRequest(0, 0, context, Sampler(GREEDY), k)])[0]
+            assert list(proposal.token_ids) == tokens[:expected], (thresholds, paths)
+    one = DraftSlots(draft, 96, confidence_threshold=(0.0, 0.0, 1.0))
+    assert len(one.draft([DraftRequest(0, 0, PROMPTS[0], Sampler(GREEDY), k)])[0].token_ids) == 3
+
+
+def test_auto_thresholds_follow_the_costs():
+    """``draft_stop_thresholds``: 1.5 x (c + the next verify row's relative cost) per depth, so a dearer draft or a
+    steeper verify curve stops chains earlier."""
+    from draftwise.cost_model import DRAFT_STOP_VALUE, CostModel, draft_stop_thresholds
+
+    flat = CostModel((0.05, 0.051, 0.052, 0.053, 0.054), 0.01)
+    steep = CostModel((0.05, 0.051, 0.06, 0.075, 0.095), 0.01)
+    dear = CostModel((0.05, 0.051, 0.052, 0.053, 0.054), 0.03)
+    assert draft_stop_thresholds(flat, 4) == pytest.approx([DRAFT_STOP_VALUE * (0.2 + 0.02)] * 3)
+    assert draft_stop_thresholds(steep, 4) == pytest.approx([1.5 * (0.2 + 0.18), 1.5 * (0.2 + 0.3),
+                                                             1.5 * (0.2 + 0.4)])
+    assert all(d > f for d, f in zip(draft_stop_thresholds(dear, 4), draft_stop_thresholds(flat, 4)))
+    assert draft_stop_thresholds(flat, 1) == ()
+    assert len(draft_stop_thresholds(flat, 8)) == 7  # the curve is extended past its measured points
+    with pytest.raises(ValueError):
+        draft_stop_thresholds(flat, 0)
+
+
+def test_the_builder_turns_auto_into_per_depth_thresholds_from_the_calibrated_costs(target, draft, oracle):
+    from draftwise.builder import draft_confidence
+    from draftwise.calibration import calibrate_cost_model
+    from draftwise.cost_model import draft_stop_thresholds
+
+    thresholds = draft_confidence("auto", target, draft, 6)
+    assert thresholds == draft_stop_thresholds(calibrate_cost_model(target, 6, draft=draft), 6)
+    assert draft_confidence(0.25, target, draft, 6) == 0.25
+    assert draft_confidence("auto", target, draft, 6, tree_width=2) == draft_confidence("auto", target, draft, 1)
+    engine = SpeculativeEngine(target, DraftModelProposer(draft, 96, confidence_threshold=thresholds), 6)
+    assert [engine.generate(p, GREEDY).token_ids for p in PROMPTS] == oracle
+
+
 @pytest.mark.parametrize("threshold", [0.2, 0.5])
 def test_greedy_output_is_the_targets_alone_and_batched(target, hf, weak_hf, draft, oracle, threshold):
     alone = [SpeculativeEngine(target, DraftModelProposer(draft, 96, confidence_threshold=threshold), 6)
@@ -153,9 +199,14 @@ def test_the_threshold_is_validated_everywhere(draft):
     assert method_label("draft", 8, confidence=0.4) == "draft K=8 conf=0.4"
     assert method_label("draft", 4, confidence=0.1234567) != method_label("draft", 4, confidence=0.1234568)
     assert method_label("draft", 4, confidence=0.3000001) == "draft K=4 conf=0.3000001"
-    for bad in ("0.3", None, True, [0.3]):
+    for bad in ("0.3", None, True, [], [0.3, -1.0], ["0.3"], "auto"):  # "auto" needs costs: the builder's
         with pytest.raises(ValueError, match="draft_confidence_threshold"):
             DraftSlots(draft, 96, confidence_threshold=bad)
+    for bad in ("0.3", "bogus", [0.3], None):
+        with pytest.raises(ValueError, match="draft_confidence_threshold"):
+            SpeculativeConfig(method="draft_model", model="d", draft_confidence_threshold=bad)
+    assert SpeculativeConfig(method="draft_model", model="d").draft_confidence_threshold == "auto"
+    assert draft_confidences("auto,0.3,auto") == ["auto", 0.3]
 
 
 def test_a_threshold_beside_a_draft_tree_is_refused_and_bench_keeps_trees_at_the_default():
@@ -164,9 +215,9 @@ def test_a_threshold_beside_a_draft_tree_is_refused_and_bench_keeps_trees_at_the
     with pytest.raises(ValueError, match="tree_width > 1"):
         SpeculativeConfig(method="draft_model", model="d", tree_width=2, draft_confidence_threshold=0.5)
     assert SpeculativeConfig(method="draft_model", model="d", tree_width=2).tree_width == 2  # the default is fine
-    plan = agent_method_plan(["draft"], [4], ["fixed"], [1, 2], {}, "d", confidences=[0.0, 0.3])
+    plan = agent_method_plan(["draft"], [4], ["fixed"], [1, 2], {}, "d", confidences=[0.0, "auto", 0.3])
     labels = [label for label, *_ in plan]
-    assert labels == ["plain", "draft K=4 conf=0.0", "draft K=4", "draft K=4 w=2"]
+    assert labels == ["plain", "draft K=4 conf=0.0", "draft K=4", "draft K=4 conf=0.3", "draft K=4 w=2"]
     assert method_label("draft", 4, confidence=DEFAULT_DRAFT_CONFIDENCE) == "draft K=4"
 
 

@@ -30,14 +30,14 @@ from draftwise.engine import (
     PerSequenceProposers,
     SpeculativeEngine,
 )
-from draftwise.methods import METHODS, get_method
+from draftwise.methods import FIXED_DRAFT_CONFIDENCE, METHODS, get_method
 from draftwise.models.loading import LoadedModel, check_model_source, load_model
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import Proposer
 
 __all__ = ["assemble_engine", "BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS",
            "TokenizerMismatchError", "backend_kind", "build_batched_engine", "build_engine", "build_proposer",
-           "build_head_proposer", "check_same_tokenizer", "draft_load_options", "load_draft_model", "load_target_heads",
+           "build_head_proposer", "check_same_tokenizer", "draft_confidence", "draft_load_options", "load_draft_model", "load_target_heads",
            "require_target_ids_across_backends"]
 
 logger = logging.getLogger(__name__)
@@ -351,9 +351,44 @@ def _build_draft_model(config: SpeculativeConfig, target: LoadedModel, options: 
     draft = load_draft_model(config, target, options)
     _check_tree_verifier(config, target)
     verify = tree_verify_seconds(target.backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
+    stop = draft_confidence(config.draft_confidence_threshold, target.backend, draft.backend,
+                            config.num_speculative_tokens, config.tree_width)
     return BuiltProposer(DraftModelProposer(draft.backend, target.backend.vocab_size, config.tree_width,
                                             config.tree_budget, verify, window=config.draft_window,
-                                            confidence_threshold=config.draft_confidence_threshold), draft)
+                                            confidence_threshold=stop), draft)
+
+
+def draft_confidence(value: float | str, target: CausalLM, draft: CausalLM, k: int, tree_width: int = 1
+                     ) -> float | tuple[float, ...]:
+    """A ``draft_confidence_threshold`` as the draft-model proposers take it: a number as it is; ``"auto"`` as one
+    path-probability threshold per chain depth from the calibrated costs of ``target`` and ``draft``
+    (:func:`draftwise.cost_model.draft_stop_thresholds`; :func:`draftwise.calibration.calibrate_cost_model`
+    measures them once per model and machine and caches them). Where no thresholds apply (a tree, K = 1) or the
+    costs cannot be measured (a context too short for the timing passes), ``"auto"`` is
+    :data:`~draftwise.methods.FIXED_DRAFT_CONFIDENCE`.
+
+    Args:
+        value: the config's ``draft_confidence_threshold``.
+        target, draft: the two backends; k: the longest chain (``num_speculative_tokens``); tree_width: the
+            config's (trees are sized by the verify cost instead).
+    """
+    if value != "auto":
+        return value
+    if tree_width > 1 or k <= 1:
+        return FIXED_DRAFT_CONFIDENCE
+    from draftwise.calibration import calibrate_cost_model
+    from draftwise.cost_model import draft_stop_thresholds
+
+    try:
+        costs = calibrate_cost_model(target, k, draft=draft)
+    except ValueError as error:
+        logger.warning("draft confidence: the costs could not be measured (%s); stopping chains at path "
+                       "probability %g", error, FIXED_DRAFT_CONFIDENCE)
+        return FIXED_DRAFT_CONFIDENCE
+    thresholds = draft_stop_thresholds(costs, k)
+    logger.info("draft confidence by depth (a chain of j tokens grows while its path probability is at least "
+                "thresholds[j]; c = %.3f): %s", costs.cost_ratio, " ".join(f"{t:.2f}" for t in thresholds))
+    return thresholds
 
 
 def tree_verify_seconds(target: CausalLM, k: int, tree_width: int, tree_budget: int | None
@@ -589,10 +624,11 @@ def build_batched_engine(
             raise ValueError(f"{draft.name}: a draft model in the batched engine needs the lean runtime too "
                              "(--quantization int8 on the CPU, a Llama-family model)")
         verify = tree_verify_seconds(backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
+        stop = draft_confidence(config.draft_confidence_threshold, backend, draft.backend,
+                                config.num_speculative_tokens, config.tree_width)
         proposer = BatchedDraftModel(draft.backend, backend.vocab_size, tree_width=config.tree_width,
                                      tree_budget=config.tree_budget, verify_seconds=verify,
-                                     window=config.draft_window,
-                                     confidence_threshold=config.draft_confidence_threshold)
+                                     window=config.draft_window, confidence_threshold=stop)
     engine = EngineCore(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
     return engine, draft
 

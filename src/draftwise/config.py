@@ -124,12 +124,15 @@ class SpeculativeConfig:
             catch-up; a short answer never pays it, a long one loses at most one catch-up's worth). Where a
             per-request K controller runs (not the batched server's load-aware K). Not a vLLM field.
         draft_confidence_threshold: ``draft_model`` / ``hybrid``: a draft chain stops growing once the draft's
-            probability of its whole path falls below this (the token that crossed it is still proposed), so K
-            is the longest chain, drawn only as deep as the draft is confident (EAGLE-2's reading of draft
-            confidence; Hugging Face's ``assistant_confidence_threshold`` is a per-token form). Default 0.3
-            (:data:`DEFAULT_DRAFT_CONFIDENCE`); 0 drafts every chain K deep. Chains only: with ``tree_width`` > 1
-            the tree is sized by the verify cost, and setting this is an error. The output is unchanged. Not a
-            vLLM field.
+            probability of its whole path falls below a threshold (the token that crossed it is still proposed),
+            so K is the longest chain, drawn only as deep as the draft is confident (EAGLE-2's reading of draft
+            confidence; Hugging Face's ``assistant_confidence_threshold`` is a per-token form). ``"auto"``
+            (default, :data:`DEFAULT_DRAFT_CONFIDENCE`): one threshold per depth from the calibrated costs,
+            1.5 x the next token's cost (a draft pass and one more verify row) in one-token target passes
+            (:func:`draftwise.cost_model.draft_stop_thresholds`; measured once per model and machine, cached); a
+            number in [0, 1): that threshold at every depth; 0 drafts every chain K deep. Chains only: with
+            ``tree_width`` > 1 the tree is sized by the verify cost, and setting a number is an error. The output
+            is unchanged. Not a vLLM field.
         tree: ``medusa``: an explicit static tree as Medusa "choices", a list of top-k rank paths such as
             ``[[0], [1], [0, 0]]`` (overrides ``tree_width`` / ``tree_budget``; see
             :class:`draftwise.tree.TreeTemplate`).
@@ -181,7 +184,7 @@ class SpeculativeConfig:
     tree_budget: int | None = None
     draft_window: int | None = None
     catch_up: str = "eager"
-    draft_confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE
+    draft_confidence_threshold: float | str = DEFAULT_DRAFT_CONFIDENCE
     tree: tuple[tuple[int, ...], ...] | None = None
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_spec_factor: float = 1.0

@@ -48,6 +48,7 @@ __all__ = [
     "batch_step_rate",
     "break_even_acceptance",
     "conditional_acceptance",
+    "draft_stop_thresholds",
     "expected_tokens",
     "expected_tokens_per_step",
     "mean_accepted_length",
@@ -322,6 +323,48 @@ class CostModel:
                    str(data.get("source", "")), float(data.get("draft_prefill_seconds_per_token", 0.0)),
                    int(data.get("context_len", 0)), float(data.get("target_context_growth", 0.0)),
                    float(data.get("draft_context_growth", 0.0)), float(data.get("draft_step_seconds", 0.0)))
+
+
+# ---------------------------------------------------------------------------------------------- draft stop
+#: The worth of a committed token in one-token target passes that :func:`draft_stop_thresholds` assumes: a further
+#: draft token pays when its path probability is at least this many times its cost. In the marginal-rate argument
+#: below it stands for the speculative speed-up; 1.5 was fitted by replaying recorded draft chains (26 Spec-Bench
+#: prompts, Qwen2.5-Coder 0.5B draft / 1.5B target, K=8; ``scripts/confidence_replay.py --stop-values``): at draft
+#: cost ratios c of 0.16-0.55 and verify curves v_9 of 1.31-1.90 it came within 1% of the best constant threshold
+#: of each setting, where each constant lost up to 10% elsewhere (docs/draft_trees.md).
+DRAFT_STOP_VALUE = 1.5
+
+
+def draft_stop_thresholds(costs: CostModel, max_k: int, value: float = DRAFT_STOP_VALUE) -> tuple[float, ...]:
+    """Per-depth path-probability thresholds for a draft chain, from the measured costs.
+
+    Extending a chain of j proposed tokens by one more costs a draft pass and one more verify row:
+    ``c + v_(j+2) - v_(j+1)`` one-token target passes (c = :attr:`CostModel.cost_ratio`, v = the relative verify
+    curve; the step-cost model of Leviathan et al. 2023, Sec. 3.4). The token is worth about the probability that
+    the whole path is right, which the draft's path probability estimates (EAGLE-2's reading of draft confidence,
+    Li et al. 2024). A step maximises tokens per second when it grows while a token's expected worth times the
+    speed-up exceeds its cost, so the chain grows past depth j only while its path probability is at least
+    ``value * (c + v_(j+2) - v_(j+1))``. A cheap draft and a flat verify curve draft deep; an expensive draft, or
+    verify rows that cost more where the target's passes turn compute-bound, stop early.
+
+    Args:
+        costs: the calibrated costs; its verify curve is read as far as ``max_k + 1`` tokens (extended past the
+            measured points like every reader of it).
+        max_k: the chain's longest K (>= 1).
+        value: :data:`DRAFT_STOP_VALUE`.
+
+    Returns:
+        ``thresholds[j - 1]`` for j = 1..max_k - 1 proposed tokens (empty for max_k 1); values may exceed 1 (the
+        chain never grows past that depth).
+
+    Raises:
+        ValueError: ``max_k`` < 1 or ``value`` <= 0.
+    """
+    if max_k < 1 or not value > 0:
+        raise ValueError(f"need max_k >= 1 and value > 0, got {max_k}, {value}")
+    c = costs.cost_ratio
+    v = [costs.relative_verify_cost(n) for n in range(1, max_k + 2)]  # v[n - 1] = v_n
+    return tuple(value * (c + max(0.0, v[j + 1] - v[j])) for j in range(1, max_k))
 
 
 # ---------------------------------------------------------------------------------------------- batches

@@ -144,18 +144,27 @@ def _check_draft(config: SpeculativeConfig) -> None:
 
 #: The smallest ``draft_window`` (tokens) accepted.
 MIN_DRAFT_WINDOW = 32
-#: ``draft_confidence_threshold``'s default (:class:`~draftwise.config.SpeculativeConfig` and the draft-model
-#: proposers): a draft chain stops once the draft's path probability falls below 0.3 (0 drafts every chain K deep).
-#: On Spec-Bench's 13 categories with the Qwen2.5-Coder 0.5B/1.5B pair (AMD EPYC, 2 cores; docs/draft_trees.md) K=4
-#: went from 1.23x to 1.30x plain with it and K=8 from 1.06x to 1.32x; a replay of drafts put the best threshold at
-#: 0.3-0.4 there.
-DEFAULT_DRAFT_CONFIDENCE = 0.3
+#: ``draft_confidence_threshold``'s default (:class:`~draftwise.config.SpeculativeConfig`): ``"auto"``, thresholds
+#: per chain depth from the calibrated costs (:func:`draftwise.cost_model.draft_stop_thresholds`: a chain grows
+#: while its path probability is at least 1.5 x the next token's cost in target passes). A replay of recorded
+#: drafts put it within 1% of the best constant threshold at draft cost ratios 0.16-0.55, where each constant lost
+#: up to 10% elsewhere (docs/draft_trees.md).
+DEFAULT_DRAFT_CONFIDENCE = "auto"
+#: The constant threshold of a draft-model proposer built without costs (library use; ``"auto"`` where no
+#: calibration can run): a chain stops once the draft's path probability falls below 0.3. On Spec-Bench's 13
+#: categories with the Qwen2.5-Coder 0.5B/1.5B pair (AMD EPYC, 2 cores) K=4 went from 1.23x to 1.30x plain with it
+#: and K=8 from 1.06x to 1.32x.
+FIXED_DRAFT_CONFIDENCE = 0.3
 
 
-def check_draft_confidence(threshold: float) -> None:
-    """Raise ``ValueError`` unless the draft confidence threshold is a number in [0, 1) (0: no early stop)."""
+def check_draft_confidence(threshold: float | str) -> None:
+    """Raise ``ValueError`` unless the draft confidence threshold is ``"auto"`` or a number in [0, 1) (0: no early
+    stop)."""
+    if threshold == "auto":
+        return
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
-        raise ValueError(f"draft_confidence_threshold must be in [0, 1) (0 drafts every chain K deep), got {threshold}")
+        raise ValueError(f"draft_confidence_threshold must be 'auto' or a number in [0, 1) (0 drafts every chain K "
+                         f"deep), got {threshold!r}")
 
 #: The FR-Spec fields (methods running a draft model): the draft's LM head over a frequency-ranked subset.
 DRAFT_VOCAB_FIELDS = ("draft_vocab_size", "token_map")

@@ -95,10 +95,11 @@ def register(subparsers) -> None:
                              "token count >= 32: the draft reads only the context's first 4 and most recent tokens "
                              "(draft_window, docs/draft_trees.md)")
     parser.add_argument("--draft-confidence", default=None,
-                        help="draft/hybrid: comma-separated draft confidence thresholds in [0, 1): a draft chain "
-                             "stops once the draft's probability of its path falls below it (0: always K deep; "
-                             f"default {DEFAULT_CONFIDENCE}, the rows without conf=; chains only: draft trees are "
-                             "sized by the verify cost; draft_confidence_threshold, docs/draft_trees.md)")
+                        help="draft/hybrid: comma-separated draft confidence thresholds, 'auto' or numbers in [0, 1): "
+                             "a draft chain stops once the draft's probability of its path falls below the threshold "
+                             "(auto: one per depth from the calibrated costs; 0: always K deep; default "
+                             f"{DEFAULT_CONFIDENCE}, the rows without conf=; chains only: draft trees are sized by the "
+                             "verify cost; draft_confidence_threshold, docs/draft_trees.md)")
     parser.add_argument("--k-policies", default="fixed", help="fixed, auto or fixed,auto (auto: K_max = max(ks))")
     parser.add_argument("--catch-up", default="eager",
                         help="draft with --k-policies auto: eager, deferred or eager,deferred: price the draft's "
@@ -196,7 +197,7 @@ def parse_ks(text: str) -> list[int]:
 
 
 def method_label(kind: str, k: int, policy: str = "fixed", tree_width: int = 1, window: int | None = None,
-                 catch_up: str = "eager", confidence: float = DEFAULT_CONFIDENCE) -> str:
+                 catch_up: str = "eager", confidence: float | str = DEFAULT_CONFIDENCE) -> str:
     """A method's name in tables and JSON: ``"draft K=4"``, ``"ngram auto(K<=4)"``, ``"eagle K=4 w=2"``,
     ``"draft K=4 win=256"`` (a draft window), ``"draft auto(K<=4) deferred"`` (a deferred catch-up),
     ``"draft K=8 conf=0.4"`` (a draft confidence threshold other than the default, written exactly: two thresholds
@@ -211,13 +212,13 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
                   policies: list[str], calibrated: dict, heads: dict[str, str] | None = None,
                   tree_widths: list[int] = (1,), anchors: tuple | None = None,
                   windows: list[int | None] = (None,), catch_ups: list[str] = ("eager",),
-                  confidences: list[float] = (DEFAULT_CONFIDENCE,)) -> list[MethodSpec]:
+                  confidences: list[float | str] = (DEFAULT_CONFIDENCE,)) -> list[MethodSpec]:
     """Plain first, then each requested method x policy x K (x tree width x draft window x confidence threshold for
     the draft model, and x ``catch_ups`` for its auto policy; x tree width for Medusa / EAGLE at fixed K only),
     sharing the target backend. ``heads`` maps ``"medusa"`` / ``"eagle"`` to heads directories; ``anchors`` is
     ``(target, draft)`` on the transformers runtime for the ``hf`` methods (default: ``target`` and ``draft``)."""
     from draftwise.anchors import hf_runner
-    from draftwise.builder import tree_verify_seconds
+    from draftwise.builder import draft_confidence, tree_verify_seconds
     from draftwise.proposers.draft_model import DraftModelProposer
     from draftwise.proposers.ngram import NgramProposer
 
@@ -229,9 +230,10 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
         for w in widths:
             verify = tree_verify_seconds(target.backend, max(ks), w, None)  # None for a chain
             for window, confidence in itertools.product(windows, chain_confidences(confidences, w)):
+                stop = draft_confidence(confidence, target.backend, draft.backend, max(ks), w)
                 proposers.append(("draft", w, window, confidence, DraftModelProposer(
                     draft.backend, target.backend.vocab_size, tree_width=w, verify_seconds=verify, window=window,
-                    confidence_threshold=confidence)))
+                    confidence_threshold=stop)))
     if "ngram" in methods:
         proposers.append(("ngram", 1, None, DEFAULT_CONFIDENCE, NgramProposer()))
     for kind, width, window, confidence, proposer in proposers:
@@ -428,32 +430,35 @@ def _heads_dirs(args: argparse.Namespace, methods: list[str]) -> dict[str, str |
     return heads
 
 
-def draft_confidences(text: str | None) -> list[float]:
-    """``--draft-confidence``: comma-separated thresholds in [0, 1) (None: the default only).
+def draft_confidences(text: str | None) -> list[float | str]:
+    """``--draft-confidence``: comma-separated thresholds, ``auto`` or numbers in [0, 1) (None: the default only).
 
     Raises:
         CliError: anything else.
     """
     if text is None:
         return [DEFAULT_CONFIDENCE]
-    values = []
+    values: list[float | str] = []
     for item in (v.strip() for v in text.split(",")):
         if not item:
             continue
-        try:
-            value = float(item)
-        except ValueError:
-            value = -1.0
-        if not 0.0 <= value < 1.0:
-            raise CliError(f"--draft-confidence: each value must be a number in [0, 1), got {item!r}")
+        if item == "auto":
+            value: float | str = item
+        else:
+            try:
+                value = float(item)
+            except ValueError:
+                value = -1.0
+            if not 0.0 <= value < 1.0:
+                raise CliError(f"--draft-confidence: each value must be 'auto' or a number in [0, 1), got {item!r}")
         if value not in values:
             values.append(value)
     if not values:
-        raise CliError("--draft-confidence: give at least one threshold, e.g. 0,0.3")
+        raise CliError("--draft-confidence: give at least one threshold, e.g. auto,0,0.3")
     return values
 
 
-def chain_confidences(confidences: list[float], tree_width: int) -> list[float]:
+def chain_confidences(confidences: list[float | str], tree_width: int) -> list[float | str]:
     """The draft confidence thresholds a draft of ``tree_width`` runs with: all of them for a chain (width 1), the
     default alone for a tree (trees are sized by the verify cost; a threshold beside one is refused)."""
     return list(confidences) if tree_width == 1 else [DEFAULT_CONFIDENCE]
@@ -698,7 +703,7 @@ def _agent_methods(args: argparse.Namespace, params):
 def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tree_widths: list[int],
                       heads: dict[str, str | None], draft: str | None, draft_vocab: dict | None = None, *,
                       draft_backend: str | None = None, windows: list[int | None] = (None,),
-                      confidences: list[float] = (DEFAULT_CONFIDENCE,)) -> list[tuple]:
+                      confidences: list[float | str] = (DEFAULT_CONFIDENCE,)) -> list[tuple]:
     """``(label, kind, k, SpeculativeConfig | None)`` per in-process method, plain first, in the order and with
     the labels of the prompts workload (draft and ngram per policy and K; Medusa / EAGLE per K and tree width).
     ``draft_vocab`` (``draft_vocab_size`` / ``token_map``) and ``draft_backend`` (the draft model's own backend,

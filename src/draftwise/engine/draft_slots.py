@@ -9,7 +9,7 @@ from typing import Any
 from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import SlotBackend
-from draftwise.config import DEFAULT_DRAFT_CONFIDENCE
+from draftwise.methods import FIXED_DRAFT_CONFIDENCE
 from draftwise.engine.proposers import BatchProposer
 from draftwise.engine.sequence import BatchSequence
 from draftwise.proposers.base import DraftProposal
@@ -34,12 +34,13 @@ class BatchedDraftModel(BatchProposer):
             :func:`~draftwise.proposers.draft_model.sized_tree`).
         window: each sequence's draft reads at most this many tokens of its context (None: all; see
             :class:`~draftwise.proposers.draft_model.DraftSlots`).
-        confidence_threshold: chains stop below this path probability (0: always ``k`` deep; see
-            :class:`~draftwise.proposers.draft_model.DraftSlots`).
+        confidence_threshold: chains stop below this path probability, one number or one per depth (0: always
+            ``k`` deep; see :class:`~draftwise.proposers.draft_model.DraftSlots`).
 
     Raises:
         ValueError: ``tree_width`` or ``tree_budget`` < 1, ``tree_width`` > 1 on a draft that cannot grow trees,
-            ``window`` too small, or ``confidence_threshold`` outside [0, 1).
+            ``window`` too small, or ``confidence_threshold`` invalid
+            (:func:`~draftwise.proposers.draft_model.min_path_scores`).
     """
 
     name = "draft_model"
@@ -48,7 +49,7 @@ class BatchedDraftModel(BatchProposer):
     def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int,
                  max_pass_rows: int = 512, tree_width: int = 1, tree_budget: int | None = None,
                  verify_seconds: Callable[[int], float] | None = None, window: int | None = None,
-                 confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE) -> None:
+                 confidence_threshold: float | Sequence[float] = FIXED_DRAFT_CONFIDENCE) -> None:
         check_tree_shape(tree_width, tree_budget)
         self.slots = DraftSlots(draft, target_vocab_size, max_pass_rows, verify_seconds, window, confidence_threshold)
         if tree_width > 1 and not self.slots.supports_trees:

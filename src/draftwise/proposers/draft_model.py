@@ -39,14 +39,14 @@ from draftwise.backends.slots import (
     chunk_counts,
 )
 from draftwise.config import SamplingParams
-from draftwise.methods import DEFAULT_DRAFT_CONFIDENCE, MIN_DRAFT_WINDOW, check_draft_confidence
+from draftwise.methods import FIXED_DRAFT_CONFIDENCE, MIN_DRAFT_WINDOW, check_draft_confidence
 from draftwise.cost_model import PassCostCurve
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import Sampler
 from draftwise.tree import DraftNode, best_frontier, children_of, select_tree
 
 __all__ = ["DraftSlots", "DraftModelProposer", "DraftRequest", "WINDOW_SINKS", "check_tree_shape", "check_window",
-           "fit_vocab", "sized_tree", "window_view"]
+           "fit_vocab", "min_path_scores", "sized_tree", "window_view"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,37 @@ def check_window(window: int | None) -> None:
                          f"got {window}")
 
 
+def min_path_scores(confidence_threshold: float | str | Sequence[float]) -> tuple[float, ...]:
+    """The smallest log path probability a chain may grow past, per depth (``scores[j - 1]`` after j proposed
+    tokens; deeper ones take the last): ``()`` when nothing stops a chain (a threshold of 0), ``+inf`` where a
+    threshold of 1 or more stops it.
+
+    Raises:
+        ValueError: not a number in [0, 1) nor a non-empty sequence of numbers >= 0; ``"auto"`` (the builder
+            resolves it with the calibrated costs, :func:`draftwise.cost_model.draft_stop_thresholds`).
+    """
+    if isinstance(confidence_threshold, str):
+        if confidence_threshold == "auto":
+            raise ValueError("draft_confidence_threshold 'auto' needs the calibrated costs: build the engine with "
+                             "draftwise.builder.build_engine, or pass draft_stop_thresholds(costs, k)")
+        check_draft_confidence(confidence_threshold)  # raises: a string other than "auto"
+    if isinstance(confidence_threshold, (int, float)):
+        check_draft_confidence(confidence_threshold)
+        thresholds = (float(confidence_threshold),)
+    else:
+        try:
+            thresholds = tuple(confidence_threshold)
+        except TypeError:
+            thresholds = ()
+        if not thresholds or any(isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0
+                                 for t in thresholds):
+            raise ValueError("draft_confidence_threshold: per-depth thresholds must be a non-empty sequence of "
+                             f"numbers >= 0, got {confidence_threshold!r}")
+    if all(t <= 0 for t in thresholds):
+        return ()
+    return tuple(math.log(t) if 0 < t < 1 else (float("-inf") if t <= 0 else math.inf) for t in thresholds)
+
+
 @dataclass
 class _Growth:
     """One request's draft while it grows, depth by depth: a chain (``width`` 1: tokens drawn with the
@@ -157,14 +188,18 @@ class DraftSlots:
             changes what it proposes, never what the target accepts.
         confidence_threshold: a chain stops growing once the draft's probability of its whole path (the product
             of its tokens' probabilities under the processed distribution, :meth:`Sampler.logprob`) falls below
-            this; the token that crossed it is kept. 0 drafts every chain ``k`` deep. Each further draft token
-            costs a draft pass and pays only if the path so far is right, which its probability estimates
-            (the draft's confidence, as EAGLE-2 reads it for trees and Hugging Face's
+            a threshold; the token that crossed it is kept. A number in [0, 1) is the threshold at every depth (0
+            drafts every chain ``k`` deep); a sequence gives one per depth, ``thresholds[j - 1]`` after j
+            proposed tokens (deeper ones take the last; values >= 1 stop there), as
+            :func:`draftwise.cost_model.draft_stop_thresholds` derives them from the measured costs. Each further
+            draft token costs a draft pass and a verify row and pays only if the path so far is right, which its
+            probability estimates (the draft's confidence, as EAGLE-2 reads it for trees and Hugging Face's
             ``assistant_confidence_threshold`` per token). Trees are sized by :func:`sized_tree` instead.
             Lossless: it changes how many tokens are proposed, never which are accepted.
 
     Raises:
-        ValueError: ``window`` below :data:`MIN_DRAFT_WINDOW`; ``confidence_threshold`` outside [0, 1).
+        ValueError: ``window`` below :data:`MIN_DRAFT_WINDOW`; ``confidence_threshold`` not a number in [0, 1) nor
+            a non-empty sequence of numbers >= 0 (``"auto"`` is resolved by the builder, which has the costs).
 
     Attributes:
         pass_costs: the measured seconds of its passes per row count.
@@ -174,13 +209,13 @@ class DraftSlots:
 
     def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int,
                  max_pass_rows: int = 512, verify_seconds: Callable[[int], float] | None = None,
-                 window: int | None = None, confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE) -> None:
+                 window: int | None = None,
+                 confidence_threshold: float | Sequence[float] = FIXED_DRAFT_CONFIDENCE) -> None:
         check_window(window)
-        check_draft_confidence(confidence_threshold)
+        self._min_path_scores = min_path_scores(confidence_threshold)
         self.backend = as_slot_backend(draft)
         self.window = window
         self.confidence_threshold = confidence_threshold
-        self._min_path_score = math.log(confidence_threshold) if confidence_threshold > 0 else float("-inf")
         self.verify_seconds = verify_seconds
         self.target_vocab_size = target_vocab_size
         self.max_pass_rows = max_pass_rows
@@ -316,7 +351,7 @@ class DraftSlots:
             base_score = 0.0 if parent < 0 else growth.nodes[parent].score
             if not growth.is_tree:
                 token, p = request.sampler.choose(logits, position)
-                score = base_score + request.sampler.logprob(logits, token, p) if self.confidence_threshold else 0.0
+                score = base_score + request.sampler.logprob(logits, token, p) if self._min_path_scores else 0.0
                 growth.nodes.append(DraftNode(token, parent, depth, score))
                 if p is not None:
                     growth.probs.append(p)
@@ -326,8 +361,11 @@ class DraftSlots:
 
     def _confident(self, growth: _Growth) -> bool:
         """Whether a chain may grow past its newest token: its path probability is still at or above the
-        confidence threshold (trees always may: :func:`sized_tree` sizes them)."""
-        return growth.is_tree or growth.nodes[-1].score >= self._min_path_score
+        confidence threshold of its depth (trees always may: :func:`sized_tree` sizes them)."""
+        if growth.is_tree or not self._min_path_scores:
+            return True
+        scores = self._min_path_scores
+        return growth.nodes[-1].score >= scores[min(len(growth.nodes), len(scores)) - 1]
 
     @staticmethod
     def _choose_expanded(growth: _Growth, depth: int) -> bool:
@@ -457,19 +495,20 @@ class DraftModelProposer(Proposer):
         verify_seconds: the target's ``rows -> seconds`` pass cost; trees are then sized by it (see
             :class:`DraftSlots`).
         window: the draft reads at most this many tokens of a long context (None: all; see :class:`DraftSlots`).
-        confidence_threshold: chains stop below this path probability (0: always ``k`` deep; see
-            :class:`DraftSlots`).
+        confidence_threshold: chains stop below this path probability, one number or one per depth (0: always
+            ``k`` deep; see :class:`DraftSlots`).
 
     Raises:
         ValueError: ``tree_width`` or ``tree_budget`` < 1, ``window`` below :data:`MIN_DRAFT_WINDOW`,
-            ``confidence_threshold`` outside [0, 1).
+            ``confidence_threshold`` invalid (:func:`min_path_scores`).
     """
 
     name = "draft_model"
 
     def __init__(self, draft: CausalLM, target_vocab_size: int, tree_width: int = 1,
                  tree_budget: int | None = None, verify_seconds: Callable[[int], float] | None = None,
-                 window: int | None = None, confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE) -> None:
+                 window: int | None = None,
+                 confidence_threshold: float | Sequence[float] = FIXED_DRAFT_CONFIDENCE) -> None:
         check_tree_shape(tree_width, tree_budget)
         self.draft = draft
         self.target_vocab_size = target_vocab_size
