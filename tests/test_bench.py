@@ -172,6 +172,30 @@ def test_summary_predicts_from_the_per_token_acceptance():
         assert draft_row["predicted_speedup"] > 2.5  # accepted / drafted would have said about 1.3
 
 
+def test_summary_predicts_from_the_chains_actually_drafted():
+    """A confidence stop drafts fewer than K tokens per step: the prediction prices the steps as drafted
+    (``k_history``), not as K deep, so a K=8 run that drafted 2 tokens a step is predicted like one (the K-deep
+    formula promised the tokens of 8-token chains it never drafted)."""
+    from draftwise.calibration import ForwardCosts
+    from draftwise.cost_model import predicted_speedup, predicted_speedup_of_steps
+
+    costs = ForwardCosts({k: 0.1 * (1 + 0.1 * (k - 1)) for k in range(1, 10)}, context_len=200)
+    plain = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_target_passes": 99}
+    stopped = {"num_draft_tokens": 200, "num_accepted_tokens": 160, "num_target_passes": 100,
+               "drafted_per_position": [100, 100], "accepted_per_position": [90, 70],
+               "rejected_per_position": [10, 20], "k_history": [2] * 100}
+    rows = summarize([_run("plain", "plain", None, plain), _run("draft K=8", "draft", 8, stopped, 0.5)], costs, 0.005)
+    a = rows[1]["token_acceptance"]
+    assert rows[1]["predicted_speedup"] == pytest.approx(predicted_speedup(a, 2, 0.05, costs.relative(3)))
+    assert rows[1]["predicted_speedup"] < predicted_speedup(a, 8, 0.05, costs.relative(9))
+    assert predicted_speedup_of_steps(a, [8] * 5, 0.05, costs.relative) == pytest.approx(
+        predicted_speedup(a, 8, 0.05, costs.relative(9)))
+    mixed = predicted_speedup_of_steps(0.8, [0, 4], 0.1, lambda n: 1 + 0.05 * (n - 1))
+    assert mixed == pytest.approx((1 + (1 - 0.8**5) / 0.2) / (1 + 0.4 + 1.2))
+    with pytest.raises(ValueError):
+        predicted_speedup_of_steps(0.8, [], 0.1, costs.relative)
+
+
 @pytest.mark.parametrize("workload", ["prompts", "agent"])
 def test_an_output_directory_is_refused_before_anything_runs(stories_path, prompts_file, tmp_path, capsys, workload):
     """A directory as --output used to crash with a traceback after the first prompt had been measured."""

@@ -193,4 +193,9 @@ def test_costs_command_json(draftwise_home, stories_path, capsys):
     assert result["quantization"] == "int8" and result["context_len"] == 8
     assert sorted(result["seconds"]) == ["1", "2", "4"] and result["relative"]["1"] == 1.0
     assert result["cost_ratio_c"] > 0
+    assert "draft_stop_thresholds" not in result  # k = 3 not measured: no curve to derive them from
+    assert main(["costs", str(stories_path), "--quantization", "int8", "--ks", "1,2,3,4", "--repeats", "1",
+                 "--context", "8", "--draft", str(stories_path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["draft_stop_thresholds"]) == 2 and min(result["draft_stop_thresholds"]) > 0
     assert main(["costs", str(stories_path), "--ks", "0"]) == 2  # one-line user error

@@ -401,7 +401,8 @@ def summarize(
     """Per method (and per category when asked): tokens/s, speed-up over plain (total, median, min, max),
     alpha, tau, acceptance by position, mean K, identical outputs, engine overhead share, peak memory; for
     fixed-K draft-model rows with calibration: c, v_(K+1) and the Leviathan-predicted speed-up (from the
-    per-token acceptance, :func:`draftwise.cost_model.predicted_speedup`).
+    per-token acceptance and the tokens each step drafted, which a confidence stop makes fewer than K:
+    :func:`draftwise.cost_model.predicted_speedup_of_steps`).
 
     Speed-ups are over the mean of the plain passes (the first method and its repeats): ``baseline_pass_s``
     lists each pass's total seconds and ``baseline_spread`` their relative spread. ``measurement`` is the
@@ -422,12 +423,15 @@ def summarize(
         plain_decode = statistics.fmean(_decode_seconds(p) for p in passes) if passes else 0.0
         row["decode_speedup_total"] = plain_decode / row["decode_time_s"] if row["decode_time_s"] > 0 else None
         k = row["k"]
+        drafted = ([d for r in mine for d in r.stats.get("k_history", [])]  # older records: K every pass
+                   or [k or 0] * int(_sum(mine, "num_target_passes")))
         if (row["kind"] == "draft" and row["policy"] == "fixed" and k and target_costs and draft_cost_s is not None
-                and row["token_acceptance"] is not None and (k + 1) in target_costs.seconds):
+                and row["token_acceptance"] is not None and drafted
+                and all(n in target_costs.seconds for n in range(1, k + 2))):
             c = draft_cost_s / target_costs.seconds[1]
-            v = target_costs.relative(k + 1)
-            row.update(cost_ratio=c, verify_cost=v,
-                       predicted_speedup=cost_model.predicted_speedup(row["token_acceptance"], k, c, v))
+            row.update(cost_ratio=c, verify_cost=target_costs.relative(k + 1),
+                       predicted_speedup=cost_model.predicted_speedup_of_steps(
+                           row["token_acceptance"], [min(d, k) for d in drafted], c, target_costs.relative))
         combined = measurement.combine(_measurements(mine))
         row.update(baseline_pass_s=pass_seconds, baseline_spread=measurement.relative_spread(pass_seconds),
                    measurement=combined.to_dict() if combined else {},

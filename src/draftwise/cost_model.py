@@ -38,7 +38,7 @@ drops.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "mean_accepted_length",
     "plan_batch_k",
     "predicted_speedup",
+    "predicted_speedup_of_steps",
     "rejections_from_counts",
     "token_acceptance",
 ]
@@ -132,6 +133,26 @@ def predicted_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: floa
         verify_cost: target time of the (K + 1)-token verification pass / one-token pass.
     """
     return expected_tokens_per_step(alpha, k) / (k * cost_ratio + verify_cost)
+
+
+def predicted_speedup_of_steps(alpha: float, drafted: Sequence[int], cost_ratio: float,
+                               verify_cost: Callable[[int], float]) -> float:
+    """:func:`predicted_speedup` over the steps a run actually took: step s drafted ``drafted[s]`` tokens (a
+    confidence stop or the end of the answer cuts chains short of K; 0 is a plain step), is worth
+    ``(1 - a^(d+1)) / (1 - a)`` tokens and costs ``d c + v_(d+1)`` one-token passes; the speed-up is the sum of
+    the first over the sum of the second. With every step K deep it is :func:`predicted_speedup`.
+
+    Args:
+        alpha: per-token acceptance probability in [0, 1]; drafted: tokens drafted per step (non-empty);
+        cost_ratio: c; verify_cost: ``n -> v_n`` (a pass over n tokens / a one-token pass).
+
+    Raises:
+        ValueError: no steps, or ``alpha`` outside [0, 1].
+    """
+    if not drafted:
+        raise ValueError("need at least one step")
+    tokens = sum(expected_tokens_per_step(alpha, d) for d in drafted)
+    return tokens / sum(d * cost_ratio + verify_cost(d + 1) for d in drafted)
 
 
 def break_even_acceptance(k: int, cost_ratio: float, verify_cost: float) -> float | None:

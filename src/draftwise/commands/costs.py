@@ -40,6 +40,7 @@ from draftwise.backends.kernels import (
 from draftwise.builder import DEMO_TARGET
 from draftwise.calibration import ForwardCosts, forward_pass_samples
 from draftwise.commands.common import CliError, add_quantization_arg, add_speculative_backend_arg, check_device_args
+from draftwise.cost_model import CostModel, draft_stop_thresholds
 from draftwise.models.loading import load_model
 
 __all__ = ["register", "run", "parse_token_counts"]
@@ -255,7 +256,20 @@ def _result_dict(args: argparse.Namespace, costs: ForwardCosts, draft_s: float |
     result = {"model": args.model, "quantization": args.quantization, "repeats": args.repeats, **costs.to_dict()}
     if draft_s is not None:
         result.update(draft=args.draft, draft_1_token_s=draft_s, cost_ratio_c=draft_s / costs.seconds[1])
+        thresholds = _stop_thresholds(costs, draft_s)
+        if thresholds is not None:
+            result["draft_stop_thresholds"] = list(thresholds)
     return result
+
+
+def _stop_thresholds(costs: ForwardCosts, draft_s: float) -> tuple[float, ...] | None:
+    """The per-depth path-probability thresholds ``draft_confidence_threshold: "auto"`` derives from these costs
+    (:func:`draftwise.cost_model.draft_stop_thresholds`) for chains up to the longest measured pass - 1 tokens;
+    None unless k = 1..n were all measured (n >= 3)."""
+    n = max(costs.seconds)
+    if n < 3 or sorted(costs.seconds) != list(range(1, n + 1)):
+        return None
+    return draft_stop_thresholds(CostModel.from_forward_costs(costs, draft_s), n - 1)
 
 
 def _print_curve(console: Console, args: argparse.Namespace, costs: ForwardCosts, draft_s: float | None,
@@ -279,6 +293,12 @@ def _print_curve(console: Console, args: argparse.Namespace, costs: ForwardCosts
     if draft_s is not None:
         line += f"; draft {args.draft}: {draft_s * 1e3:.1f} ms per token, c = {draft_s / one:.3f}"
     console.print(line)
+    thresholds = None if draft_s is None else _stop_thresholds(costs, draft_s)
+    if thresholds:
+        console.print("draft confidence 'auto' (the default): a chain of j tokens grows while its path probability "
+                      "is at least " + ", ".join(f"{t:.2f}" for t in thresholds) + f" (j = 1..{len(thresholds)})"
+                      + ("; 1 or more: chains stop there (a deeper draft token would cost more than it can save)"
+                         if max(thresholds) >= 1 else ""), markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_machine(console: Console, machine: dict) -> None:
