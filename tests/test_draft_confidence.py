@@ -141,6 +141,26 @@ def test_the_builder_turns_auto_into_per_depth_thresholds_from_the_calibrated_co
     assert [engine.generate(p, GREEDY).token_ids for p in PROMPTS] == oracle
 
 
+def test_auto_warns_when_the_costs_stop_every_chain_short_of_k(target, caplog, monkeypatch):
+    """A draft as dear as the target (self-draft) cannot pay past its first token: ``"auto"`` says so, since K
+    then looks ignored."""
+    import logging
+
+    from draftwise import calibration
+    from draftwise.builder import draft_confidence
+    from draftwise.cost_model import CostModel
+
+    dear = CostModel((0.01, 0.0102, 0.0104, 0.0106, 0.0108), 0.01)
+    cheap = CostModel((0.01, 0.0102, 0.0104, 0.0106, 0.0108), 0.001)
+    for costs, warned in ((dear, True), (cheap, False)):
+        monkeypatch.setattr(calibration, "calibrate_cost_model", lambda *a, costs=costs, **k: costs)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="draftwise.builder"):
+            thresholds = draft_confidence("auto", target, target, 4)
+        assert (min(thresholds) >= 1.0) == warned
+        assert any("no draft token past the first 1" in r.getMessage() for r in caplog.records) == warned
+
+
 @pytest.mark.parametrize("threshold", [0.2, 0.5])
 def test_greedy_output_is_the_targets_alone_and_batched(target, hf, weak_hf, draft, oracle, threshold):
     alone = [SpeculativeEngine(target, DraftModelProposer(draft, 96, confidence_threshold=threshold), 6)
@@ -215,6 +235,7 @@ def test_a_threshold_beside_a_draft_tree_is_refused_and_bench_keeps_trees_at_the
     with pytest.raises(ValueError, match="tree_width > 1"):
         SpeculativeConfig(method="draft_model", model="d", tree_width=2, draft_confidence_threshold=0.5)
     assert SpeculativeConfig(method="draft_model", model="d", tree_width=2).tree_width == 2  # the default is fine
+    assert SpeculativeConfig(method="draft_model", model="d", tree_width=2, draft_confidence_threshold=0).tree_width == 2
     plan = agent_method_plan(["draft"], [4], ["fixed"], [1, 2], {}, "d", confidences=[0.0, "auto", 0.3])
     labels = [label for label, *_ in plan]
     assert labels == ["plain", "draft K=4 conf=0.0", "draft K=4", "draft K=4 conf=0.3", "draft K=4 w=2"]

@@ -386,8 +386,13 @@ def draft_confidence(value: float | str, target: CausalLM, draft: CausalLM, k: i
                        "probability %g", error, FIXED_DRAFT_CONFIDENCE)
         return FIXED_DRAFT_CONFIDENCE
     thresholds = draft_stop_thresholds(costs, k)
-    logger.info("draft confidence by depth (a chain of j tokens grows while its path probability is at least "
-                "thresholds[j]; c = %.3f): %s", costs.cost_ratio, " ".join(f"{t:.2f}" for t in thresholds))
+    logger.info("draft confidence 'auto' (c = %.3f): a chain of j = 1..%d tokens grows while its path probability "
+                "is at least %s", costs.cost_ratio, len(thresholds), ", ".join(f"{t:.2f}" for t in thresholds))
+    longest = next((j for j, t in enumerate(thresholds, 1) if t >= 1.0), k)
+    if longest < k:
+        logger.warning("draft confidence 'auto': with these costs (a draft token %.3f of a target pass) no draft "
+                       "token past the first %d can pay, so chains stop there although K = %d; set "
+                       "draft_confidence_threshold 0 to draft K deep anyway", costs.cost_ratio, longest, k)
     return thresholds
 
 

@@ -132,7 +132,7 @@ def _check_draft(config: SpeculativeConfig) -> None:
     if config.draft_window is not None:
         _in_range("draft_window", config.draft_window, MIN_DRAFT_WINDOW, 1 << 20)
     check_draft_confidence(config.draft_confidence_threshold)
-    if config.tree_width > 1 and config.draft_confidence_threshold != DEFAULT_DRAFT_CONFIDENCE:
+    if config.tree_width > 1 and config.draft_confidence_threshold not in (DEFAULT_DRAFT_CONFIDENCE, 0):
         raise ValueError("draft_confidence_threshold stops draft chains; with tree_width > 1 the draft tree is "
                          "sized by the verify cost instead: leave draft_confidence_threshold out or set tree_width 1")
     if config.catch_up not in CATCH_UP_MODES:

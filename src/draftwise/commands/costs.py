@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     target = load_model(args.model, **options)
     args.quantization = target.quantization  # "auto" resolved: the table and JSON name the mode measured
     context = _fit_context(args.context, target.backend.max_context, ks[-1])
-    console.print(f"timing k = {ks[0]}..{ks[-1]} new tokens on a {context}-token context, {args.repeats} repeats ...")
+    timed_ks = f"{ks[0]}..{ks[-1]}" if ks == list(range(ks[0], ks[-1] + 1)) else ", ".join(map(str, ks))
+    console.print(f"timing k = {timed_ks} new tokens on a {context}-token context, {args.repeats} repeats ...")
     timed = _timed(target.backend, ks, context, args.repeats)
     costs = ForwardCosts.from_samples(timed["samples"], context)
     draft_s = None
@@ -294,9 +295,13 @@ def _print_curve(console: Console, args: argparse.Namespace, costs: ForwardCosts
         line += f"; draft {args.draft}: {draft_s * 1e3:.1f} ms per token, c = {draft_s / one:.3f}"
     console.print(line)
     thresholds = None if draft_s is None else _stop_thresholds(costs, draft_s)
+    if draft_s is not None and thresholds is None:
+        console.print("draft confidence 'auto': its per-depth thresholds need every k = 1..n timed (n >= 3; "
+                      "--ks 1,2,...,K+1 for chains of up to K tokens)", markup=False, highlight=False, soft_wrap=True)
     if thresholds:
-        console.print("draft confidence 'auto' (the default): a chain of j tokens grows while its path probability "
-                      "is at least " + ", ".join(f"{t:.2f}" for t in thresholds) + f" (j = 1..{len(thresholds)})"
+        console.print(f"draft confidence 'auto' (the default), chains of up to K = {len(thresholds) + 1} tokens: "
+                      "a chain of j tokens grows while its path probability is at least "
+                      + ", ".join(f"{t:.2f}" for t in thresholds) + f" (j = 1..{len(thresholds)})"
                       + ("; 1 or more: chains stop there (a deeper draft token would cost more than it can save)"
                          if max(thresholds) >= 1 else ""), markup=False, highlight=False, soft_wrap=True)
 

@@ -39,7 +39,7 @@ from draftwise.backends.slots import (
     chunk_counts,
 )
 from draftwise.config import SamplingParams
-from draftwise.methods import FIXED_DRAFT_CONFIDENCE, MIN_DRAFT_WINDOW, check_draft_confidence
+from draftwise.methods import FIXED_DRAFT_CONFIDENCE, MIN_DRAFT_WINDOW
 from draftwise.cost_model import PassCostCurve
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import Sampler
@@ -118,23 +118,22 @@ def min_path_scores(confidence_threshold: float | str | Sequence[float]) -> tupl
         ValueError: not a number in [0, 1) nor a non-empty sequence of numbers >= 0; ``"auto"`` (the builder
             resolves it with the calibrated costs, :func:`draftwise.cost_model.draft_stop_thresholds`).
     """
-    if isinstance(confidence_threshold, str):
-        if confidence_threshold == "auto":
-            raise ValueError("draft_confidence_threshold 'auto' needs the calibrated costs: build the engine with "
-                             "draftwise.builder.build_engine, or pass draft_stop_thresholds(costs, k)")
-        check_draft_confidence(confidence_threshold)  # raises: a string other than "auto"
-    if isinstance(confidence_threshold, (int, float)):
-        check_draft_confidence(confidence_threshold)
+    if confidence_threshold == "auto":
+        raise ValueError("confidence_threshold 'auto' (draft_confidence_threshold) needs the calibrated costs: build "
+                         "the engine with draftwise.builder.build_engine, or pass draft_stop_thresholds(costs, k)")
+    if isinstance(confidence_threshold, (int, float)) and not isinstance(confidence_threshold, bool):
         thresholds = (float(confidence_threshold),)
+        valid = 0.0 <= thresholds[0] < 1.0
     else:
         try:
-            thresholds = tuple(confidence_threshold)
+            thresholds = () if isinstance(confidence_threshold, str) else tuple(confidence_threshold)
         except TypeError:
             thresholds = ()
-        if not thresholds or any(isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0
-                                 for t in thresholds):
-            raise ValueError("draft_confidence_threshold: per-depth thresholds must be a non-empty sequence of "
-                             f"numbers >= 0, got {confidence_threshold!r}")
+        valid = bool(thresholds) and all(not isinstance(t, bool) and isinstance(t, (int, float)) and t >= 0
+                                         for t in thresholds)
+    if not valid:
+        raise ValueError("confidence_threshold (draft_confidence_threshold) must be a number in [0, 1) or a "
+                         f"non-empty sequence of per-depth numbers >= 0, got {confidence_threshold!r}")
     if all(t <= 0 for t in thresholds):
         return ()
     return tuple(math.log(t) if 0 < t < 1 else (float("-inf") if t <= 0 else math.inf) for t in thresholds)
