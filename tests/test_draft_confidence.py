@@ -235,7 +235,8 @@ def test_a_threshold_beside_a_draft_tree_is_refused_and_bench_keeps_trees_at_the
     with pytest.raises(ValueError, match="tree_width > 1"):
         SpeculativeConfig(method="draft_model", model="d", tree_width=2, draft_confidence_threshold=0.5)
     assert SpeculativeConfig(method="draft_model", model="d", tree_width=2).tree_width == 2  # the default is fine
-    assert SpeculativeConfig(method="draft_model", model="d", tree_width=2, draft_confidence_threshold=0).tree_width == 2
+    off = SpeculativeConfig(method="draft_model", model="d", tree_width=2, draft_confidence_threshold=0)
+    assert off.tree_width == 2  # 0 (the stop off) is what a tree does anyway
     plan = agent_method_plan(["draft"], [4], ["fixed"], [1, 2], {}, "d", confidences=[0.0, "auto", 0.3])
     labels = [label for label, *_ in plan]
     assert labels == ["plain", "draft K=4 conf=0.0", "draft K=4", "draft K=4 conf=0.3", "draft K=4 w=2"]

@@ -37,8 +37,8 @@ from draftwise.proposers.base import Proposer
 
 __all__ = ["assemble_engine", "BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS",
            "TokenizerMismatchError", "backend_kind", "build_batched_engine", "build_engine", "build_proposer",
-           "build_head_proposer", "check_same_tokenizer", "draft_confidence", "draft_load_options", "load_draft_model", "load_target_heads",
-           "require_target_ids_across_backends"]
+           "build_head_proposer", "check_same_tokenizer", "draft_confidence", "draft_load_options", "load_draft_model",
+           "load_target_heads", "require_target_ids_across_backends"]
 
 logger = logging.getLogger(__name__)
 
