@@ -423,15 +423,15 @@ def summarize(
         plain_decode = statistics.fmean(_decode_seconds(p) for p in passes) if passes else 0.0
         row["decode_speedup_total"] = plain_decode / row["decode_time_s"] if row["decode_time_s"] > 0 else None
         k = row["k"]
-        drafted = ([d for r in mine for d in r.stats.get("k_history", [])]  # older records: K every pass
-                   or [k or 0] * int(_sum(mine, "num_target_passes")))
         if (row["kind"] == "draft" and row["policy"] == "fixed" and k and target_costs and draft_cost_s is not None
-                and row["token_acceptance"] is not None and drafted
-                and all(n in target_costs.seconds for n in range(1, k + 2))):
-            c = draft_cost_s / target_costs.seconds[1]
-            row.update(cost_ratio=c, verify_cost=target_costs.relative(k + 1),
-                       predicted_speedup=cost_model.predicted_speedup_of_steps(
-                           row["token_acceptance"], [min(d, k) for d in drafted], c, target_costs.relative))
+                and row["token_acceptance"] is not None and all(n in target_costs.seconds for n in range(1, k + 2))):
+            drafted = ([min(d, k) for r in mine for d in r.stats.get("k_history", [])]  # older records: K a pass
+                       or [k] * int(_sum(mine, "num_target_passes")))
+            if drafted:
+                c = draft_cost_s / target_costs.seconds[1]
+                row.update(cost_ratio=c, verify_cost=target_costs.relative(k + 1),
+                           predicted_speedup=cost_model.predicted_speedup_of_steps(
+                               row["token_acceptance"], drafted, c, target_costs.relative))
         combined = measurement.combine(_measurements(mine))
         row.update(baseline_pass_s=pass_seconds, baseline_spread=measurement.relative_spread(pass_seconds),
                    measurement=combined.to_dict() if combined else {},

@@ -157,12 +157,15 @@ DEFAULT_DRAFT_CONFIDENCE = "auto"
 FIXED_DRAFT_CONFIDENCE = 0.3
 
 
+def is_confidence_threshold(value: object) -> bool:
+    """Whether ``value`` is one draft confidence threshold: a number (not a bool) in [0, 1)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0.0 <= value < 1.0
+
+
 def check_draft_confidence(threshold: float | str) -> None:
     """Raise ``ValueError`` unless the draft confidence threshold is ``"auto"`` or a number in [0, 1) (0: no early
     stop)."""
-    if threshold == "auto":
-        return
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
+    if threshold != "auto" and not is_confidence_threshold(threshold):
         raise ValueError(f"draft_confidence_threshold must be 'auto' or a number in [0, 1) (0 drafts every chain K "
                          f"deep), got {threshold!r}")
 

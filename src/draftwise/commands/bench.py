@@ -63,7 +63,7 @@ from draftwise.commands.common import (
 )
 from draftwise.config import DEFAULT_DRAFT_CONFIDENCE as DEFAULT_CONFIDENCE
 from draftwise.config import MAX_SPECULATIVE_TOKENS
-from draftwise.methods import CATCH_UP_MODES, K_POLICIES, MIN_DRAFT_WINDOW
+from draftwise.methods import CATCH_UP_MODES, K_POLICIES, MIN_DRAFT_WINDOW, is_confidence_threshold
 from draftwise.models.loading import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -449,7 +449,7 @@ def draft_confidences(text: str | None) -> list[float | str]:
                 value = float(item)
             except ValueError:
                 value = -1.0
-            if not 0.0 <= value < 1.0:
+            if not is_confidence_threshold(value):
                 raise CliError(f"--draft-confidence: each value must be 'auto' or a number in [0, 1), got {item!r}")
         if value not in values:
             values.append(value)

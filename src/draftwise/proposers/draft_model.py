@@ -39,7 +39,7 @@ from draftwise.backends.slots import (
     chunk_counts,
 )
 from draftwise.config import SamplingParams
-from draftwise.methods import FIXED_DRAFT_CONFIDENCE, MIN_DRAFT_WINDOW
+from draftwise.methods import FIXED_DRAFT_CONFIDENCE, MIN_DRAFT_WINDOW, is_confidence_threshold
 from draftwise.cost_model import PassCostCurve
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import Sampler
@@ -123,7 +123,7 @@ def min_path_scores(confidence_threshold: float | str | Sequence[float]) -> tupl
                          "the engine with draftwise.builder.build_engine, or pass draft_stop_thresholds(costs, k)")
     if isinstance(confidence_threshold, (int, float)) and not isinstance(confidence_threshold, bool):
         thresholds = (float(confidence_threshold),)
-        valid = 0.0 <= thresholds[0] < 1.0
+        valid = is_confidence_threshold(confidence_threshold)
     else:
         try:
             thresholds = () if isinstance(confidence_threshold, str) else tuple(confidence_threshold)
@@ -214,7 +214,6 @@ class DraftSlots:
         self._min_path_scores = min_path_scores(confidence_threshold)
         self.backend = as_slot_backend(draft)
         self.window = window
-        self.confidence_threshold = confidence_threshold
         self.verify_seconds = verify_seconds
         self.target_vocab_size = target_vocab_size
         self.max_pass_rows = max_pass_rows
