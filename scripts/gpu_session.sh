@@ -30,21 +30,23 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a limit, log to $OUT
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; lscpu | grep "Model name";
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; } >"$OUT/env.txt" 2>&1
 
-# 1. Exactness with the default dtypes (fp32 target): a trained tiny model and a random 2048-wide Llama.
+# 1. The CUDA-graph runtime against the same passes run eagerly (static and dynamic cache), and its pass times.
+step graph_check 150 python3 scripts/cuda_graph_check.py --models .gpu/q05:bf16,.gpu/q15:fp32 \
+    --out "$OUT"
+# 2. Costs of Qwen2.5-Coder shapes (random weights): the target's k-token passes and the 0.5B draft's c (a draft
+#    on a GPU runs on CUDA graphs by default).
+step costs 100 $DW costs random:.gpu/q15 --draft random:.gpu/q05 --device "$DEVICE" --ks 1,2,3,5,9 --repeats 5
+# 3. End to end on the 1.5B's shapes: the fp32 target (eager) drafted by the same weights in bf16 (CUDA graphs);
+#    the auto draft stop and full K=4 chains (random weights' flat distributions stop auto chains early).
+step bench_q15 150 $DW bench --model random:.gpu/q15 --speculative-model random:.gpu/q15 --methods plain,draft,ngram \
+    --ks 4 --draft-confidence auto,0 --device "$DEVICE" --prompts .gpu/question.jsonl --category coding --limit 3 \
+    --max-tokens 64 --ignore-eos --no-plots --output "$OUT/bench_q15.json"
+# 4. The same with the target on CUDA graphs too (--runtime cuda-graphs): plain decoding and its verify passes.
+step bench_q15_graphs 200 $DW bench --model random:.gpu/q15 --speculative-model random:.gpu/q15 \
+    --methods plain,draft --ks 4 --runtime cuda-graphs --device "$DEVICE" --prompts .gpu/question.jsonl \
+    --category coding --limit 3 --max-tokens 64 --ignore-eos --no-plots --output "$OUT/bench_q15_graphs.json"
+# 5. Exactness with the default dtypes (fp32 target, eager): a trained tiny model and a random 2048-wide Llama.
 step gpu_check 150 python3 scripts/gpu_check.py --model .gpu/stories260K.gguf --prompts 6 --max-tokens 48 \
     --out "$OUT" --device "$DEVICE"
-# 2. Costs of Qwen2.5-Coder shapes (random weights): the target's k-token passes and the 0.5B draft's c.
-step costs 120 $DW costs random:.gpu/q15 --draft random:.gpu/q05 --device "$DEVICE" --ks 1,2,3,5,9 --repeats 5
-# 3. End to end on the 1.5B's shapes: the target drafted by itself in bf16 (same seeded weights), n-gram, plain.
-step bench_q15 200 $DW bench --model random:.gpu/q15 --speculative-model random:.gpu/q15 --methods plain,draft,ngram \
-    --ks 4 --device "$DEVICE" --prompts .gpu/question.jsonl --category coding --limit 3 --max-tokens 64 --ignore-eos \
-    --no-plots --output "$OUT/bench_q15.json"
-# 4. The tiny trained model drafted by itself (0.08x plain before cuDNN attention was left out).
-step bench_stories 90 $DW bench --model .gpu/stories260K.gguf --speculative-model .gpu/stories260K.gguf \
-    --methods plain,draft,ngram --ks 4 --device "$DEVICE" --prompts .gpu/question.jsonl --category writing --limit 2 \
-    --max-tokens 64 --no-plots --output "$OUT/bench_stories.json"
-# 5. What a captured CUDA graph saves per decoded token (nothing in draftwise captures graphs yet).
-step cuda_graph 150 python3 scripts/cuda_graph_probe.py --models .gpu/q05:bf16,.gpu/q15:fp32,.gpu/q15:bf16 \
-    --device "$DEVICE"
 ls -R "$OUT" >"$OUT/files.txt" 2>&1  # only 8 files come back from a lent machine: read the rest from the tail
 for log in "$OUT"/*.log; do echo "== $log"; tail -n 12 "$log"; done

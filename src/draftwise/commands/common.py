@@ -82,8 +82,10 @@ def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--runtime", choices=RUNTIMES, default="auto",
                         help="how PyTorch runs the models: lean (draftwise's own Llama-family decoder: preallocated KV "
-                        "cache, batch-invariant by construction), transformers, or auto (default: lean for int8 and q4k on "
-                        "the CPU when the architecture is supported, else transformers)")
+                        "cache, batch-invariant by construction), transformers, cuda-graphs (transformers on a static "
+                        "KV cache, short passes replayed from CUDA graphs; CUDA only), or auto (default: lean for int8 "
+                        "and q4k on the CPU when the architecture is supported, cuda-graphs for a draft model on a GPU, "
+                        "else transformers)")
 
 
 def add_backend_arg(parser: argparse.ArgumentParser) -> None:

@@ -41,7 +41,7 @@ __all__ = ["RANDOM_PREFIX", "check_model_source", "randomize_weights", "LoadedMo
 RANDOM_PREFIX = "random:"
 
 #: Values of ``load_model(runtime=...)`` and ``--runtime``: how the PyTorch backend runs a model.
-RUNTIMES = ("lean", "transformers", "auto")
+RUNTIMES = ("lean", "transformers", "cuda-graphs", "auto")
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +147,10 @@ def load_model(
         threads: llama.cpp only: CPU threads (default: every CPU this process may use).
         runtime: PyTorch backend only: ``"lean"`` (draftwise's own Llama-family decoder,
             :mod:`draftwise.backends.lean`: preallocated KV cache, batch-invariant by construction),
-            ``"transformers"`` (the model as transformers runs it) or ``"auto"`` (default; see
-            :func:`select_runtime`). The lean backend's name ends in ``+lean``.
+            ``"transformers"`` (the model as transformers runs it), ``"auto"`` (default; see
+            :func:`select_runtime`), ``"cuda-graphs"`` (transformers' model on a static KV cache whose short
+            passes replay CUDA graphs, :mod:`draftwise.backends.cuda_graphs`; CUDA only; ``"auto"`` picks it for a
+            draft on a GPU). The lean backend's name ends in ``+lean``, the graphed one's in ``+graphs``.
         head_subset: PyTorch backend only: compute the LM head over a frequency-ranked subset of the
             vocabulary (FR-Spec, for draft models; :mod:`draftwise.frspec`), applied before quantization;
             the backend's name then ends in ``+fr<kept ids>``. With ``backend="auto"`` it selects PyTorch.
@@ -186,6 +188,8 @@ def load_model(
     if not randomize and select_backend(backend, path, device=device, dtype=dtype, quantization=quantization) == "llama.cpp":
         return _load_llama_cpp(spec, path, max_context=max_context, threads=threads, exact=not drafting)
     device = check_device(device)
+    if runtime == "cuda-graphs" and not device.startswith("cuda"):
+        raise ValueError(f"{spec!r}: the cuda-graphs runtime needs a CUDA device (got {device!r})")
     torch_dtype = parse_dtype(dtype, device, drafting=drafting)
     attention = attn_implementation or default_attention(device)
     try:
@@ -247,9 +251,38 @@ def load_model(
         quantize_model(model, quantization)
     if not drafting:
         _warn_inexact_dtype(torch_dtype, spec)
-    backend = TorchCausalLM(model, name=name, max_context=max_context)
+    backend = _transformers_backend(model, name, max_context, runtime=runtime, device=device, drafting=drafting)
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids,
                        quantization=quantization)
+
+
+def _transformers_backend(model, name: str, max_context: int | None, *, runtime: str, device: str,
+                          drafting: bool) -> TorchCausalLM:
+    """The backend a transformers model runs on: :class:`~draftwise.backends.cuda_graphs.GraphedCausalLM` (a
+    static KV cache, short passes replayed from CUDA graphs) for ``runtime="cuda-graphs"``, and for a draft on a
+    GPU with ``"auto"`` when the model allows it (its numerics never change the output, and eager passes cost a
+    0.5B draft as much as a 1.5B target there: docs/gpu.md); else :class:`TorchCausalLM`.
+
+    Raises:
+        ValueError: ``"cuda-graphs"`` off CUDA, or for a model with a sliding window or no static cache.
+    """
+    from draftwise.backends.cuda_graphs import GraphedCausalLM, graph_obstacles
+
+    on_cuda = str(device).startswith("cuda")
+    if runtime == "cuda-graphs":
+        if not on_cuda:
+            raise ValueError(f"{name}: the cuda-graphs runtime needs a CUDA device (got {device!r})")
+        if not drafting:
+            logger.warning("%s: a target on the cuda-graphs runtime (a mask over a static cache) is not checked to "
+                           "round its logits like plain decoding's passes; scripts/gpu_check.py measures it", name)
+        return GraphedCausalLM(model, name=f"{name}+graphs", max_context=max_context)
+    if runtime == "auto" and drafting and on_cuda:
+        reasons = graph_obstacles(model)
+        if not reasons:
+            logger.info("%s: draft on the cuda-graphs runtime (static KV cache, CUDA graphs)", name)
+            return GraphedCausalLM(model, name=f"{name}+graphs", max_context=max_context)
+        logger.info("%s: draft runs eagerly (no CUDA graphs: %s)", name, "; ".join(reasons))
+    return TorchCausalLM(model, name=name, max_context=max_context)
 
 
 def _warn_inexact_dtype(dtype: torch.dtype, name: str) -> None:
@@ -315,7 +348,8 @@ def resolve_quantization(quantization: str, *, device: str, dtype: torch.dtype, 
 
 
 def select_runtime(runtime: str, model, *, device: str, dtype: torch.dtype, quantization: str) -> str:
-    """``"lean"`` or ``"transformers"``: which runtime runs a loaded PyTorch model.
+    """``"lean"`` or ``"transformers"``: which runtime runs a loaded PyTorch model (``"cuda-graphs"`` is
+    transformers' model on a static cache: :func:`_transformers_backend`).
 
     ``"auto"`` picks the lean decoder for the exact CPU path (int8, a supported Llama-family architecture,
     fp32 activations on the CPU), and transformers otherwise; ``"lean"`` insists on it.
@@ -325,7 +359,7 @@ def select_runtime(runtime: str, model, *, device: str, dtype: torch.dtype, quan
     """
     if runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}")
-    if runtime == "transformers":
+    if runtime in ("transformers", "cuda-graphs"):  # cuda-graphs: transformers' model on a static cache
         return "transformers"
     reasons = lean_obstacles(model.config, device=device, dtype=dtype)
     if runtime == "lean":
