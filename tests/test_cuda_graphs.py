@@ -66,6 +66,12 @@ def test_bad_calls_are_refused(hf):
         static.forward([3], return_hidden=True)
     with pytest.raises(NotImplementedError, match="chains only"):
         static.forward_tree([3, 4], [-1])
+    static.forward([3, 4, 5])
+    with pytest.raises(NotImplementedError, match="tree verification"):
+        static.compact(0, [0, 2])  # not a prefix: a tree's path
+    static.compact(0, [0, 1])  # a prefix: a rollback
+    assert static.num_cached == 2
+    static.reset()
     with pytest.raises(ContextOverflowError):
         static.forward(list(range(41)))
     with pytest.raises(ValueError, match="out of range"):

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from draftwise.backends.base import ForwardOutput
+from draftwise.backends.base import CausalLM, ForwardOutput
 from draftwise.backends.torch_backend import TorchCausalLM
 
 __all__ = ["GraphedCausalLM", "MIN_CAPACITY", "MAX_GRAPH_WIDTH", "graph_obstacles"]
@@ -171,6 +171,10 @@ class GraphedCausalLM(TorchCausalLM):
 
     def forward_tree(self, token_ids, parents, *, return_hidden: bool = False) -> ForwardOutput:
         raise NotImplementedError(f"{self.name}: the static-cache backend runs chains only (tree_width 1)")
+
+    #: a chain's accepted path is a prefix, which is a rollback; anything else is refused (not TorchCausalLM's
+    #: gather, which would replace the static tensors)
+    compact = CausalLM.compact
 
     def rollback(self, length: int) -> None:
         self._check_rollback_args(length)  # the next pass writes from the new length (see _pass)
