@@ -113,3 +113,22 @@ def test_the_runtime_needs_cuda(stories_path):
         load_model(str(stories_path), device="cpu", runtime="cuda-graphs")
     draft = load_model(str(stories_path), device="cpu", drafting=True)  # auto on the CPU: no graphs
     assert not isinstance(draft.backend, GraphedCausalLM)
+
+
+def test_a_changed_cache_drops_its_owner_marker(hf):
+    """The engine keeps a draft's sequence in a backend that cannot export its cache by marking it
+    (``OneSlot.mark``); any pass or rollback by another user must clear the mark."""
+    from draftwise.backends.slots import OneSlot
+
+    static = GraphedCausalLM(hf, name="static", capacity=64)
+    slot = OneSlot(static)
+    static.forward([3, 4, 5])
+    marker = slot.mark(0)
+    assert slot.holds(0, marker, 3)
+    static.rollback(3)  # to the same length: nothing changed
+    assert slot.holds(0, marker, 3)
+    static.forward([6])
+    assert not slot.holds(0, marker, 4)
+    marker = slot.mark(0)
+    static.rollback(2)
+    assert not slot.holds(0, marker, 2)

@@ -135,6 +135,7 @@ class GraphedCausalLM(TorchCausalLM):
             raise ValueError(f"{self.name}: the static-cache backend returns no hidden states")
         token_ids = [int(t) for t in token_ids]
         self._check_forward_args(token_ids)
+        self.cache_owner = None  # the cache changes: it no longer holds what a marker recorded (no export here)
         n = len(token_ids)
         keep = n if num_logits is None else max(1, min(num_logits, n))
         if self._num_cached + n > self._capacity:
@@ -178,6 +179,8 @@ class GraphedCausalLM(TorchCausalLM):
 
     def rollback(self, length: int) -> None:
         self._check_rollback_args(length)  # the next pass writes from the new length (see _pass)
+        if length != self._num_cached:
+            self.cache_owner = None
         self._num_cached = length
         del self._tokens[length:]
 
