@@ -34,7 +34,6 @@ from draftwise.backends.cuda_graphs import GraphedCausalLM
 from draftwise.backends.torch_backend import TorchCausalLM
 from draftwise.models.loading import load_model
 
-DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 PROMPT = 200
 STEPS = 24
 TIMED = 15
@@ -114,7 +113,7 @@ def main() -> int:
     for entry in args.models.split(","):
         directory, _, dtype = entry.partition(":")
         torch.manual_seed(0)
-        loaded = load_model(f"random:{directory}", device=args.device, dtype=DTYPES[dtype or "fp32"],
+        loaded = load_model(f"random:{directory}", device=args.device, dtype=dtype or "fp32",
                             runtime="transformers")
         result = compare(loaded.backend.model, loaded.backend.vocab_size)
         results[entry] = result

@@ -90,8 +90,6 @@ class GraphedCausalLM(TorchCausalLM):
         ValueError: the model has :func:`graph_obstacles`.
     """
 
-    supports_tree = False
-    supports_cache_export = False
     supports_hidden_states = False
 
     def __init__(self, model: torch.nn.Module, name: str = "model", max_context: int | None = None, *,
@@ -100,7 +98,7 @@ class GraphedCausalLM(TorchCausalLM):
         if reasons:
             raise ValueError(f"{name} cannot run with a static KV cache: {'; '.join(reasons)}")
         super().__init__(model, name=name, max_context=max_context)
-        self.supports_tree = False
+        self.supports_tree = False  # TorchCausalLM sets both per instance from the model
         self.supports_cache_export = False
         self.dtype = next(model.parameters()).dtype
         self.use_graphs = self.device.type == "cuda" and max_graph_width > 0
@@ -209,10 +207,8 @@ class GraphedCausalLM(TorchCausalLM):
             capacity = _aligned(min(2 * capacity, self.max_context))
         logger.info("%s: static KV cache grows from %d to %d positions", self.name, self._capacity, capacity)
         self._allocate(capacity)
-        tokens, self._num_cached = list(self._tokens), 0
-        if tokens:
-            self._eager(tokens, 0, 1)
-        self._num_cached = len(tokens)
+        if self._tokens:
+            self._eager(self._tokens, 0, 1)
 
     def _eager(self, token_ids: list[int], start: int, keep: int) -> torch.Tensor:
         """One eager pass of ``token_ids`` written from position ``start``: ``[keep, vocab]`` logits on the
@@ -263,7 +259,7 @@ class _Graph:
     def run(self, token_ids: list[int], start: int) -> torch.Tensor:
         """Logits ``[width, vocab]`` (device memory the next replay overwrites) of ``token_ids`` written from
         position ``start``."""
-        self.ids.copy_(torch.tensor([token_ids], dtype=torch.long), non_blocking=False)
+        self.ids.copy_(torch.tensor([token_ids], dtype=torch.long))
         self.first.fill_(start)
         if self.graph is None:
             self._capture()

@@ -263,20 +263,19 @@ def _transformers_backend(model, name: str, max_context: int | None, *, runtime:
     GPU with ``"auto"`` when the model allows it (its numerics never change the output, and eager passes cost a
     0.5B draft as much as a 1.5B target there: docs/gpu.md); else :class:`TorchCausalLM`.
 
+    ``"cuda-graphs"`` off CUDA is refused by :func:`load_model` before the weights are read.
+
     Raises:
-        ValueError: ``"cuda-graphs"`` off CUDA, or for a model with a sliding window or no static cache.
+        ValueError: ``"cuda-graphs"`` for a model with a sliding window or no static cache.
     """
     from draftwise.backends.cuda_graphs import GraphedCausalLM, graph_obstacles
 
-    on_cuda = str(device).startswith("cuda")
     if runtime == "cuda-graphs":
-        if not on_cuda:
-            raise ValueError(f"{name}: the cuda-graphs runtime needs a CUDA device (got {device!r})")
         if not drafting:
             logger.warning("%s: a target on the cuda-graphs runtime (a mask over a static cache) is not checked to "
                            "round its logits like plain decoding's passes; scripts/gpu_check.py measures it", name)
         return GraphedCausalLM(model, name=f"{name}+graphs", max_context=max_context)
-    if runtime == "auto" and drafting and on_cuda:
+    if runtime == "auto" and drafting and str(device).startswith("cuda"):
         reasons = graph_obstacles(model)
         if not reasons:
             logger.info("%s: draft on the cuda-graphs runtime (static KV cache, CUDA graphs)", name)
