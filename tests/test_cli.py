@@ -13,7 +13,9 @@ def test_generate_plain_and_speculative_print_same_text(stories, stories_path, c
     args = ["generate", "--model", str(stories_path), "--max-tokens", "24", "--chat", "off", "Once upon a time"]
     assert main(args) == 0
     plain = capsys.readouterr().out
-    assert main(args + ["--speculative-model", str(stories_path), "--num-speculative-tokens", "3", "--json"]) == 0
+    # the draft is the target on the target's runtime (--speculative-backend torch; the default measures runtimes)
+    assert main(args + ["--speculative-model", str(stories_path), "--speculative-backend", "torch",
+                        "--num-speculative-tokens", "3", "--json"]) == 0
     out = capsys.readouterr().out
     text, stats_json = out.split("\n{", 1)
     stats = json.loads("{" + stats_json)
@@ -29,7 +31,8 @@ def test_bench_writes_json_with_exactness(stories, stories_path, tmp_path, capsy
                        '{"question_id": 7, "category": "story", "turns": ["Tom had a red ball."]}\n')
     out = tmp_path / "bench.json"
     code = main(["bench", "--model", str(stories_path), "--draft", str(stories_path), "--prompts", str(prompts),
-                 "--ks", "1,3", "--max-tokens", "16", "--chat", "off", "--output", str(out), "--no-calibrate"])
+                 "--ks", "1,3", "--max-tokens", "16", "--chat", "off", "--output", str(out), "--no-calibrate",
+                 "--speculative-backend", "torch"])
     assert code == 0
     data = json.loads(out.read_text())
     assert [row["method"] for row in data["summary"]] == ["plain", "draft K=1", "draft K=3", "plain (repeat)"]

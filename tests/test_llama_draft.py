@@ -470,6 +470,15 @@ def test_draft_cache_changed_by_someone_else_is_prefilled_again(stories, stories
     assert result.stats.acceptance_rate > 0.9
 
 
+def test_auto_keeps_draft_trees_and_an_frspec_head_on_pytorch():
+    """`auto` (the command line's default) with a draft tree or an FR-Spec head loads the PyTorch draft: the one
+    runtime that grows trees and cuts the LM head (llama.cpp would draft chains, or fail on the head)."""
+    options = BuildOptions(quantization="int8", threads=2)
+    for fields in ({"tree_width": 2}, {"draft_vocab_size": 64}):
+        config = SpeculativeConfig(method="draft_model", model="d.gguf", backend="auto", **fields)
+        assert draft_load_options(config, options)["backend"] == "torch", fields
+
+
 # ------------------------------------------------------------------ the batched engine with a llama.cpp draft
 @pytest.fixture(scope="module")
 def llama_slots(stories_path):

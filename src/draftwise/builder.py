@@ -253,7 +253,7 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
     from draftwise.backends.llama_cpp_backend import llama_cpp_available
     from draftwise.models.loading import resolve_model
 
-    if config.backend != "auto" or target_device != "cpu" or head_subset is not None:
+    if config.backend != "auto" or target_device != "cpu" or head_subset is not None or config.tree_width > 1:
         return None
     path = resolve_model(config.model or "")
     if not str(path).endswith(".gguf") or not os.path.isfile(path) or not llama_cpp_available():
@@ -277,7 +277,8 @@ def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, targ
     ``target_device``, the device type the loaded target runs on: ``"cpu"`` or ``"cuda"``). On llama.cpp the
     draft gets the target's ``threads`` and none of the PyTorch-only options (dtype, int8 quantization), which
     are the target's; on PyTorch it gets the target's device, dtype and quantization. So ``--quantization int8
-    --speculative-backend llama.cpp`` runs an exact int8 target with a Q4_K_M draft.
+    --speculative-backend llama.cpp`` runs an exact int8 target with a Q4_K_M draft. ``"auto"`` with draft trees
+    (``tree_width`` > 1) or an FR-Spec head gives PyTorch, the one runtime that grows trees and cuts the head.
 
     Raises:
         ValueError: ``config.backend`` is ``"llama.cpp"`` while the target runs on a device other than the CPU
@@ -297,6 +298,9 @@ def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, targ
     if config.backend == "llama.cpp" and target_device != "cpu":
         raise ValueError(f"a llama.cpp draft runs on the CPU; the target runs on {target_device!r}: use "
                          "--speculative-backend torch (or auto) with a GPU target")
+    lean_only = config.tree_width > 1 or config.draft_vocab_size is not None or config.token_map is not None
+    if config.backend == "auto" and lean_only:  # draft trees and an FR-Spec head need the PyTorch draft
+        return dict(torch_options, backend="torch")
     kind = select_backend(config.backend, resolve_model(spec), device=target_device)
     if kind == "llama.cpp":
         return dict(backend="llama.cpp", threads=options.threads, drafting=True)

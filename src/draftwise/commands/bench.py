@@ -55,6 +55,7 @@ from draftwise.commands.common import (
     add_quantization_arg,
     add_sampling_args,
     add_speculative_backend_arg,
+    default_speculative_backend,
     check_device_args,
     memory_size,
     positive_int,
@@ -306,6 +307,8 @@ def _controller_factory(policy, k, kind, target, draft, proposer, calibrated, ca
 
 def run(args: argparse.Namespace) -> int:
     check_device_args(args)
+    if max(_tree_widths(args.tree_widths)) == 1:  # the draft is loaded once; trees need the lean one
+        args.speculative_backend = default_speculative_backend(args)
     if args.workload == "agent":
         return run_agent(args)
     console = Console()

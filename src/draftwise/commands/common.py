@@ -113,8 +113,9 @@ def add_speculative_backend_arg(parser: argparse.ArgumentParser) -> None:
                         "the lean PyTorch runtime, llama.cpp on the file, llama.cpp on a Q4_0 copy (used only if it "
                         "predicts the file's next token at >= 90%% of a probe text's positions), and keeps the "
                         "fastest, cached per machine ($DRAFTWISE_HOME/draft_backends; the log says what was "
-                        "measured). The draft's token table must agree with the target's. Default: the target's "
-                        "--backend")
+                        "measured). Draft trees (tree_width > 1) and an FR-Spec head keep the draft on the lean "
+                        "runtime. The draft's token table must agree with the target's. Default: auto, or llama.cpp "
+                        "for a --backend llama.cpp target")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 128) -> None:
@@ -139,6 +140,17 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
                               sampling=getattr(args, "sampling", None))
     except ValueError as exc:
         raise CliError(str(exc)) from exc
+
+
+def default_speculative_backend(args: argparse.Namespace) -> str | None:
+    """``--speculative-backend`` as given, else the command line's default for a draft model: ``"auto"`` (the
+    runtime that decodes the draft fastest on this machine, measured once and cached; see
+    :func:`draftwise.builder.load_draft_model`), or None (like the target) for a target on llama.cpp
+    (``--backend llama.cpp``), whose draft runs there too. The library's own default stays "like the target"."""
+    given = getattr(args, "speculative_backend", None)
+    if given is not None:
+        return given
+    return None if getattr(args, "backend", None) == "llama.cpp" else "auto"
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -177,6 +189,8 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         return None  # no draft named: plain decoding (an explicit draft_model without a model is an error below)
     if fields.get("method") in ("draft", "draft_model", None):
         fields["method"] = "draft_model"
+    if "backend" not in fields and fields["method"] in ("draft_model", "hybrid"):
+        fields["backend"] = default_speculative_backend(args)
     try:
         return SpeculativeConfig(**fields)
     except ValueError as exc:

@@ -39,7 +39,13 @@ from draftwise.backends.kernels import (
 )
 from draftwise.builder import DEMO_TARGET
 from draftwise.calibration import ForwardCosts, forward_pass_samples
-from draftwise.commands.common import CliError, add_quantization_arg, add_speculative_backend_arg, check_device_args
+from draftwise.commands.common import (
+    CliError,
+    add_quantization_arg,
+    add_speculative_backend_arg,
+    check_device_args,
+    default_speculative_backend,
+)
 from draftwise.cost_model import CostModel, draft_stop_thresholds
 from draftwise.models.loading import load_model
 
@@ -175,7 +181,7 @@ def _load_draft(args: argparse.Namespace, target, options: dict):
     from draftwise.builder import BuildOptions, TokenizerMismatchError, load_named_draft
 
     try:
-        return load_named_draft(args.draft, target, BuildOptions(**options), args.speculative_backend)
+        return load_named_draft(args.draft, target, BuildOptions(**options), default_speculative_backend(args))
     except (ValueError, TokenizerMismatchError) as exc:
         raise CliError(f"--draft {args.draft}: {exc}") from exc
 
