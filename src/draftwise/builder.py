@@ -5,6 +5,7 @@ Used by the CLI, the server and the benchmarks, so every entry point builds engi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,6 @@ from draftwise.check.tokenizer import (
 )
 from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.backend import LeanCausalLM
-from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM
 from draftwise.config import SpeculativeConfig
 from draftwise.controller import KController
 from draftwise.engine import (
@@ -242,18 +242,19 @@ def load_named_draft(model: str, target: LoadedModel, options: BuildOptions, bac
 
 def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: LoadedModel, target_device: str,
                     head_subset, num_slots: int) -> LoadedModel | None:
-    """``--speculative-backend auto`` for a GGUF draft that both backends can run (a CPU target, no FR-Spec head,
-    llama-cpp-python installed): the draft loaded on the runtime that decodes one sequence fastest here (the lean
-    runtime, llama.cpp on the file, llama.cpp on a Q4_0 copy), measured once per machine
-    (:func:`draftwise.draft_backend.choose_draft_backend`), with ``num_slots`` sequences for the batched engine;
-    None otherwise (the rule of :func:`draft_load_options` applies)."""
+    """``--speculative-backend auto`` for a GGUF draft that both backends can run (a CPU target, one slot, no
+    FR-Spec head, llama-cpp-python installed): the draft loaded on the runtime that decodes it fastest here
+    (the lean runtime, llama.cpp on the file, llama.cpp on a Q4_0 copy), measured once per machine
+    (:func:`draftwise.draft_backend.choose_draft_backend`); None otherwise (the rule of
+    :func:`draft_load_options` applies)."""
     import dataclasses
     import os
 
     from draftwise.backends.llama_cpp_backend import llama_cpp_available
     from draftwise.models.loading import resolve_model
 
-    if config.backend != "auto" or target_device != "cpu" or head_subset is not None or config.tree_width > 1:
+    if (config.backend != "auto" or target_device != "cpu" or head_subset is not None or num_slots != 1
+            or config.tree_width > 1):
         return None
     path = resolve_model(config.model or "")
     if not str(path).endswith(".gguf") or not os.path.isfile(path) or not llama_cpp_available():
@@ -262,7 +263,7 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
 
     def load(kind: str, file: str) -> LoadedModel:
         forced = dataclasses.replace(config, backend=kind, model=file)
-        return load_model(file, max_context=target.backend.max_context, num_slots=num_slots,
+        return load_model(file, max_context=target.backend.max_context, num_slots=1,
                           **draft_load_options(forced, options, target_device=target_device))
 
     choice, draft = choose_draft_backend(str(path), load, threads=options.threads, quantization=options.quantization)
@@ -545,6 +546,14 @@ def build_engine(
         logger.warning("method %r does not run in the batched engine (batched: %s); serving one request at a time",
                        speculative_config.method, ", ".join(BATCHED_METHODS))
         batch = False
+    if batch and speculative_config is not None and speculative_config.backend == "llama.cpp":
+        logger.warning("a llama.cpp draft runs in the one-request-at-a-time engine; serving one request at a time "
+                       "(--speculative-backend torch keeps continuous batching with the lean draft)")
+        batch = False
+    if batch and speculative_config is not None and speculative_config.backend == "auto":
+        logger.info("the batched engine drafts with the lean runtime (--speculative-backend auto measures drafts "
+                    "for one request at a time)")
+        speculative_config = dataclasses.replace(speculative_config, backend="torch")
     target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
                               quantization=quantization, backend=backend, threads=threads, runtime=target_runtime,
                               num_slots=max_num_seqs if batch else 1)
@@ -607,8 +616,7 @@ def build_batched_engine(
     gives the load-aware K (the pass costs are measured here, a few passes).
 
     Raises:
-        ValueError: a method outside :data:`BATCHED_METHODS`, a target not on the lean runtime, a draft model
-            neither on the lean runtime nor on llama.cpp.
+        ValueError: a method outside :data:`BATCHED_METHODS`, a target or draft model not on the lean runtime.
         ModelLoadError, TokenizerMismatchError: see :func:`draftwise.builder.load_draft_model`.
     """
     backend = target.backend
@@ -631,11 +639,9 @@ def build_batched_engine(
         proposer = _suffix_proposers(config)
     else:
         draft = load_draft_model(config, target, options, num_slots=max_num_seqs)
-        llama_slots = isinstance(draft.backend, LlamaCppCausalLM) and draft.backend.num_slots >= max_num_seqs
-        if not (isinstance(draft.backend, LeanCausalLM) or llama_slots):
-            raise ValueError(f"{draft.name}: a draft model in the batched engine needs the lean runtime or "
-                             "llama.cpp (--quantization int8 on the CPU and a Llama-family model, or a .gguf draft "
-                             "with --speculative-backend llama.cpp or auto)")
+        if not isinstance(draft.backend, LeanCausalLM):
+            raise ValueError(f"{draft.name}: a draft model in the batched engine needs the lean runtime too "
+                             "(--quantization int8 on the CPU, a Llama-family model)")
         verify = tree_verify_seconds(backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
         stop = draft_confidence(config.draft_confidence_threshold, backend, draft.backend,
                                 config.num_speculative_tokens, config.tree_width)
