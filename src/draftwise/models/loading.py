@@ -178,7 +178,7 @@ def load_model(
         check_dtype(dtype, check_device(device))
     if head_subset is not None and backend == "llama.cpp":
         raise ValueError(f"{spec!r}: a draft vocabulary subset (draft_vocab_size / token_map) needs the PyTorch "
-                         "backend (--backend torch); llama.cpp computes its LM head itself")
+                         "backend (--speculative-backend torch, or auto); llama.cpp computes its LM head itself")
     if head_subset is not None and backend == "auto":
         backend = "torch"  # the subset head is a PyTorch module
     randomize = spec.startswith(RANDOM_PREFIX)
