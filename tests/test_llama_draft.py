@@ -478,6 +478,26 @@ def test_auto_keeps_draft_trees_and_an_frspec_head_on_pytorch():
 
 # ------------------------------------------------------------------ the batched engine with a llama.cpp draft
 @needs_llama_cpp
+def test_auto_measures_once_for_quantization_auto_and_int8(stories_path, draftwise_home, monkeypatch):
+    """The draft-runtime cache is keyed by the quantization the target resolved to: `--quantization auto` (which
+    is int8 here) and `int8` share one measurement (a new-user test saw serve measure again for a minute)."""
+    from draftwise import draft_backend
+
+    calls = []
+    original = draft_backend.choose_draft_backend
+
+    def recording(path, load, **kwargs):
+        calls.append(kwargs["quantization"])
+        return original(path, load, **kwargs)
+
+    monkeypatch.setattr(draft_backend, "choose_draft_backend", recording)
+    config = SpeculativeConfig(method="draft_model", model=str(stories_path), num_speculative_tokens=3, backend="auto")
+    for quantization in ("auto", "int8"):
+        build_engine(str(stories_path), config, quantization=quantization, runtime="lean", threads=1)
+    assert calls == ["int8", "int8"]
+
+
+@needs_llama_cpp
 def test_a_batched_engine_keeps_its_draft_on_the_lean_runtime(stories_path, draftwise_home, int8_stories, caplog):
     """`serve` (the batched engine) with `--speculative-backend auto` (the command line's default) drafts with the
     lean draft; an explicit llama.cpp draft serves one request at a time (its exact single-sequence engine), with a

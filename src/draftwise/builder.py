@@ -266,7 +266,8 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
         return load_model(file, max_context=target.backend.max_context, num_slots=1,
                           **draft_load_options(forced, options, target_device=target_device))
 
-    choice, draft = choose_draft_backend(str(path), load, threads=options.threads, quantization=options.quantization)
+    # the cache key takes the quantization the target resolved to ("auto" and "int8" load the same draft here)
+    choice, draft = choose_draft_backend(str(path), load, threads=options.threads, quantization=target.quantization)
     return dataclasses.replace(draft, name=config.model, runtime_choice=choice.reason)
 
 
