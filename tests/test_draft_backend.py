@@ -206,7 +206,9 @@ def test_auto_measures_both_backends_on_a_real_gguf_and_stays_exact(stories_path
     files = _cached_choices()
     # one choice for this draft, machine and settings (perhaps cached before; other tests may keep choices for
     # other settings of the same file, e.g. the demo's --quantization int8)
-    mine = [f for f in files if json.loads(f.read_text())["key"]["quantization"] is None]
+    keys = {f: json.loads(f.read_text())["key"] for f in files}  # keyed by the quantization the target resolved to
+    mine = [f for f, key in keys.items() if (key["quantization"], key["threads"]) == (bundle.target.quantization, 1)
+            and key["torch_threads"] == torch.get_num_threads()]
     assert len(mine) == 1 and before <= files and len(files - before) <= 1
     choice = json.loads(mine[0].read_text())["choice"]
     copies = {"llama.cpp Q4_0", "llama.cpp Q4_0, Q4_0 head"}
