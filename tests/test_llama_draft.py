@@ -468,15 +468,18 @@ def test_draft_cache_changed_by_someone_else_is_prefilled_again(stories, stories
 
 
 def test_auto_keeps_draft_trees_and_an_frspec_head_on_pytorch():
-    """`auto` (the command line's default) with a draft tree or an FR-Spec head loads the PyTorch draft: the one
-    runtime that grows trees and cuts the LM head (llama.cpp would draft chains, or fail on the head)."""
+    """`auto` (the command line's default) with a draft tree, an FR-Spec head or several slots loads the PyTorch
+    draft: the one runtime that grows trees, cuts the LM head and batches a draft here (llama.cpp would draft
+    chains, fail on the head, or be refused by the batched engine)."""
     options = BuildOptions(quantization="int8", threads=2)
     for fields in ({"tree_width": 2}, {"draft_vocab_size": 64}):
         config = SpeculativeConfig(method="draft_model", model="d.gguf", backend="auto", **fields)
         assert draft_load_options(config, options)["backend"] == "torch", fields
+    batched = SpeculativeConfig(method="draft_model", model="d.gguf", backend="auto")  # the batched engine's slots
+    assert draft_load_options(batched, options, num_slots=3)["backend"] == "torch"
 
 
-# ------------------------------------------------------------------ the batched engine with a llama.cpp draft
+# ------------------------------------------------------------------ auto: what it measures, where it stays lean
 @needs_llama_cpp
 def test_auto_measures_once_for_quantization_auto_and_int8(stories_path, draftwise_home, monkeypatch):
     """The draft-runtime cache is keyed by the quantization the target resolved to: `--quantization auto` (which

@@ -49,9 +49,9 @@ def test_vllm_flags():
 
 
 def test_the_draft_runtime_defaults_to_the_measured_one():
-    """`serve T --speculative-model D` runs the draft where `auto` measures it fastest (the lean draft ran agent
-    sessions at 1.35x plain through serve, llama.cpp's at 1.71x); a flag or the JSON's own field wins, a target on
-    llama.cpp keeps its draft there, and plain decoding gets no backend."""
+    """`serve T --speculative-model D` gets `--speculative-backend auto` (the measured runtime for one request at a
+    time, the lean draft in the batched engine); a flag or the JSON's own field wins, a target on llama.cpp keeps
+    its draft there, and plain decoding gets no backend."""
     assert plan("t.gguf", "--speculative-model", "d.gguf").speculative_config.backend == "auto"
     hybrid = plan("t.gguf", "--speculative-config", '{"method": "hybrid", "model": "d.gguf"}')
     assert hybrid.speculative_config.backend == "auto"

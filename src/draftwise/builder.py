@@ -5,7 +5,6 @@ Used by the CLI, the server and the benchmarks, so every entry point builds engi
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -219,10 +218,11 @@ def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: Bu
         head_subset = HeadSubset(size=config.draft_vocab_size, token_map=config.token_map)
     where = getattr(target.backend, "device", None)
     target_device = where.type if isinstance(where, torch.device) else "cpu"
-    measured = _measured_draft(config, options, target, target_device, head_subset, num_slots)
+    measured = _measured_draft(config, options, target, target_device, num_slots)
     draft = measured or load_model(config.model, max_context=target.backend.max_context, head_subset=head_subset,
                                    num_slots=num_slots,
-                                   **draft_load_options(config, options, target_device=target_device))
+                                   **draft_load_options(config, options, target_device=target_device,
+                                                        num_slots=num_slots))
     check_same_tokenizer(target, draft)
     return draft
 
@@ -240,11 +240,20 @@ def load_named_draft(model: str, target: LoadedModel, options: BuildOptions, bac
     return load_draft_model(config, target, options)
 
 
+def _needs_pytorch_draft(config: SpeculativeConfig, num_slots: int = 1) -> bool:
+    """Whether only the PyTorch draft can serve ``config``: draft trees (``tree_width`` > 1), an FR-Spec head
+    (``draft_vocab_size`` / ``token_map``) and the batched engine's draft of ``num_slots`` > 1 sequences
+    (``--speculative-backend auto`` then loads it there)."""
+    return (config.tree_width > 1 or config.draft_vocab_size is not None or config.token_map is not None
+            or num_slots > 1)
+
+
 def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: LoadedModel, target_device: str,
-                    head_subset, num_slots: int) -> LoadedModel | None:
-    """``--speculative-backend auto`` for a GGUF draft that both backends can run (a CPU target, one slot, no
-    FR-Spec head, llama-cpp-python installed): the draft loaded on the runtime that decodes it fastest here
-    (the lean runtime, llama.cpp on the file, llama.cpp on a Q4_0 copy), measured once per machine
+                    num_slots: int) -> LoadedModel | None:
+    """``--speculative-backend auto`` for a GGUF draft that both backends can run (a CPU target, one slot, a chain
+    draft without an FR-Spec head: not :func:`_needs_pytorch_draft`; llama-cpp-python installed): the draft loaded
+    on the runtime that decodes it fastest here (the lean runtime, llama.cpp on the file, llama.cpp on a Q4_0 copy),
+    measured once per machine
     (:func:`draftwise.draft_backend.choose_draft_backend`); None otherwise (the rule of
     :func:`draft_load_options` applies)."""
     import dataclasses
@@ -253,8 +262,7 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
     from draftwise.backends.llama_cpp_backend import llama_cpp_available
     from draftwise.models.loading import resolve_model
 
-    if (config.backend != "auto" or target_device != "cpu" or head_subset is not None or num_slots != 1
-            or config.tree_width > 1):
+    if config.backend != "auto" or target_device != "cpu" or _needs_pytorch_draft(config, num_slots):
         return None
     path = resolve_model(config.model or "")
     if not str(path).endswith(".gguf") or not os.path.isfile(path) or not llama_cpp_available():
@@ -271,7 +279,8 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
     return dataclasses.replace(draft, name=config.model, runtime_choice=choice.reason)
 
 
-def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, target_device: str = "cpu") -> dict:
+def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, target_device: str = "cpu",
+                       num_slots: int = 1) -> dict:
     """The :func:`load_model` keyword arguments (besides ``max_context``) of ``config``'s draft model.
 
     Without ``config.backend`` the draft is loaded like the target (``options``). With it, the draft's backend
@@ -279,8 +288,8 @@ def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, targ
     ``target_device``, the device type the loaded target runs on: ``"cpu"`` or ``"cuda"``). On llama.cpp the
     draft gets the target's ``threads`` and none of the PyTorch-only options (dtype, int8 quantization), which
     are the target's; on PyTorch it gets the target's device, dtype and quantization. So ``--quantization int8
-    --speculative-backend llama.cpp`` runs an exact int8 target with a Q4_K_M draft. ``"auto"`` with draft trees
-    (``tree_width`` > 1) or an FR-Spec head gives PyTorch, the one runtime that grows trees and cuts the head.
+    --speculative-backend llama.cpp`` runs an exact int8 target with a Q4_K_M draft. ``"auto"`` gives PyTorch where
+    only it serves (draft trees, an FR-Spec head, ``num_slots`` > 1 sequences: :func:`_needs_pytorch_draft`).
 
     Raises:
         ValueError: ``config.backend`` is ``"llama.cpp"`` while the target runs on a device other than the CPU
@@ -300,8 +309,7 @@ def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, targ
     if config.backend == "llama.cpp" and target_device != "cpu":
         raise ValueError(f"a llama.cpp draft runs on the CPU; the target runs on {target_device!r}: use "
                          "--speculative-backend torch (or auto) with a GPU target")
-    lean_only = config.tree_width > 1 or config.draft_vocab_size is not None or config.token_map is not None
-    if config.backend == "auto" and lean_only:  # draft trees and an FR-Spec head need the PyTorch draft
+    if config.backend == "auto" and _needs_pytorch_draft(config, num_slots):
         return dict(torch_options, backend="torch")
     kind = select_backend(config.backend, resolve_model(spec), device=target_device)
     if kind == "llama.cpp":
@@ -551,10 +559,6 @@ def build_engine(
         logger.warning("a llama.cpp draft runs in the one-request-at-a-time engine; serving one request at a time "
                        "(--speculative-backend torch keeps continuous batching with the lean draft)")
         batch = False
-    if batch and speculative_config is not None and speculative_config.backend == "auto":
-        logger.info("the batched engine drafts with the lean runtime (--speculative-backend auto measures drafts "
-                    "for one request at a time)")
-        speculative_config = dataclasses.replace(speculative_config, backend="torch")
     target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
                               quantization=quantization, backend=backend, threads=threads, runtime=target_runtime,
                               num_slots=max_num_seqs if batch else 1)

@@ -307,8 +307,7 @@ def _controller_factory(policy, k, kind, target, draft, proposer, calibrated, ca
 
 def run(args: argparse.Namespace) -> int:
     check_device_args(args)
-    if max(_tree_widths(args.tree_widths)) == 1:  # the draft is loaded once; trees need the lean one
-        args.speculative_backend = default_speculative_backend(args)
+    args.speculative_backend = default_speculative_backend(args)
     if args.workload == "agent":
         return run_agent(args)
     console = Console()
@@ -418,7 +417,8 @@ def _load_draft(args: argparse.Namespace, target: LoadedModel, options: dict) ->
 
     try:
         config = SpeculativeConfig(method="draft_model", model=args.draft, backend=args.speculative_backend,
-                                   draft_vocab_size=args.draft_vocab_size, token_map=args.token_map)
+                                   draft_vocab_size=args.draft_vocab_size, token_map=args.token_map,
+                                   tree_width=max(_tree_widths(args.tree_widths)))  # one draft serves every width
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     return load_draft_model(config, target, BuildOptions(runtime=args.runtime, **options))
