@@ -8,9 +8,11 @@ no longer needs. Every per-row computation is independent of the other rows of t
   accumulation: exact) or float weights with rows zero-padded to the GEMM's invariant multiple;
 - attention: :func:`draftwise.backends.lean.attention.block_attention` (fixed key blocks);
 - rotary embeddings: one table of cos/sin for every position, computed once at load and gathered by position;
-- norms, SiLU, residual adds: per-row reductions of fixed width and elementwise arithmetic (checked by the
+- norms, residual adds: per-row reductions of fixed width and elementwise arithmetic (checked by the
   load-time self-test :meth:`LeanLlama.check_row_invariance`, which :func:`draftwise.backends.lean.build_lean`
-  runs on the real weights).
+  runs on the real weights);
+- SiLU: :func:`silu_rows`, on groups of rows small enough that no call is split between threads (ATen's
+  vectorised and scalar SiLU differ in the last bit, and a thread split places a row's elements on either).
 
 Shapes: n rows per pass, H hidden size, h query heads, kv KV heads, d head dim, I intermediate size, V vocab.
 """
@@ -30,7 +32,7 @@ from draftwise.backends.lean.attention import block_attention, row_multiple, tre
 from draftwise.backends.lean.kv_cache import SlotKVCache
 from draftwise.backends.lean.rows import RowBatch, chain_rows
 
-__all__ = ["LeanConfig", "LeanLlama", "UnsupportedArchitecture", "lean_config_from_hf"]
+__all__ = ["LeanConfig", "LeanLlama", "UnsupportedArchitecture", "lean_config_from_hf", "silu_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,37 @@ def lean_config_from_hf(config, max_context: int | None = None) -> LeanConfig:
 #: builds a linear layer from a float weight ``[out, in]`` and bias ``[out]`` (or None); forward ``[m, in] ->
 #: [m, out]`` float32, row-invariant.
 LinearFactory = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+
+
+#: ATen runs an elementwise op over at most this many elements on one thread (``at::internal::GRAIN_SIZE``);
+#: larger ones are split into equal ranges between the intra-op threads.
+SERIAL_ELEMENTS = 32768
+
+
+def silu_rows(gate: torch.Tensor) -> torch.Tensor:
+    """SiLU of ``gate [n, I]`` (a row-strided view, such as the gate half of the fused gate/up projection),
+    each row's bits independent of n.
+
+    ATen's SiLU takes a vectorised path for most elements and a scalar one for a loop's remainder, and the two
+    differ in the last bit for a few percent of inputs. One call over ``n x I`` elements above
+    :data:`SERIAL_ELEMENTS` is split into equal element ranges between threads, so the row the split falls in
+    (it moves with n) has other elements on the scalar path than it has alone: measured on stories260K (I =
+    172, 2 threads), a 211-token prefill beside 8 other rows changed one row's MLP output and the greedy output
+    of a served conversation. Here each call covers at most :data:`SERIAL_ELEMENTS` elements (one thread) of
+    whole rows (or one row, when I is larger: every call then has the same shape), and a row-strided view is
+    looped row by row, so every row takes the same paths whatever n is. (A model whose I is a multiple of 32 on 2 threads was never affected: its split falls on a vector edge.)
+
+    Returns:
+        ``[n, I]`` float, contiguous.
+    """
+    n, width = gate.shape
+    rows = max(1, (SERIAL_ELEMENTS - 1) // width)
+    if n <= rows:
+        return F.silu(gate)
+    out = gate.new_empty(n, width)
+    for part, into in zip(gate.split(rows), out.split(rows)):
+        torch.ops.aten.silu.out(part, out=into)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,7 +201,7 @@ class LeanLayer(nn.Module):
         x = x + self.o(attended.view(n, c.num_heads * c.head_dim))
         h = rms_norm(x, self.post_norm, c.rms_norm_eps)
         gate, up = self.gate_up(h).split(c.intermediate_size, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self.down(silu_rows(gate).mul_(up))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
