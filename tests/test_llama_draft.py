@@ -9,12 +9,15 @@ llama.cpp tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM
 from draftwise.builder import (
     TokenizerMismatchError,
     build_engine,
@@ -475,8 +478,6 @@ def test_auto_keeps_draft_trees_and_an_frspec_head_on_pytorch():
     for fields in ({"tree_width": 2}, {"draft_vocab_size": 64}):
         config = SpeculativeConfig(method="draft_model", model="d.gguf", backend="auto", **fields)
         assert draft_load_options(config, options)["backend"] == "torch", fields
-    batched = SpeculativeConfig(method="draft_model", model="d.gguf", backend="auto")  # the batched engine's slots
-    assert draft_load_options(batched, options, num_slots=3)["backend"] == "torch"
 
 
 # ------------------------------------------------------------------ auto: what it measures, where it stays lean
@@ -500,28 +501,103 @@ def test_auto_measures_once_for_quantization_auto_and_int8(stories_path, draftwi
     assert calls == ["int8", "int8"]
 
 
+# ------------------------------------------------------------------ the batched engine with a llama.cpp draft
+@pytest.fixture(scope="module")
+def llama_slots(stories_path):
+    """stories260K on llama.cpp with three sequences (a draft's context), and the same file with one."""
+    from draftwise.backends.llama_cpp_backend import load_llama_cpp
+
+    multi, _, _ = load_llama_cpp(stories_path, max_context=128, batch_invariant=False, num_slots=3, n_threads=1)
+    single, _, _ = load_llama_cpp(stories_path, max_context=128, batch_invariant=False, n_threads=1)
+    return multi, single
+
+
 @needs_llama_cpp
-def test_a_batched_engine_keeps_its_draft_on_the_lean_runtime(stories_path, draftwise_home, int8_stories, caplog):
-    """`serve` (the batched engine) with `--speculative-backend auto` (the command line's default) drafts with the
-    lean draft; an explicit llama.cpp draft serves one request at a time (its exact single-sequence engine), with a
-    warning, instead of dying at start. A llama.cpp context of several sequences was tried as a batched draft and
-    withdrawn: greedy outputs differed from plain decoding in rare concurrent runs."""
-    from draftwise.backends.lean.backend import LeanCausalLM
-    from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM
+def test_llama_cpp_slots_run_several_sequences_in_one_pass(llama_slots, stories, stories_path):
+    """Pieces of two sequences in one llama_decode give each sequence what it gets alone (llama.cpp's kernels are
+    not row-invariant: close, same argmax), lengths move per slot, and an exported slot imported into another
+    one continues like the original."""
+    from draftwise.backends.slots import LOGITS_LAST, LOGITS_NONE, LlamaCppSlots, Piece, as_slot_backend
+
+    multi, single = llama_slots
+    slots = as_slot_backend(multi)
+    assert isinstance(slots, LlamaCppSlots) and slots.num_slots == slots.max_pieces == 3 and slots.supports_export
+    for slot in range(3):
+        slots.set_length(slot, 0)
+    a, b = stories.encode(PROMPTS[0]), stories.encode(PROMPTS[1])
+    out = slots.forward([Piece(0, 0, a), Piece(1, 0, b, logits=LOGITS_LAST)])
+    assert out.logits.shape == (len(a) + 1, multi.vocab_size) and out.hidden is None
+    assert [slots.length(s) for s in range(3)] == [len(a), len(b), 0] and multi.num_cached == len(a)
+    single.reset()
+    alone_a = single.forward(a).logits
+    single.reset()
+    alone_b = single.forward(b, num_logits=1).logits
+    torch.testing.assert_close(out.logits[:len(a)], alone_a, atol=2e-2, rtol=0)
+    torch.testing.assert_close(out.logits[len(a):], alone_b, atol=2e-2, rtol=0)
+    assert out.logits[len(a):].argmax(-1).tolist() == alone_b.argmax(-1).tolist()
+
+    state = slots.export_slot(1, len(b))
+    assert state.length == len(b) and state.nbytes > 0
+    slots.import_slot(2, state, len(b) - 2)  # a prefix of it, into another slot
+    assert slots.length(2) == len(b) - 2
+    resumed = slots.forward([Piece(2, len(b) - 2, b[-2:]), Piece(0, 3, a[3:], logits=LOGITS_NONE)])
+    assert resumed.logits.shape == (2, multi.vocab_size)
+    torch.testing.assert_close(resumed.logits[-1:], alone_b, atol=2e-2, rtol=0)
+    assert [slots.length(s) for s in range(3)] == [len(a), len(b), len(b)]
+
+    slots.compact(2, 3, [0, 1])  # a chain's accepted prefix: a rollback
+    assert slots.length(2) == 5
+    with pytest.raises(ValueError, match="prefix"):
+        slots.compact(2, 2, [0, 2])
+    with pytest.raises(ValueError, match="distinct slots"):
+        slots.forward([Piece(0, len(a), [5]), Piece(0, len(a), [6])])
+    with pytest.raises(ValueError, match="do not fit"):
+        slots.forward([Piece(1, len(b), [5] * 200)])
+    with pytest.raises(ValueError, match="chains"):
+        slots.forward([Piece(1, len(b), [5, 6], parents=(-1,))])
+    with pytest.raises(ValueError, match="outside"):
+        slots.forward([Piece(1, len(b) + 1, [5])])
+    with pytest.raises(ValueError, match="cannot keep"):
+        slots.set_length(0, len(a) + 1)
+    with pytest.raises(ValueError, match="not a KV state"):
+        slots.import_slot(0, dataclasses.replace(state, payload=("other.gguf",) + state.payload[1:]), 1)
+    assert [slots.length(s) for s in range(3)] == [len(a), len(b), 5]  # refusals changed nothing
+    with pytest.raises(ValueError, match="batch-invariant"):
+        LlamaCppCausalLM(stories_path, max_context=64, num_slots=2)
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("speculative_backend", ["llama.cpp", "auto"])
+def test_batched_engine_with_a_llama_cpp_draft_equals_plain(stories_path, draftwise_home, int8_stories,
+                                                            speculative_backend):
+    """`serve --speculative-backend llama.cpp` (or auto) with several slots: the batched engine drafts with a
+    llama.cpp context of as many sequences (it refused such a draft before), every output equals plain decoding,
+    and a follow-up turn reuses the draft's kept state through the prefix cache (the draft catches up on the new
+    tokens only)."""
     from draftwise.engine import EngineCore
 
-    params = SamplingParams(max_tokens=24)
-    prompt = int8_stories.encode(PROMPTS[1])
-    auto = SpeculativeConfig(method="draft_model", model=str(stories_path), num_speculative_tokens=4, backend="auto")
-    bundle = build_engine(str(stories_path), auto, quantization="int8", runtime="lean", threads=1, max_num_seqs=3)
-    assert isinstance(bundle.engine, EngineCore) and isinstance(bundle.draft.backend, LeanCausalLM)
-    assert bundle.engine.generate([prompt], params)[0].token_ids == _plain(int8_stories, prompt, params).token_ids
-    with caplog.at_level("WARNING"):
-        one = build_engine(str(stories_path), _llama_draft(stories_path, 4), quantization="int8", runtime="lean",
-                           threads=1, max_num_seqs=3)
-    assert isinstance(one.engine, SpeculativeEngine) and isinstance(one.draft.backend, LlamaCppCausalLM)
-    assert "one request at a time" in caplog.text
-    assert one.engine.generate(prompt, params).token_ids == _plain(int8_stories, prompt, params).token_ids
+    config = SpeculativeConfig(method="draft_model", model=str(stories_path), num_speculative_tokens=4,
+                               backend=speculative_backend)
+    bundle = build_engine(str(stories_path), config, quantization="int8", runtime="lean", threads=1, max_num_seqs=3,
+                          kv_cache_memory=64 << 20)
+    engine = bundle.engine
+    assert isinstance(engine, EngineCore) and engine.max_num_seqs == 3
+    if speculative_backend == "llama.cpp":
+        assert isinstance(bundle.draft.backend, LlamaCppCausalLM) and bundle.draft.backend.num_slots == 3
+    prompts = [int8_stories.encode(text) for text in PROMPTS + ["The little dog", "One day, Tom"]]
+    params = SamplingParams(max_tokens=32)
+    results = engine.generate(prompts, params)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == _plain(int8_stories, prompt, params).token_ids
+    assert sum(r.stats.num_accepted_tokens for r in results) > 0.7 * sum(r.stats.num_draft_tokens for r in results)
+
+    follow_up = prompts[0] + results[0].token_ids + _words(int8_stories, " Then the dog")
+    kept = engine.prefix_cache.lookup("", follow_up).entry
+    assert kept is not None and kept.proposer_state.kv is not None and kept.proposer_state.kv.nbytes > 0
+    [again] = engine.generate([follow_up], params)
+    assert again.token_ids == _plain(int8_stories, follow_up, params).token_ids
+    assert again.stats.num_cached_prompt_tokens >= len(prompts[0]) + len(results[0].token_ids) - 1
+    assert again.stats.acceptance_rate > 0.7
 
 
 # ------------------------------------------------------------------ the command line end to end

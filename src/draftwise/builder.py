@@ -20,6 +20,7 @@ from draftwise.check.tokenizer import (
 )
 from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.backend import LeanCausalLM
+from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM
 from draftwise.config import SpeculativeConfig
 from draftwise.controller import KController
 from draftwise.engine import (
@@ -202,7 +203,8 @@ def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: Bu
     """Load the draft model ``config.model`` for ``target`` (same context length, checked tokenizer, drafting
     settings) for the methods that run one, on the backend :func:`draft_load_options` picks. With
     ``draft_vocab_size`` / ``token_map`` set, the draft's LM head covers that frequency-ranked subset only
-    (FR-Spec, :mod:`draftwise.frspec`). ``num_slots``: sequences a lean draft's cache holds (batching).
+    (FR-Spec, :mod:`draftwise.frspec`). ``num_slots``: sequences the draft's cache holds (the batched engine: lean slots, or
+    a llama.cpp context of that many sequences).
 
     Raises:
         ModelLoadError, ValueError, TokenizerMismatchError: see :func:`load_model`, :func:`draft_load_options`
@@ -221,8 +223,7 @@ def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: Bu
     measured = _measured_draft(config, options, target, target_device, num_slots)
     draft = measured or load_model(config.model, max_context=target.backend.max_context, head_subset=head_subset,
                                    num_slots=num_slots,
-                                   **draft_load_options(config, options, target_device=target_device,
-                                                        num_slots=num_slots))
+                                   **draft_load_options(config, options, target_device=target_device))
     check_same_tokenizer(target, draft)
     return draft
 
@@ -240,18 +241,16 @@ def load_named_draft(model: str, target: LoadedModel, options: BuildOptions, bac
     return load_draft_model(config, target, options)
 
 
-def _needs_pytorch_draft(config: SpeculativeConfig, num_slots: int = 1) -> bool:
-    """Whether only the PyTorch draft can serve ``config``: draft trees (``tree_width`` > 1), an FR-Spec head
-    (``draft_vocab_size`` / ``token_map``) and the batched engine's draft of ``num_slots`` > 1 sequences
-    (``--speculative-backend auto`` then loads it there)."""
-    return (config.tree_width > 1 or config.draft_vocab_size is not None or config.token_map is not None
-            or num_slots > 1)
+def _needs_pytorch_draft(config: SpeculativeConfig) -> bool:
+    """Whether only the PyTorch draft can serve ``config``: draft trees (``tree_width`` > 1) or an FR-Spec head
+    (``draft_vocab_size`` / ``token_map``); ``--speculative-backend auto`` then loads it there."""
+    return config.tree_width > 1 or config.draft_vocab_size is not None or config.token_map is not None
 
 
 def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: LoadedModel, target_device: str,
                     num_slots: int) -> LoadedModel | None:
-    """``--speculative-backend auto`` for a GGUF draft that both backends can run (a CPU target, one slot, a chain
-    draft without an FR-Spec head: not :func:`_needs_pytorch_draft`; llama-cpp-python installed): the draft loaded
+    """``--speculative-backend auto`` for a GGUF draft that both backends can run (a CPU target, a chain draft
+    without an FR-Spec head: not :func:`_needs_pytorch_draft`; llama-cpp-python installed): the draft loaded
     on the runtime that decodes it fastest here (the lean runtime, llama.cpp on the file, llama.cpp on a Q4_0 copy),
     measured once per machine
     (:func:`draftwise.draft_backend.choose_draft_backend`); None otherwise (the rule of
@@ -262,7 +261,7 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
     from draftwise.backends.llama_cpp_backend import llama_cpp_available
     from draftwise.models.loading import resolve_model
 
-    if config.backend != "auto" or target_device != "cpu" or _needs_pytorch_draft(config, num_slots):
+    if config.backend != "auto" or target_device != "cpu" or _needs_pytorch_draft(config):
         return None
     path = resolve_model(config.model or "")
     if not str(path).endswith(".gguf") or not os.path.isfile(path) or not llama_cpp_available():
@@ -271,7 +270,7 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
 
     def load(kind: str, file: str) -> LoadedModel:
         forced = dataclasses.replace(config, backend=kind, model=file)
-        return load_model(file, max_context=target.backend.max_context, num_slots=1,
+        return load_model(file, max_context=target.backend.max_context, num_slots=num_slots,
                           **draft_load_options(forced, options, target_device=target_device))
 
     # the cache key takes the quantization the target resolved to ("auto" and "int8" load the same draft here)
@@ -279,8 +278,7 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
     return dataclasses.replace(draft, name=config.model, runtime_choice=choice.reason)
 
 
-def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, target_device: str = "cpu",
-                       num_slots: int = 1) -> dict:
+def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, target_device: str = "cpu") -> dict:
     """The :func:`load_model` keyword arguments (besides ``max_context``) of ``config``'s draft model.
 
     Without ``config.backend`` the draft is loaded like the target (``options``). With it, the draft's backend
@@ -289,7 +287,7 @@ def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, targ
     draft gets the target's ``threads`` and none of the PyTorch-only options (dtype, int8 quantization), which
     are the target's; on PyTorch it gets the target's device, dtype and quantization. So ``--quantization int8
     --speculative-backend llama.cpp`` runs an exact int8 target with a Q4_K_M draft. ``"auto"`` gives PyTorch where
-    only it serves (draft trees, an FR-Spec head, ``num_slots`` > 1 sequences: :func:`_needs_pytorch_draft`).
+    only it serves (draft trees, an FR-Spec head: :func:`_needs_pytorch_draft`).
 
     Raises:
         ValueError: ``config.backend`` is ``"llama.cpp"`` while the target runs on a device other than the CPU
@@ -309,7 +307,7 @@ def draft_load_options(config: SpeculativeConfig, options: BuildOptions, *, targ
     if config.backend == "llama.cpp" and target_device != "cpu":
         raise ValueError(f"a llama.cpp draft runs on the CPU; the target runs on {target_device!r}: use "
                          "--speculative-backend torch (or auto) with a GPU target")
-    if config.backend == "auto" and _needs_pytorch_draft(config, num_slots):
+    if config.backend == "auto" and _needs_pytorch_draft(config):
         return dict(torch_options, backend="torch")
     kind = select_backend(config.backend, resolve_model(spec), device=target_device)
     if kind == "llama.cpp":
@@ -555,10 +553,6 @@ def build_engine(
         logger.warning("method %r does not run in the batched engine (batched: %s); serving one request at a time",
                        speculative_config.method, ", ".join(BATCHED_METHODS))
         batch = False
-    if batch and speculative_config is not None and speculative_config.backend == "llama.cpp":
-        logger.warning("a llama.cpp draft runs in the one-request-at-a-time engine; serving one request at a time "
-                       "(--speculative-backend torch keeps continuous batching with the lean draft)")
-        batch = False
     target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
                               quantization=quantization, backend=backend, threads=threads, runtime=target_runtime,
                               num_slots=max_num_seqs if batch else 1)
@@ -621,7 +615,8 @@ def build_batched_engine(
     gives the load-aware K (the pass costs are measured here, a few passes).
 
     Raises:
-        ValueError: a method outside :data:`BATCHED_METHODS`, a target or draft model not on the lean runtime.
+        ValueError: a method outside :data:`BATCHED_METHODS`, a target not on the lean runtime, a draft model
+            neither on the lean runtime nor on llama.cpp.
         ModelLoadError, TokenizerMismatchError: see :func:`draftwise.builder.load_draft_model`.
     """
     backend = target.backend
@@ -644,9 +639,11 @@ def build_batched_engine(
         proposer = _suffix_proposers(config)
     else:
         draft = load_draft_model(config, target, options, num_slots=max_num_seqs)
-        if not isinstance(draft.backend, LeanCausalLM):
-            raise ValueError(f"{draft.name}: a draft model in the batched engine needs the lean runtime too "
-                             "(--quantization int8 on the CPU, a Llama-family model)")
+        llama_slots = isinstance(draft.backend, LlamaCppCausalLM) and draft.backend.num_slots >= max_num_seqs
+        if not (isinstance(draft.backend, LeanCausalLM) or llama_slots):
+            raise ValueError(f"{draft.name}: a draft model in the batched engine needs the lean runtime or "
+                             "llama.cpp (--quantization int8 on the CPU and a Llama-family model, or a .gguf draft "
+                             "with --speculative-backend llama.cpp or auto)")
         verify = tree_verify_seconds(backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
         stop = draft_confidence(config.draft_confidence_threshold, backend, draft.backend,
                                 config.num_speculative_tokens, config.tree_width)

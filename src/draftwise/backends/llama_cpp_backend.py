@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from draftwise.backends.base import CausalLM, ForwardOutput
+from draftwise.backends.base import CausalLM, ForwardOutput, KVState
 
 __all__ = ["LlamaCppCausalLM", "LlamaCppTokenizer", "llama_cpp_available", "load_llama_cpp",
            "compiled_cpu_features", "has_amx_kernels", "parse_system_info", "gguf_file_type", "requantize_gguf",
@@ -72,6 +72,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_CONTEXT = 4096
 #: Largest number of tokens sent to ``llama_decode`` at once (longer inputs are split into even chunks).
 MAX_BATCH_TOKENS = 512
+#: Bytes the KV caches of a context holding several sequences may take together (f16 keys and values,
+#: preallocated by llama.cpp): 2 GiB holds 8 sequences of 21,844 tokens of Qwen2.5-Coder-0.5B (12 KiB a token).
+SLOTS_KV_BUDGET = 2 * 1024**3
 #: ggml's flash attention switches to a tiled kernel (another summation order) for this many or more query
 #: tokens in one pass (``GGML_FA_TILE_Q``); batch-invariant passes with flash attention stay below it.
 FLASH_ATTENTION_TILE_TOKENS = 64
@@ -225,7 +228,12 @@ def _free_context(lib, ctx, batch, model: _ModelHandle) -> None:
 
 
 class LlamaCppCausalLM(CausalLM):
-    """A GGUF model run by llama.cpp, with one sequence in its KV cache.
+    """A GGUF model run by llama.cpp; its ``CausalLM`` methods drive one sequence (llama.cpp's sequence 0).
+
+    With ``num_slots`` > 1 the context holds that many sequences, each in its own KV-cache stream of
+    ``max_context`` cells (llama.cpp's ``n_seq_max`` without a unified cache), which :class:`LlamaCppSlots` drives
+    as a slot backend: a draft model for the batched engine (one ``llama_decode`` per draft depth over one row
+    per drafting sequence). The ``CausalLM`` methods then use slot 0.
 
     Args:
         path: the ``.gguf`` file.
@@ -238,9 +246,13 @@ class LlamaCppCausalLM(CausalLM):
             the module docstring); needed for exact greedy speculation by a target. Drafts are loaded without it.
         model: an already loaded model to share (a second context on the same weights); ``path`` is then
             only used for messages. For a batch-invariant backend it must be loaded with ``repack=False``.
+        num_slots: sequences the context holds (>= 1; above 1 only without ``batch_invariant``: several
+            sequences are for drafts). Their KV caches together are kept within :data:`SLOTS_KV_BUDGET` bytes:
+            ``max_context`` shrinks to fit when needed (logged).
 
     Raises:
-        FileNotFoundError, ValueError: the file is missing or llama.cpp cannot load it or create a context.
+        FileNotFoundError, ValueError: the file is missing or llama.cpp cannot load it or create a context;
+            ``num_slots`` < 1, or > 1 for a batch-invariant backend.
     """
 
     def __init__(
@@ -253,13 +265,19 @@ class LlamaCppCausalLM(CausalLM):
         flash_attention: bool = True,
         batch_invariant: bool = True,
         model: _ModelHandle | None = None,
+        num_slots: int = 1,
     ) -> None:
         lib = _lib()
+        if num_slots < 1 or (num_slots > 1 and batch_invariant):
+            raise ValueError(f"num_slots must be >= 1, and 1 for a batch-invariant backend; got {num_slots}")
         _disable_tiled_matmul(warn=batch_invariant)
         self.handle = model or _ModelHandle(Path(path), repack=not batch_invariant)
         self.name = name or str(path)
         self.vocab_size = self.handle.n_vocab
+        self.num_slots = num_slots
         self.max_context = int(max_context or min(self.handle.n_ctx_train, DEFAULT_MAX_CONTEXT))
+        if num_slots > 1:
+            self.max_context = self._fit_slots_context(self.max_context)
         if self.max_context < 2:
             raise ValueError(f"max_context must be at least 2 tokens, got {self.max_context}")
         self.n_threads = int(n_threads or default_threads())
@@ -271,7 +289,20 @@ class LlamaCppCausalLM(CausalLM):
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(self._batch_capacity, 0, 1)
         self._finalizer = weakref.finalize(self, _free_context, lib, self._ctx, self._batch, self.handle)
-        self._num_cached = 0
+        self._lengths = [0] * num_slots  # tokens each sequence holds
+
+    def _fit_slots_context(self, max_context: int) -> int:
+        """``max_context`` or, when ``num_slots`` caches of it would exceed :data:`SLOTS_KV_BUDGET`, the most
+        tokens per sequence that fit (f16 keys and values)."""
+        lib, ptr = _lib(), self.handle.ptr
+        head_dim = int(lib.llama_model_n_embd(ptr)) // max(1, int(lib.llama_model_n_head(ptr)))
+        per_token = 2 * 2 * int(lib.llama_model_n_layer(ptr)) * int(lib.llama_model_n_head_kv(ptr)) * head_dim
+        fits = SLOTS_KV_BUDGET // (self.num_slots * max(1, per_token)) - 1
+        if fits < max_context:
+            logger.info("llama.cpp: %s holds %d sequences of %d tokens (not %d: their KV caches stay within %d MiB)",
+                        self.name, self.num_slots, fits, max_context, SLOTS_KV_BUDGET >> 20)
+            return fits
+        return max_context
 
     def _largest_pass(self) -> int:
         """Most tokens one ``llama_decode`` may hold (see :data:`FLASH_ATTENTION_TILE_TOKENS`)."""
@@ -282,9 +313,11 @@ class LlamaCppCausalLM(CausalLM):
 
     def _create_context(self, lib):
         params = lib.llama_context_default_params()
-        params.n_ctx = self.max_context + 1  # one spare cell for the throw-away token of a one-token pass
+        # one spare cell per sequence for the throw-away token of a one-token pass
+        params.n_ctx = (self.max_context + 1) * self.num_slots
         params.n_batch = params.n_ubatch = self._batch_capacity
-        params.n_seq_max = 1
+        params.n_seq_max = self.num_slots
+        params.kv_unified = False  # each sequence its own stream of n_ctx / n_seq_max cells
         params.n_threads = params.n_threads_batch = self.n_threads
         params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attention
                                   else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
@@ -301,7 +334,7 @@ class LlamaCppCausalLM(CausalLM):
     # ------------------------------------------------------------------ CausalLM
     @property
     def num_cached(self) -> int:
-        return self._num_cached
+        return self._lengths[0]
 
     def forward(
         self, token_ids: Sequence[int], *, num_logits: int | None = None, return_hidden: bool = False
@@ -321,7 +354,7 @@ class LlamaCppCausalLM(CausalLM):
         keep = n if num_logits is None else max(1, min(num_logits, n))
         padded = self.batch_invariant and n == 1
         sequence = ids + ids[-1:] if padded else ids  # the copy sits at the next position and is removed below
-        start = self._num_cached
+        start = self.num_cached
         wanted = range(n - keep, n)
         if return_hidden:
             _lib().llama_set_embeddings(self._ctx, True)
@@ -335,21 +368,102 @@ class LlamaCppCausalLM(CausalLM):
                 _lib().llama_set_embeddings(self._ctx, False)
         if padded:
             self._remove_from(start + n)
-        self._num_cached = start + n
+        self._lengths[0] = start + n
         return ForwardOutput(logits=logits, hidden=hidden)
 
     def rollback(self, length: int) -> None:
         self._check_rollback_args(length)
-        if length != self._num_cached:
+        if length != self.num_cached:
             self.cache_owner = None
             self._remove_from(length)
-            self._num_cached = length
+            self._lengths[0] = length
+
+    # ------------------------------------------------------------------ several sequences (LlamaCppSlots)
+    def sequence_length(self, seq: int) -> int:
+        """Tokens sequence ``seq`` holds (``num_cached`` is sequence 0's)."""
+        return self._lengths[seq]
+
+    def truncate_sequence(self, seq: int, length: int) -> None:
+        """Keep the first ``length`` tokens of sequence ``seq`` (a rollback of that sequence).
+
+        Raises:
+            ValueError: ``length`` outside ``0..sequence_length(seq)``.
+        """
+        if not 0 <= length <= self._lengths[seq]:
+            raise ValueError(f"{self.name}: sequence {seq} holds {self._lengths[seq]} tokens, cannot keep {length}")
+        if length != self._lengths[seq]:
+            self.cache_owner = None
+            self._remove_from(length, seq)
+            self._lengths[seq] = length
+
+    def decode_sequences(self, rows: Sequence[tuple[int, int, int, bool]]) -> np.ndarray:
+        """Append rows ``(token, sequence, position, logits wanted)`` to their sequences in one ``llama_decode``
+        per batch capacity (each sequence's rows in order, its first at its current length); returns the
+        wanted rows' logits ``[wanted, vocab]`` float32, in row order.
+
+        Raises:
+            RuntimeError: ``llama_decode`` failed (every sequence of the rows keeps what it held before).
+        """
+        before = {seq: self._lengths[seq] for _, seq, _, _ in rows}
+        self.cache_owner = None
+        parts = []
+        try:
+            for first in range(0, len(rows), self._batch_capacity):
+                chunk = rows[first:first + self._batch_capacity]
+                outputs = [row[3] for row in chunk]
+                if not any(outputs):
+                    outputs[-1] = True  # llama.cpp computes at least one row's logits; this one is dropped
+                tokens, seqs, positions, _ = zip(*chunk)
+                self._decode(tokens, positions, seqs, outputs)
+                computed = np.cumsum(outputs) - 1  # row i's index among the computed logits rows
+                picks = [int(computed[i]) for i, row in enumerate(chunk) if row[3]]
+                if picks:
+                    parts.append(self._read_logits(int(computed[-1]) + 1)[picks])
+                for _, seq, position, _ in chunk:
+                    self._lengths[seq] = max(self._lengths[seq], position + 1)
+        except BaseException:
+            for seq, length in before.items():
+                self._remove_from(length, seq)
+                self._lengths[seq] = length
+            raise
+        return np.concatenate(parts) if parts else np.empty((0, self.vocab_size), dtype=np.float32)
+
+    def export_sequence(self, seq: int) -> KVState:
+        """Sequence ``seq``'s KV cells copied out of llama.cpp (``llama_state_seq_get_data``), for
+        :meth:`import_sequence` into any sequence of a context of the same model."""
+        lib = _lib()
+        size = int(lib.llama_state_seq_get_size(self._ctx, seq))
+        buffer = (ctypes.c_uint8 * size)()
+        written = int(lib.llama_state_seq_get_data(self._ctx, buffer, size, seq))
+        if written <= 0:
+            raise RuntimeError(f"{self.name}: llama.cpp could not export sequence {seq}")
+        return KVState(payload=(self.handle.path, buffer, written), length=self._lengths[seq], nbytes=written)
+
+    def import_sequence(self, seq: int, state: KVState, length: int) -> None:
+        """Replace sequence ``seq``'s contents by the first ``length`` positions of an exported one.
+
+        Raises:
+            ValueError: ``length`` outside ``0..state.length`` or a state of another model or backend.
+            RuntimeError: llama.cpp refused the state.
+        """
+        payload = state.payload
+        if not (isinstance(payload, tuple) and len(payload) == 3 and payload[0] == self.handle.path):
+            raise ValueError(f"{self.name}: not a KV state this model's llama.cpp backend exported")
+        if not 0 <= length <= state.length:
+            raise ValueError(f"{self.name}: cannot import {length} of the state's {state.length} positions")
+        self.truncate_sequence(seq, 0)
+        _, buffer, size = payload
+        if int(_lib().llama_state_seq_set_data(self._ctx, buffer, size, seq)) <= 0:
+            raise RuntimeError(f"{self.name}: llama.cpp could not import a state into sequence {seq}")
+        self._lengths[seq] = state.length
+        self.truncate_sequence(seq, length)
 
     # ------------------------------------------------------------------ decoding
-    def _remove_from(self, position: int) -> None:
-        """Drop every cache cell at ``position`` and after."""
-        if not _lib().llama_memory_seq_rm(self._memory, 0, position, -1):
-            raise RuntimeError(f"{self.name}: llama.cpp could not remove cache cells from position {position}")
+    def _remove_from(self, position: int, seq: int = 0) -> None:
+        """Drop every cache cell of sequence ``seq`` at ``position`` and after."""
+        if not _lib().llama_memory_seq_rm(self._memory, seq, position, -1):
+            raise RuntimeError(f"{self.name}: llama.cpp could not remove cache cells of sequence {seq} from "
+                               f"position {position}")
 
     def _chunks(self, total: int) -> list[range]:
         """Split ``total`` tokens into even chunks of at most the batch capacity (each >= 2 tokens when
@@ -375,7 +489,8 @@ class LlamaCppCausalLM(CausalLM):
         hidden_parts: list[np.ndarray] = []
         for chunk in self._chunks(len(sequence)):
             rows = self._output_rows(chunk, wanted)
-            self._decode(sequence, chunk, start, rows)
+            self._decode([sequence[i] for i in chunk], [start + i for i in chunk], [0] * len(chunk),
+                         [i in rows for i in chunk])
             kept = [r for r in rows if r in wanted]
             picks = [rows.index(r) for r in kept]
             if kept:
@@ -386,21 +501,22 @@ class LlamaCppCausalLM(CausalLM):
         hidden = torch.from_numpy(np.concatenate(hidden_parts)) if return_hidden else None  # [keep, n_embd]
         return logits, hidden
 
-    def _decode(self, sequence: list[int], chunk: range, start: int, rows: list[int]) -> None:
-        """One ``llama_decode`` over ``sequence[chunk]`` at positions ``start + i``, with logits for ``rows``."""
+    def _decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+                outputs: Sequence[bool]) -> None:
+        """One ``llama_decode`` over rows ``(token, position, sequence, logits wanted)`` (at most the batch
+        capacity); the logits of the wanted rows are then :meth:`_read_logits`' rows, in row order."""
         batch = self._batch
-        output = set(rows)
-        batch.n_tokens = len(chunk)
-        for slot, i in enumerate(chunk):
-            batch.token[slot] = sequence[i]
-            batch.pos[slot] = start + i
-            batch.n_seq_id[slot] = 1
-            batch.seq_id[slot][0] = 0
-            batch.logits[slot] = 1 if i in output else 0
+        batch.n_tokens = len(tokens)
+        for row, (token, position, seq, output) in enumerate(zip(tokens, positions, seqs, outputs)):
+            batch.token[row] = token
+            batch.pos[row] = position
+            batch.n_seq_id[row] = 1
+            batch.seq_id[row][0] = seq
+            batch.logits[row] = 1 if output else 0
         status = _lib().llama_decode(self._ctx, batch)
         if status != 0:
-            raise RuntimeError(f"{self.name}: llama_decode returned {status} for {len(chunk)} tokens at position "
-                               f"{start + chunk.start}")
+            raise RuntimeError(f"{self.name}: llama_decode returned {status} for {len(tokens)} tokens at positions "
+                               f"{min(positions)}..{max(positions)}")
 
     def _read_logits(self, rows: int) -> np.ndarray:
         """Copy the last decode's logits: ``[rows, vocab]`` float32."""
@@ -537,8 +653,10 @@ def load_llama_cpp(
     n_threads: int | None = None,
     flash_attention: bool = True,
     batch_invariant: bool = True,
+    num_slots: int = 1,
 ):
-    """Load a GGUF file for the llama.cpp backend: the backend, llama.cpp's tokenizer and its EOG ids.
+    """Load a GGUF file for the llama.cpp backend: the backend, llama.cpp's tokenizer and its EOG ids
+    (``num_slots``: sequences the context holds, see :class:`LlamaCppCausalLM`).
 
     Returns:
         ``(backend, tokenizer, eos_token_ids)``: the :class:`LlamaCppCausalLM`, its :class:`LlamaCppTokenizer` and
@@ -551,7 +669,8 @@ def load_llama_cpp(
     """
     handle = _ModelHandle(Path(path), repack=not batch_invariant)
     backend = LlamaCppCausalLM(path, name=name, max_context=max_context, n_threads=n_threads,
-                               flash_attention=flash_attention, batch_invariant=batch_invariant, model=handle)
+                               flash_attention=flash_attention, batch_invariant=batch_invariant, model=handle,
+                               num_slots=num_slots)
     tokenizer = LlamaCppTokenizer(handle)
     logger.info("llama.cpp: loaded %s (%d tokens, context %d, %d threads, batch-invariant %s)", backend.name,
                 backend.vocab_size, backend.max_context, backend.n_threads, batch_invariant)

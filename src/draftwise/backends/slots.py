@@ -5,17 +5,19 @@ rollback is setting a length (gpt-fast's preallocated cache, vLLM's block table)
 each piece is one sequence's new tokens (a prompt chunk, or its last committed token and its draft tokens as a
 chain or a tree), written on top of the slot's current length.
 
-Two implementations:
+Three implementations:
 
 - :class:`LeanSlots`: the lean runtime's multi-slot cache (:mod:`draftwise.backends.lean`); every piece of a
   pass runs in ONE :meth:`~draftwise.backends.lean.model.LeanLlama.forward_rows` call, and a row's logits do
   not depend on the other rows of the pass (row-invariant kernels).
+- :class:`LlamaCppSlots`: a llama.cpp context holding several sequences (a draft model's: llama.cpp's kernels
+  are not row-invariant, which only the target needs); every piece of a pass in one ``llama_decode``.
 - :class:`OneSlot`: any :class:`~draftwise.backends.base.CausalLM` (transformers, llama.cpp, the lean runtime
   driving one sequence) as a backend of one slot: one piece per pass, run through ``forward`` or
   ``forward_tree``.
 
-So every backend runs through the same engine core (:class:`draftwise.engine.core.EngineCore`); only the lean
-runtime batches several sequences into one pass.
+So every backend runs through the same engine core (:class:`draftwise.engine.core.EngineCore`); the lean
+runtime batches several sequences of a target or a draft into one pass, llama.cpp those of a draft.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import torch
 
 from draftwise.backends.base import CausalLM, KVState
 from draftwise.backends.lean.backend import LeanCausalLM
+from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.tree import check_parents
 from draftwise.backends.lean.rows import RowBatch, chain_rows, expansion_rows, tree_rows
 
-__all__ = ["Expansion", "Piece", "PassOutput", "SlotBackend", "LeanSlots", "OneSlot", "concat_rows", "as_slot_backend",
-           "chunk_counts"]
+__all__ = ["Expansion", "Piece", "PassOutput", "SlotBackend", "LeanSlots", "LlamaCppSlots", "OneSlot", "concat_rows",
+           "as_slot_backend", "chunk_counts"]
 
 #: which rows of a piece return logits: every row (a verification), the last one (a prompt chunk that
 #: completes the prompt) or none (an earlier prompt chunk).
@@ -302,13 +305,94 @@ class OneSlot:
         return self.lm.cache_owner is marker and self.lm.num_cached == length
 
 
+class LlamaCppSlots:
+    """A llama.cpp context of several sequences (:class:`~draftwise.backends.llama_cpp_backend.LlamaCppCausalLM`
+    with ``num_slots`` > 1) as a :class:`SlotBackend`: slot i is llama.cpp's sequence i, and one pass puts every
+    piece's rows into one ``llama_decode`` (split at the context's batch capacity), so a draft model drafts one
+    depth for every drafting sequence at once. Chains only; its kernels are llama.cpp's native ones (not
+    row-invariant), so it serves drafts, whose numerics never decide the output.
+
+    Export copies a slot's KV cells out of llama.cpp (``llama_state_seq_get_data``: about 12 KiB a token for
+    Qwen2.5-Coder-0.5B) and import writes them into any slot (``llama_state_seq_set_data``): the prefix cache
+    keeps a finished sequence's draft state beside its target state, so the next turn of a conversation catches
+    up only on what is new.
+
+    Args:
+        model: the llama.cpp backend (shared with its ``CausalLM`` methods, which drive slot 0).
+
+    Raises:
+        ValueError: a batch-invariant backend (a target's).
+    """
+
+    supports_tree = False
+    supports_expansion = False
+    supports_hidden_states = False
+    supports_export = True
+
+    def __init__(self, model: LlamaCppCausalLM) -> None:
+        if model.batch_invariant:
+            raise ValueError(f"{model.name}: several sequences in one llama.cpp context are for drafts (loaded "
+                             "without batch invariance)")
+        self.lm = model
+        self.name = model.name
+        self.vocab_size = model.vocab_size
+        self.max_context = model.max_context
+        self.num_slots = model.num_slots
+        self.max_pieces = model.num_slots
+
+    def forward(self, pieces: Sequence[Piece]) -> PassOutput:
+        self._check_pieces(pieces)
+        for piece in pieces:
+            self.lm.truncate_sequence(piece.slot, piece.start)
+        rows = [(int(token), piece.slot, piece.start + i, i >= len(piece.token_ids) - piece.num_logits)
+                for piece in pieces for i, token in enumerate(piece.token_ids)]
+        return PassOutput(torch.from_numpy(self.lm.decode_sequences(rows)), None)
+
+    def _check_pieces(self, pieces: Sequence[Piece]) -> None:
+        slots = [piece.slot for piece in pieces]
+        if len(set(slots)) != len(slots) or len(slots) > self.max_pieces:
+            raise ValueError(f"{self.name}: a pass takes pieces of distinct slots, at most {self.max_pieces}")
+        for piece in pieces:
+            if piece.parents is not None or piece.expansion is not None or piece.hidden:
+                raise ValueError(f"{self.name}: llama.cpp slots run chains without hidden states")
+            if not 0 <= piece.slot < self.num_slots or not 0 <= piece.start <= self.length(piece.slot):
+                raise ValueError(f"{self.name}: piece at slot {piece.slot}, position {piece.start} outside the "
+                                 f"{self.num_slots} slots' contents")
+            if not piece.token_ids or piece.start + len(piece.token_ids) > self.max_context:
+                raise ValueError(f"{self.name}: {len(piece.token_ids)} tokens at position {piece.start} do not fit "
+                                 f"a context of {self.max_context} tokens")
+            if min(piece.token_ids) < 0 or max(piece.token_ids) >= self.vocab_size:
+                raise ValueError(f"{self.name}: token id outside [0, {self.vocab_size})")
+
+    def length(self, slot: int) -> int:
+        return self.lm.sequence_length(slot)
+
+    def set_length(self, slot: int, length: int) -> None:
+        self.lm.truncate_sequence(slot, length)
+
+    def compact(self, slot: int, base: int, keep: Sequence[int]) -> None:
+        if list(keep) != list(range(len(keep))):
+            raise ValueError(f"{self.name}: llama.cpp slots keep a prefix of a pass (chains), got {list(keep)}")
+        self.set_length(slot, base + len(keep))
+
+    def export_slot(self, slot: int, length: int) -> KVState:
+        self.set_length(slot, length)
+        return self.lm.export_sequence(slot)
+
+    def import_slot(self, slot: int, state: KVState, length: int) -> None:
+        self.lm.import_sequence(slot, state, length)
+
+
 def as_slot_backend(target: SlotBackend | CausalLM | LeanLlama) -> SlotBackend:
-    """``target`` as a slot backend: a lean target's multi-slot cache as :class:`LeanSlots`, any other
-    :class:`~draftwise.backends.base.CausalLM` as :class:`OneSlot`; a slot backend as it is."""
+    """``target`` as a slot backend: a lean target's multi-slot cache as :class:`LeanSlots`, a llama.cpp context of
+    several sequences as :class:`LlamaCppSlots`, any other :class:`~draftwise.backends.base.CausalLM` as
+    :class:`OneSlot`; a slot backend as it is."""
     if isinstance(target, LeanCausalLM):
         return LeanSlots(target.model, target.name)
     if isinstance(target, LeanLlama):
         return LeanSlots(target)
+    if isinstance(target, LlamaCppCausalLM) and target.num_slots > 1:
+        return LlamaCppSlots(target)
     if isinstance(target, CausalLM):
         return OneSlot(target)
     return target

@@ -154,8 +154,9 @@ def load_model(
         head_subset: PyTorch backend only: compute the LM head over a frequency-ranked subset of the
             vocabulary (FR-Spec, for draft models; :mod:`draftwise.frspec`), applied before quantization;
             the backend's name then ends in ``+fr<kept ids>``. With ``backend="auto"`` it selects PyTorch.
-        num_slots: lean runtime only: sequences its KV cache holds (the batched engine,
-            :mod:`draftwise.engine.core`, runs one request per slot); other backends hold one sequence.
+        num_slots: sequences the KV cache holds (the batched engine, :mod:`draftwise.engine.core`, runs one
+            request per slot): on the lean runtime, and on llama.cpp for a draft (``drafting``); other backends
+            hold one sequence.
         drafting: the model is a draft, whose numerics need not be batch-invariant (only the target's decide
             the output): on llama.cpp it then runs llama.cpp's native kernels (repacked weights, one-token
             passes, prefill passes of up to 512 tokens; see :mod:`draftwise.backends.llama_cpp_backend`). The
@@ -186,7 +187,8 @@ def load_model(
     if randomize and backend == "llama.cpp":
         raise ValueError(f"{spec!r}: random weights need the PyTorch backend")
     if not randomize and select_backend(backend, path, device=device, dtype=dtype, quantization=quantization) == "llama.cpp":
-        return _load_llama_cpp(spec, path, max_context=max_context, threads=threads, exact=not drafting)
+        return _load_llama_cpp(spec, path, max_context=max_context, threads=threads, exact=not drafting,
+                               num_slots=num_slots if drafting else 1)
     device = check_device(device)
     if runtime == "cuda-graphs" and not device.startswith("cuda"):
         raise ValueError(f"{spec!r}: the cuda-graphs runtime needs a CUDA device (got {device!r})")
@@ -445,7 +447,7 @@ def _torch_only_options(device: str | None, dtype, quantization: str | None) -> 
 
 
 def _load_llama_cpp(spec: str, path: str, *, max_context: int | None, threads: int | None,
-                    exact: bool = True) -> LoadedModel:
+                    exact: bool = True, num_slots: int = 1) -> LoadedModel:
     from draftwise.backends.llama_cpp_backend import load_llama_cpp
 
     if not Path(path).is_file():
@@ -453,7 +455,7 @@ def _load_llama_cpp(spec: str, path: str, *, max_context: int | None, threads: i
     progress.report("loading with llama.cpp", model=spec)
     try:
         backend, tokenizer, eos_ids = load_llama_cpp(path, name=spec, max_context=max_context, n_threads=threads,
-                                                     batch_invariant=exact)
+                                                     batch_invariant=exact, num_slots=num_slots)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model {spec!r} with llama.cpp: {exc}") from exc
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=spec, eos_token_ids=eos_ids, quantization="gguf")
