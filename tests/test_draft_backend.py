@@ -4,6 +4,7 @@ engine stays exact whichever is chosen."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from pathlib import Path
@@ -99,6 +100,32 @@ def test_the_faster_backend_is_chosen_cached_and_reused(tmp_path, draft):
                                     cache_dir=tmp_path / "cache", candidates=AS_IS,
                                     measure=timings(torch=0.03, llama_cpp=0.04), measure_prefill=lambda b: 0.01)
     assert other.backend == "torch" and not other.cached
+
+
+def test_progress_lines_name_the_draft(tmp_path, draft):
+    """The measuring and the cached choice's lines carry the draft's name (they were shown under the model
+    named last, the target)."""
+    from draftwise.progress import ProgressLines, report
+
+    lines = io.StringIO()
+    handler = ProgressLines({"qwen-target": "target", "qwen-draft": "draft"}, stream=lines)
+    progress_logger = logging.getLogger("draftwise.progress")
+    progress_logger.addHandler(handler)
+    level = progress_logger.level
+    progress_logger.setLevel(logging.INFO)
+    try:
+        report("loading the weights", model="qwen-target")
+        for _ in range(2):  # measured, then cached
+            choose_draft_backend(str(draft), fake_load([]), threads=2, quantization="int8", name="qwen-draft",
+                                 cache_dir=tmp_path / "cache", candidates=AS_IS,
+                                 measure=timings(torch=0.076, llama_cpp=0.041), measure_prefill=lambda b: 0.01)
+    finally:
+        progress_logger.removeHandler(handler)
+        progress_logger.setLevel(level)
+    choice_lines = [line for line in lines.getvalue().splitlines() if "draft backend" in line]
+    assert any("(auto, measured)" in line for line in choice_lines)
+    assert any("(auto, cached)" in line for line in choice_lines)
+    assert choice_lines and all(line.startswith("[draft qwen-draft] ") for line in choice_lines), choice_lines
 
 
 def test_a_faster_agreeing_q4_0_copy_is_chosen_and_its_file_kept(tmp_path, draft):

@@ -203,8 +203,8 @@ def load_draft_model(config: SpeculativeConfig, target: LoadedModel, options: Bu
     """Load the draft model ``config.model`` for ``target`` (same context length, checked tokenizer, drafting
     settings) for the methods that run one, on the backend :func:`draft_load_options` picks. With
     ``draft_vocab_size`` / ``token_map`` set, the draft's LM head covers that frequency-ranked subset only
-    (FR-Spec, :mod:`draftwise.frspec`). ``num_slots``: sequences the draft's cache holds (the batched engine: lean slots, or
-    a llama.cpp context of that many sequences).
+    (FR-Spec, :mod:`draftwise.frspec`). ``num_slots``: sequences the draft's cache holds (the batched engine:
+    lean slots, or a llama.cpp context of that many sequences).
 
     Raises:
         ModelLoadError, ValueError, TokenizerMismatchError: see :func:`load_model`, :func:`draft_load_options`
@@ -274,7 +274,8 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
                           **draft_load_options(forced, options, target_device=target_device))
 
     # the cache key takes the quantization the target resolved to ("auto" and "int8" load the same draft here)
-    choice, draft = choose_draft_backend(str(path), load, threads=options.threads, quantization=target.quantization)
+    choice, draft = choose_draft_backend(str(path), load, threads=options.threads, quantization=target.quantization,
+                                         name=config.model)
     return dataclasses.replace(draft, name=config.model, runtime_choice=choice.reason)
 
 

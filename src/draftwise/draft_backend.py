@@ -199,9 +199,10 @@ def _cache_key(path: str, threads: int | None, quantization: str | None) -> dict
             "min_agreement": MIN_AGREEMENT}
 
 
-def _requantized_copy(path: str, file_type: str, head_type: str | None, folder: Path, threads: int | None) -> str:
+def _requantized_copy(path: str, file_type: str, head_type: str | None, folder: Path, threads: int | None,
+                      label: str | None = None) -> str:
     """``path`` re-quantized to ``file_type`` (its LM head to ``head_type``, None: llama.cpp's choice) in
-    ``folder`` (made once per draft file; reused while it exists)."""
+    ``folder`` (made once per draft file; reused while it exists); ``label`` names the draft in progress lines."""
     from draftwise.backends.llama_cpp_backend import copy_recipe, requantize_gguf
 
     stat = Path(path).stat()
@@ -210,7 +211,7 @@ def _requantized_copy(path: str, file_type: str, head_type: str | None, folder: 
     copy = folder / f"{Path(path).stem}-{tag}-{recipe}.gguf"
     if not copy.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        progress.report(f"draft backend (auto): re-quantizing the draft to {recipe} ({copy})")
+        progress.report(f"draft backend (auto): re-quantizing the draft to {recipe} ({copy})", model=label or path)
         requantize_gguf(path, copy, file_type, threads=threads, head_type=head_type)
     return str(copy)
 
@@ -222,7 +223,7 @@ def choose_draft_backend(path: str, load: Callable[[str, str], object], *, threa
                          measure_prefill: Callable[[object], float] = prefill_seconds_per_token,
                          predict: Callable[[object], torch.Tensor] = probe_predictions,
                          requantize: Callable[[str, str, str | None], str] | None = None,
-                         ) -> tuple[DraftBackendChoice, object]:
+                         name: str | None = None) -> tuple[DraftBackendChoice, object]:
     """Load the GGUF draft ``path`` on each candidate runtime, time it, keep the one that decodes fastest among
     those allowed (a re-quantized copy needs :data:`MIN_AGREEMENT` with the file as it is on llama.cpp; prefill
     rates are reported, not weighed: how long the prompts are is not known at load).
@@ -238,6 +239,7 @@ def choose_draft_backend(path: str, load: Callable[[str, str], object], *, threa
         predict: ``LoadedModel -> [positions]`` next-token ids on the probe (default :func:`probe_predictions`).
         requantize: ``(path, file type, head type or None) -> copy's path`` (default: llama.cpp's quantizer,
             cached in ``cache_dir``).
+        name: how progress lines name the draft (the user's spec; default ``path``).
 
     Returns:
         ``(choice, loaded draft on the chosen runtime)``.
@@ -246,17 +248,18 @@ def choose_draft_backend(path: str, load: Callable[[str, str], object], *, threa
         ValueError: no candidate could load the draft (each one's error is in the message).
     """
     cache_dir = cache_dir or draft_backend_cache_dir()
+    label = name or path
     key = _cache_key(path, threads, quantization)
     cache_file = cache_dir / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
     cached = _read(cache_file, key)
     if cached is not None:
         logger.info("draft backend (auto, cached): %s", cached.reason)
-        progress.report(f"draft backend (auto, cached): {cached.reason}")
+        progress.report(f"draft backend (auto, cached): {cached.reason}", model=label)
         return cached, load(cached.backend, cached.file)
     requantize = requantize or (lambda source, file_type, head_type: _requantized_copy(
-        source, file_type, head_type, cache_dir / "copies", threads))
+        source, file_type, head_type, cache_dir / "copies", threads, label))
     measured = _measure_all(path, load, candidates if candidates is not None else draft_candidates(path),
-                            measure, measure_prefill, predict, requantize)
+                            measure, measure_prefill, predict, requantize, label)
     choice, model = _decide(measured)
     if len(measured.timings) >= 2:  # a choice between measured candidates is worth keeping
         try:
@@ -264,7 +267,7 @@ def choose_draft_backend(path: str, load: Callable[[str, str], object], *, threa
         except OSError as exc:  # an unwritable cache costs a measurement next time, not this load
             logger.warning("could not cache the draft backend choice in %s: %s", cache_file, exc)
     logger.info("draft backend (auto, measured): %s", choice.reason)
-    progress.report(f"draft backend (auto, measured): {choice.reason}")
+    progress.report(f"draft backend (auto, measured): {choice.reason}", model=label)
     return choice, model
 
 
@@ -284,13 +287,13 @@ class _Measured:
         return name not in self.agreement or self.agreement[name] >= MIN_AGREEMENT
 
 
-def _measure_all(path, load, candidates, measure, measure_prefill, predict, requantize) -> _Measured:
+def _measure_all(path, load, candidates, measure, measure_prefill, predict, requantize, label) -> _Measured:
     """Load, time and (re-quantized ones) probe each candidate; only the fastest allowed one stays loaded."""
     found = _Measured()
     reference: torch.Tensor | None = None  # llama.cpp's predictions on the file as it is
     copies = any(c.file_type is not None for c in candidates)
     for candidate in sorted(candidates, key=lambda c: c.file_type is not None):  # as-is files first
-        progress.report(f"draft backend (auto): timing the draft on {candidate.name}")
+        progress.report(f"draft backend (auto): timing the draft on {candidate.name}", model=label)
         if candidate.file_type is not None and reference is None:
             found.errors[candidate.name] = "nothing to compare it with (llama.cpp could not load the file as it is)"
             continue
