@@ -16,9 +16,8 @@ def test_generate_plain_and_speculative_print_same_text(stories, stories_path, c
     # the draft is the target on the target's runtime (--speculative-backend torch; the default measures runtimes)
     assert main(args + ["--speculative-model", str(stories_path), "--speculative-backend", "torch",
                         "--num-speculative-tokens", "3", "--json"]) == 0
-    out = capsys.readouterr().out
-    text, stats_json = out.split("\n{", 1)
-    stats = json.loads("{" + stats_json)
+    stats = json.loads(capsys.readouterr().out)  # --json: one JSON object, the text in it
+    text = stats["text"]
     assert text.strip() == plain.strip() and len(text.strip()) > 0
     assert stats["method"] == "draft_model"
     assert stats["acceptance_rate"] == 1.0  # the draft is the target itself
@@ -70,8 +69,8 @@ def test_generate_with_suffix_and_hybrid_prints_the_plain_text(stories, stories_
     assert main(args) == 0
     plain = capsys.readouterr().out
     assert main(args + ["--speculative-config", config.replace("STORIES", str(stories_path)), "--json"]) == 0
-    text, stats_json = capsys.readouterr().out.split("\n{", 1)
-    stats = json.loads("{" + stats_json)
+    stats = json.loads(capsys.readouterr().out)  # --json: one JSON object, the text in it
+    text = stats["text"]
     assert text.strip() == plain.strip() and len(text.strip()) > 0
     assert stats["method"] == json.loads(config.replace("STORIES", "x"))["method"]
     assert stats["num_accepted_tokens"] > 0
@@ -103,6 +102,13 @@ def test_mistyped_speculative_config_fails_before_loading(config, message, capsy
     assert main(["generate", "--model", "x", "--speculative-config", config, "hi"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_generate_json_and_stream_exclude_each_other(capsys):
+    """--json prints one JSON object (text included) at the end; with --stream it is refused before loading."""
+    assert main(["generate", "--model", "x", "--json", "--stream", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "--stream" in err and "Traceback" not in err
 
 
 def test_a_missing_draft_is_refused_before_the_target_loads(stories_path, monkeypatch, capsys):

@@ -31,7 +31,9 @@ def register(subparsers) -> None:
     parser.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
                         help="apply the model's chat template (auto: when it has one)")
     parser.add_argument("--stream", action="store_true", help="print tokens as they are committed")
-    parser.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object to stdout: the generated text (\"text\"), the method and the "
+                        "statistics (instead of the text, and the statistics on stderr); not with --stream")
     parser.set_defaults(func=run)
 
 
@@ -39,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     check_device_args(args)
     params = sampling_params_from_args(args)
     spec = speculative_config_from_args(args)
+    if args.json and args.stream:
+        raise CliError("--json prints one JSON object at the end; it does not combine with --stream")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise CliError("the prompt is empty")
@@ -59,14 +63,12 @@ def run(args: argparse.Namespace) -> int:
             printed = text
     result = generation.result
     assert result is not None
-    if not args.stream:
-        print(target.decode(result.token_ids))
-    else:
-        print()
     stats = result.stats
     if args.json:
-        print(json.dumps({"method": bundle.method, **stats.to_dict()}, indent=2))
+        print(json.dumps({"text": target.decode(result.token_ids), "method": bundle.method, **stats.to_dict()},
+                         indent=2))
         return 0
+    print(target.decode(result.token_ids) if not args.stream else "")
     print(format_stats(bundle.method, stats), file=sys.stderr)
     return 0
 

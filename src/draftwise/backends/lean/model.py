@@ -115,7 +115,8 @@ def silu_rows(gate: torch.Tensor) -> torch.Tensor:
     172, 2 threads), a 211-token prefill beside 8 other rows changed one row's MLP output and the greedy output
     of a served conversation. Here each call covers at most :data:`SERIAL_ELEMENTS` elements (one thread) of
     whole rows (or one row, when I is larger: every call then has the same shape), and a row-strided view is
-    looped row by row, so every row takes the same paths whatever n is. (A model whose I is a multiple of 32 on 2 threads was never affected: its split falls on a vector edge.)
+    looped row by row, so every row takes the same paths whatever n is. (A model whose I is a multiple of 32
+    on 2 threads was never affected: its split falls on a vector edge.)
 
     Returns:
         ``[n, I]`` float, contiguous.
