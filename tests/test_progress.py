@@ -49,6 +49,8 @@ def test_labels_roles_and_durations():
     assert [progress.format_duration(s) for s in (4.4, 80, 7500)] == ["4s", "1m20s", "2h05m"]
     parser_args = type("Args", (), {"model": "/m/stories.gguf", "draft": "/m/stories.gguf"})()
     assert model_roles(parser_args) == {"/m/stories.gguf": "target/draft"}
+    serve_args = type("Args", (), {"model_tag": "/m/stories.gguf", "speculative_model": "/m/stories.gguf"})()
+    assert model_roles(serve_args) == {"/m/stories.gguf": "target/draft"}  # serve's TARGET is model_tag
 
 
 def test_library_users_see_nothing_unless_they_ask(capsys, caplog):

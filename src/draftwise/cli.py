@@ -54,7 +54,7 @@ def model_roles(args: argparse.Namespace) -> dict[str, str]:
     """Model spec -> ``"target"``, ``"draft"`` or ``"target/draft"`` from a subcommand's model flags, for the
     progress lines."""
     roles: dict[str, str] = {}
-    named = [(getattr(args, name, None), "target") for name in ("model", "target", "model_flag")]
+    named = [(getattr(args, name, None), "target") for name in ("model", "target", "model_tag", "model_flag")]
     named += [(getattr(args, name, None), "draft") for name in ("draft", "speculative_model")]
     for spec, role in named:
         if not isinstance(spec, str) or not spec or spec.lower() == "none" or role in roles.get(spec, "").split("/"):

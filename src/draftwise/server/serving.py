@@ -38,7 +38,7 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         """Fail waiting requests and start the grace period, then let uvicorn close the connections."""
-        logger.info("shutting down: waiting requests get 503; the running one has %.1f s to finish",
+        logger.info("shutting down: waiting requests get 503; running ones have %.1f s to finish",
                     self._state.settings.shutdown_grace_s)
         self._state.begin_shutdown()
         await super().shutdown(sockets)
