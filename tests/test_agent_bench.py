@@ -245,6 +245,34 @@ def test_http_runner_errors_are_agent_bench_errors(body, status, match):
         canned_runner(body, status).run_turn([])
 
 
+def test_each_server_pass_has_its_own_prefix_cache_scope():
+    """Every request of a pass carries one ``user`` (the server's prefix-cache scope), another pass another one:
+    the baseline's repeat reuses its own earlier turns, never the first pass's cached prompts (it once found
+    every prompt cached and ran 17% faster than the first pass). A second run gets new scopes too."""
+    from draftwise.measurement import with_baseline_repeat
+
+    seen: list = []
+
+    def server_method(label: str) -> AgentMethod:
+        @contextmanager
+        def open_runner():
+            yield canned_runner(sse(chunk("ok", "stop")), seen=seen)
+
+        return AgentMethod(label, open_runner, "server", None, concurrent=True)
+
+    sessions = [AgentSession("a", ("q0", "q1")), AgentSession("b", ("r0",))]
+    methods = with_baseline_repeat([server_method("plain"), server_method("draft")])
+    run_agent_benchmark(methods, sessions, concurrency=2)
+    per_pass = 1 + 3  # the warm-up request, then 3 turns
+    scopes = [{body["user"] for body in seen[i:i + per_pass]} for i in range(0, len(seen), per_pass)]
+    assert len(seen) == 3 * per_pass and all(len(scope) == 1 for scope in scopes)
+    first, draft, repeat = (scope.pop() for scope in scopes)
+    assert len({first, draft, repeat}) == 3 and first.endswith("-plain") and repeat.endswith("-plain (repeat)")
+    seen.clear()
+    run_agent_benchmark(methods[:1], sessions)
+    assert {body["user"] for body in seen} != {first}
+
+
 # ---------------------------------------------------------------------- in process, stories260K
 def test_in_process_agent_run_on_stories(stories_path, sessions_file, template_file, tmp_path):
     out = tmp_path / "agent" / "run.json"

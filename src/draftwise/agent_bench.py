@@ -50,6 +50,7 @@ import json
 import logging
 import statistics
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -264,7 +265,8 @@ WARM_UP_TOKENS = 4
 
 class TurnRunner(Protocol):
     """Runs one turn: ``messages`` (OpenAI chat messages) -> :class:`TurnOutcome`. Thread-safe when its method
-    says ``concurrent``. ``warm_up`` serves one short untimed request."""
+    says ``concurrent``. ``warm_up`` serves one short untimed request. A runner whose server keeps a prefix cache
+    across methods may also have ``use_cache_scope(scope: str)`` (see :func:`run_agent_benchmark`)."""
 
     def run_turn(self, messages: list[dict[str, str]]) -> TurnOutcome: ...
 
@@ -414,6 +416,7 @@ class HttpTurnRunner:
         self.base_url = openai_base_url(url)
         self.threads = None
         self._params = params
+        self.user: str | None = None  # the requests' "user" field: the server's prefix-cache scope
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._owns_client = client is None
         self._client = client or httpx.Client(
@@ -431,6 +434,13 @@ class HttpTurnRunner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def use_cache_scope(self, scope: str) -> None:
+        """Send ``scope`` as every request's ``user`` field, which draftwise's server (and vLLM-style servers
+        that scope their caches by user) keeps prefix-cache entries apart by: a pass in its own scope reuses
+        its own earlier turns, never another pass's (a baseline's repeat would otherwise find every prompt
+        cached by its first pass)."""
+        self.user = scope
 
     def _first_model(self) -> str:
         import httpx
@@ -454,6 +464,8 @@ class HttpTurnRunner:
             body["top_k"] = params.top_k
         if params.ignore_eos:
             body["ignore_eos"] = True
+        if self.user is not None:
+            body["user"] = self.user
         return body
 
     def warm_up(self) -> None:
@@ -544,7 +556,9 @@ def run_agent_benchmark(
     """Replay every session with every method, one method after the other; ``methods[0]`` is the baseline
     (plain decoding, or the server without speculation) that every output is compared with.
 
-    Each method is opened (models loaded, a client connected), serves one short untimed warm-up request,
+    Each method is opened (models loaded, a client connected), gets its own prefix-cache scope on a server
+    (``use_cache_scope``, where the runner has it: a fresh id of this run and the method's label, so that no pass
+    reuses another pass's or an earlier run's cached prompts), serves one short untimed warm-up request,
     replays all sessions (``concurrency`` at a time when the method allows it, else one at a time), and is
     closed before the next method opens, so only one method's models are in memory at once.
 
@@ -569,9 +583,10 @@ def run_agent_benchmark(
     turns: list[AgentTurn] = []
     elapsed: dict[str, float] = {}
     baseline: dict[tuple[str, int], AgentTurn] = {}
+    run_id = uuid.uuid4().hex[:8]
     for method in methods:
         mine, elapsed[method.label] = _replay_method(method, sessions, concurrency if method.concurrent else 1,
-                                                     baseline, on_turn)
+                                                     baseline, on_turn, f"draftwise-bench-{run_id}-{method.label}")
         gc.collect()  # the method's runner (and its models) went out of scope: free them before the next loads
         if not baseline:
             baseline = {(t.session_id, t.turn): t for t in mine}
@@ -580,10 +595,13 @@ def run_agent_benchmark(
 
 
 def _replay_method(method: AgentMethod, sessions: Sequence[AgentSession], workers: int,
-                   baseline: dict[tuple[str, int], AgentTurn], on_turn) -> tuple[list[AgentTurn], float]:
-    """Open the method, warm it up, replay every session; returns the turns and the replay's seconds (opening
-    and warm-up excluded)."""
+                   baseline: dict[tuple[str, int], AgentTurn], on_turn, scope: str) -> tuple[list[AgentTurn], float]:
+    """Open the method, give it the prefix-cache ``scope`` (runners that have one), warm it up, replay every
+    session; returns the turns and the replay's seconds (opening and warm-up excluded)."""
     with method.open() as runner:
+        use_cache_scope = getattr(runner, "use_cache_scope", None)
+        if use_cache_scope is not None:
+            use_cache_scope(scope)
         runner.warm_up()
         start = time.perf_counter()
         if workers == 1:
