@@ -9,6 +9,7 @@ import pytest
 
 from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
+from draftwise.machine import torch_threads
 from draftwise.server.batch_scheduler import BatchScheduler
 from draftwise.server.requests import GenerationRequest
 from draftwise.server.scheduler import Aborted, Failed, Finished, QueueFullError, TextDelta
@@ -113,3 +114,41 @@ def test_engine_failure_is_reported_and_the_worker_survives():
         scheduler.shutdown()
     for events in results:
         assert isinstance(events[-1], Failed) and "the engine broke" in str(events[-1].error)
+
+
+def test_the_engine_thread_starts_after_the_loading_thread_releases_its_openmp_workers(monkeypatch):
+    """Start releases the caller's OpenMP pool first (kept beside the engine thread's, it made libgomp stop
+    spinning: every parallel region of the engine then woke its workers through the kernel)."""
+    import draftwise.server.scheduler as scheduler_module
+
+    calls = []
+    monkeypatch.setattr(scheduler_module, "release_openmp_threads", lambda: calls.append("released") or True)
+    scheduler = scheduler_for(gated_engine(), [], max_waiting=4)
+    scheduler.start()
+    scheduler.start()  # idempotent: one engine thread, one release
+    scheduler.shutdown()
+    assert calls == ["released"]
+
+
+def test_releasing_openmp_workers_keeps_torch_working_on_every_thread():
+    """Where PyTorch runs on libgomp (Linux wheels) the release succeeds; computing afterwards, on this thread
+    or another, gives the same results (the runtime starts a new pool when needed)."""
+    import sys
+    import threading
+
+    import torch
+
+    from draftwise.machine import release_openmp_threads
+
+    x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0))
+    with torch_threads(2):
+        before = torch.nn.functional.silu(x)
+        released = release_openmp_threads()
+        results = {}
+        worker = threading.Thread(target=lambda: results.setdefault("thread", torch.nn.functional.silu(x)))
+        worker.start()
+        worker.join()
+        after = torch.nn.functional.silu(x)
+    assert torch.equal(after, before) and torch.equal(results["thread"], before)
+    if sys.platform.startswith("linux") and torch.__config__.parallel_info().find("OpenMP") >= 0:
+        assert released

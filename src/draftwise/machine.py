@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import platform
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,52 @@ def torch_threads(threads: int | None) -> Iterator[int]:
         yield torch.get_num_threads()
     finally:
         torch.set_num_threads(old)
+
+
+def release_openmp_threads() -> bool:
+    """Release the calling thread's OpenMP worker threads (``omp_pause_resource_all(omp_pause_soft)`` of the GNU
+    OpenMP runtime that PyTorch and llama.cpp share), before another thread takes over the compute.
+
+    libgomp keeps a pool of worker threads per thread that started a parallel region, and once its pools hold
+    more threads than there are CPUs it stops spinning between regions: every region then wakes its workers
+    through the kernel. A server loads its models on the main thread (one pool) and decodes on an engine thread
+    (a second pool): measured on a 2-core AMD EPYC, a 72k-element SiLU took 17 us on the main thread and 41-49 us
+    on the engine thread, the lean Qwen2.5-Coder-0.5B int8 decode step 28.6 ms against 41.1 ms; after this call
+    on the main thread the engine thread's figures equal the main thread's. The main thread gets a new pool if it
+    computes again. Nothing happens without libgomp (another OpenMP runtime, or none).
+
+    Returns:
+        True when a libgomp was found and released the calling thread's pool.
+    """
+    import ctypes
+
+    path = _loaded_library("libgomp")
+    if path is None:
+        return False
+    try:
+        gomp = ctypes.CDLL(path)
+        pause = gomp.omp_pause_resource_all
+    except (OSError, AttributeError) as exc:
+        logger.debug("cannot release OpenMP threads through %s: %s", path, exc)
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    released = pause(1) == 0  # omp_pause_soft
+    logger.debug("released the OpenMP worker threads of thread %s: %s", threading.current_thread().name, released)
+    return released
+
+
+def _loaded_library(stem: str) -> str | None:
+    """The path of the first shared library named ``stem*.so*`` mapped into this process (Linux), else None."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in maps:
+        path = line.split()[-1] if len(line.split()) >= 6 else ""
+        name = Path(path).name
+        if name.startswith(stem) and ".so" in name:
+            return path
+    return None
 
 
 def _read_cpuinfo(path: Path) -> tuple[str, frozenset[str]]:

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from draftwise.machine import release_openmp_threads
 from draftwise.server.metrics import RequestRecord
 from draftwise.server.requests import GenerationRequest
 from draftwise.stats import SpeculativeStats
@@ -216,9 +217,12 @@ class QueueLifecycle:
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
+        """Start the engine thread (idempotent). The calling thread, which loaded the models, first releases its
+        OpenMP worker threads (:func:`draftwise.machine.release_openmp_threads`): kept beside the engine
+        thread's own, they made every parallel region of the engine wake its workers through the kernel."""
         with self._wakeup:
             if self._thread is None and not self._stopped:
+                release_openmp_threads()
                 self._thread = threading.Thread(target=self._worker_loop, name=self._thread_name, daemon=True)
                 self._thread.start()
 
