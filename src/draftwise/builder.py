@@ -251,10 +251,9 @@ def _measured_draft(config: SpeculativeConfig, options: BuildOptions, target: Lo
                     num_slots: int) -> LoadedModel | None:
     """``--speculative-backend auto`` for a GGUF draft that both backends can run (a CPU target, a chain draft
     without an FR-Spec head: not :func:`_needs_pytorch_draft`; llama-cpp-python installed): the draft loaded
-    on the runtime that decodes it fastest here (the lean runtime, llama.cpp on the file, llama.cpp on a Q4_0 copy),
-    measured once per machine
-    (:func:`draftwise.draft_backend.choose_draft_backend`); None otherwise (the rule of
-    :func:`draft_load_options` applies)."""
+    on the runtime that decodes it fastest here (the lean runtime, llama.cpp on the file, llama.cpp on two Q4_0
+    copies), measured once per machine (:func:`draftwise.draft_backend.choose_draft_backend`), with ``num_slots``
+    sequences; None otherwise (the rule of :func:`draft_load_options` applies)."""
     import dataclasses
     import os
 

@@ -72,10 +72,9 @@ def _loaded_library(stem: str) -> str | None:
     except OSError:
         return None
     for line in maps:
-        path = line.split()[-1] if len(line.split()) >= 6 else ""
-        name = Path(path).name
-        if name.startswith(stem) and ".so" in name:
-            return path
+        fields = line.split()  # address, perms, offset, device, inode, path (absent for anonymous mappings)
+        if len(fields) >= 6 and Path(fields[5]).name.startswith(stem) and ".so" in Path(fields[5]).name:
+            return fields[5]
     return None
 
 
