@@ -22,8 +22,10 @@ from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.cost_model import PassCostCurve, plan_batch_k
 from draftwise.engine import SpeculativeEngine
 from draftwise.prefix_cache import PrefixCache
+from draftwise.engine.hybrid_slots import BatchedHybrid
+from draftwise.proposers.hybrid import HybridPolicy
 from draftwise.proposers.ngram import NgramProposer
-from draftwise.proposers.suffix import SuffixProposer
+from draftwise.proposers.suffix import SuffixCache, SuffixProposer
 
 MODE = "int8" if int8_kernels_available() else "none"
 SLOTS = 4
@@ -71,6 +73,28 @@ def ngram() -> PerSequenceProposers:
     return PerSequenceProposers(NgramProposer, "ngram")
 
 
+class LinearCosts:
+    """Scripted hybrid costs (seconds): a draft token 0.2, a target pass over n tokens ``1 + 0.05 (n - 1)``."""
+
+    draft_seconds_per_token = 0.2
+
+    def verify_cost(self, num_tokens: int) -> float:
+        return 1.0 + 0.05 * (num_tokens - 1)
+
+
+def batched_hybrid(draft_hf, k: int = 4) -> BatchedHybrid:
+    """Per-sequence suffix proposers over one shared index, and the batched draft model ``draft_hf``."""
+    shared = SuffixCache(24, 100, 100_000)
+
+    def suffix() -> SuffixProposer:
+        proposer = SuffixProposer()
+        proposer.cache = shared
+        return proposer
+
+    draft = BatchedDraftModel(build_lean(draft_hf, quantization=MODE, num_slots=SLOTS), 96)
+    return BatchedHybrid(suffix, draft, HybridPolicy(LinearCosts(), max_k=k, learn_costs=False))
+
+
 def run_interleaved(engine: EngineCore, schedule: dict[int, list[list[int]]], params=GREEDY,
                     cancel_at: dict[int, int] | None = None):
     """Add ``schedule[step]`` prompts before step ``step``; cancel request i before step ``cancel_at[i]``.
@@ -90,7 +114,8 @@ def run_interleaved(engine: EngineCore, schedule: dict[int, list[list[int]]], pa
 
 
 # ---------------------------------------------------------------------------------------------- exactness
-@pytest.mark.parametrize("method", ["plain", "ngram-fixed", "ngram-auto", "suffix", "draft-fixed", "draft-auto"])
+@pytest.mark.parametrize("method", ["plain", "ngram-fixed", "ngram-auto", "suffix", "draft-fixed", "draft-auto",
+                                    "hybrid-fixed", "hybrid-auto"])
 def test_greedy_outputs_equal_each_request_alone(single, multi, hf, weak_draft_hf, method):
     """Six requests of 5..170 tokens (prompt chunks cross steps and 64-key blocks) through 4 slots, arriving at
     steps 0, 0, 1, 3, 9 and 20, equal plain decoding of each alone, bit for bit."""
@@ -102,6 +127,8 @@ def test_greedy_outputs_equal_each_request_alone(single, multi, hf, weak_draft_h
     elif method.startswith("draft"):
         proposer = BatchedDraftModel(build_lean(weak_draft_hf, quantization=MODE, num_slots=SLOTS), 96)
         policy = method.split("-")[1]
+    elif method.startswith("hybrid"):
+        proposer, policy = batched_hybrid(weak_draft_hf), method.split("-")[1]
     engine = EngineCore(multi, proposer, 4, max_num_batched_tokens=48, k_policy=policy,
                            pass_costs=PassCostCurve(points={1: 1.0, 64: 1.5}), learn_costs=False)
     batch = prompts([5, 70, 170, 12, 33, 9], seed=1)
@@ -113,6 +140,26 @@ def test_greedy_outputs_equal_each_request_alone(single, multi, hf, weak_draft_h
     assert engine.num_running == 0 and engine.num_free_slots == SLOTS
     if proposer is not None:
         assert sum(s.stats.num_draft_tokens for s in sequences) > 0  # speculation really ran
+    if method.startswith("hybrid"):
+        assert proposer.num_suffix_steps > 0 and proposer.num_draft_steps > 0  # both sides drafted
+
+
+def test_hybrid_in_the_batch_keeps_the_draft_state_and_catches_up_after_suffix_steps(single, multi, hf):
+    """The draft is the target itself (every model draft accepted): a second turn imports the draft's kept state,
+    and sequences that switch between suffix and draft-model steps stay exact."""
+    hybrid = batched_hybrid(hf, k=3)
+    engine = EngineCore(multi, hybrid, 3, prefix_cache=PrefixCache(64 << 20))
+    first_prompt = prompts([40], seed=6)[0]
+    first = engine.generate([first_prompt], GREEDY)[0]
+    assert first.token_ids == alone(single, first_prompt)
+    follow_up = first_prompt + first.token_ids + [5, 6, 7]
+    steps_before = hybrid.num_draft_steps
+    second, *others = engine.generate([follow_up] + prompts([30, 9], seed=8), GREEDY)
+    assert second.stats.num_cached_prompt_tokens == len(first_prompt) + len(first.token_ids) - 1
+    assert second.token_ids == alone(single, follow_up)
+    assert [r.token_ids for r in others] == [alone(single, p) for p in prompts([30, 9], seed=8)]
+    assert hybrid.num_draft_steps > steps_before and hybrid.num_suffix_steps > 0
+    assert hybrid.policy.learned.acceptance.overall > 0.9  # learned from the committed tokens
 
 
 def test_speculative_draft_of_the_target_itself_accepts_everything(single, multi, hf):
@@ -332,7 +379,7 @@ def stories_batch(draftwise_home, stories_path):
     return load_model(str(stories_path), quantization=MODE, runtime="lean", num_slots=SLOTS)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "hybrid"])
 def test_stories_batch_equals_alone(stories_batch, stories_path, method):
     from draftwise.models.loading import derive_layer_draft, load_model
     from draftwise.builder import BuildOptions
@@ -343,9 +390,11 @@ def test_stories_batch_equals_alone(stories_batch, stories_path, method):
              "The sun was shining and the birds"]
     prompt_ids = [target.encode(t) for t in texts]
     params = SamplingParams(max_tokens=32)
-    if method == "ngram":
-        engine, _ = build_batched_engine(target, SpeculativeConfig(method="ngram", num_speculative_tokens=4),
-                                         BuildOptions(), max_num_seqs=SLOTS)
+    if method in ("ngram", "hybrid"):  # hybrid: the stories model drafts for itself
+        draft = dict(model=str(stories_path), backend="torch") if method == "hybrid" else {}
+        config = SpeculativeConfig(method=method, num_speculative_tokens=4, **draft)
+        engine, _ = build_batched_engine(target, config, BuildOptions(quantization=MODE), max_num_seqs=SLOTS)
+        assert engine.proposer.name == method
     else:
         hf_draft = derive_layer_draft(load_model(str(stories_path), device="cpu"), 2).backend.model
         draft = BatchedDraftModel(build_lean(hf_draft, quantization=MODE, num_slots=SLOTS), target.backend.vocab_size)
@@ -354,11 +403,11 @@ def test_stories_batch_equals_alone(stories_batch, stories_path, method):
     for ids, result in zip(prompt_ids, results):
         oracle = SpeculativeEngine(single_model.backend, eos_token_ids=single_model.eos_token_ids).generate(ids, params)
         assert result.token_ids == oracle.token_ids
-    if method == "draft_model":
+    if method != "ngram":
         assert sum(r.stats.num_accepted_tokens for r in results) > 0
 
 
-def test_build_engine_batches_lean_targets_only(stories_path, draftwise_home, caplog):
+def test_build_engine_batches_lean_targets_only(stories_path, draftwise_home, caplog, monkeypatch):
     from draftwise.builder import build_engine
 
     ngram_config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
@@ -371,9 +420,13 @@ def test_build_engine_batches_lean_targets_only(stories_path, draftwise_home, ca
     assert isinstance(plain, EngineCore) and plain.proposer is None
     one = build_engine(str(stories_path), ngram_config, quantization=MODE, runtime="lean").engine
     assert isinstance(one, SpeculativeEngine)  # max_num_seqs 1: the single-sequence engine
+    hybrid = SpeculativeConfig(method="hybrid", model=str(stories_path), num_speculative_tokens=3)
+    batched_hybrid = build_engine(str(stories_path), hybrid, quantization=MODE, runtime="lean", max_num_seqs=2)
+    assert isinstance(batched_hybrid.engine, EngineCore) and batched_hybrid.engine.proposer.name == "hybrid"
+    monkeypatch.setattr("draftwise.builder.BATCHED_METHODS", ("ngram",))  # a method the batch does not run
+    suffix_config = SpeculativeConfig(method="suffix", num_speculative_tokens=3)
     with caplog.at_level("WARNING"):
-        hybrid = SpeculativeConfig(method="hybrid", model=str(stories_path), num_speculative_tokens=3)
-        assert isinstance(build_engine(str(stories_path), hybrid, quantization=MODE, runtime="lean",
+        assert isinstance(build_engine(str(stories_path), suffix_config, quantization=MODE, runtime="lean",
                                        max_num_seqs=2).engine, SpeculativeEngine)
         assert isinstance(build_engine(str(stories_path), ngram_config, runtime="transformers",
                                        max_num_seqs=2).engine, SpeculativeEngine)

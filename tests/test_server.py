@@ -209,6 +209,17 @@ def test_usage_of_plain_and_one_token_requests(spec, plain):
         assert stats["acceptance_rate"] is None and stats["mean_accepted_length"] == 1.0
 
 
+def test_plain_server_names_why_it_refuses_a_k(plain, plain_url):
+    """A plain server takes ``num_speculative_tokens`` 0 and says it decodes plainly when asked for more."""
+    zero = complete(plain, PROMPTS[0], max_tokens=2, extra_body={"num_speculative_tokens": 0})
+    assert zero.usage.speculative["num_speculative_tokens"] == 0
+    response = httpx.post(f"{plain_url}/v1/completions", timeout=30, headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"prompt": "hi", "max_tokens": 2, "num_speculative_tokens": 5})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "num_speculative_tokens" and "decodes plainly" in error["message"], error
+
+
 def test_chat_streaming_matches_non_streaming(spec):
     messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A dog story."}]
     whole = spec.chat.completions.create(model="stories-alias", messages=messages, max_tokens=24, temperature=0)

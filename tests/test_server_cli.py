@@ -133,9 +133,11 @@ def test_serve_command_end_to_end(draftwise_home, stories_path, monkeypatch):
     assert codes == [0]
 
 
-def test_serve_command_batches_a_lean_target(draftwise_home, stories_path, monkeypatch):
+@pytest.mark.parametrize("method", ["draft_model", "hybrid"])
+def test_serve_command_batches_a_lean_target(draftwise_home, stories_path, monkeypatch, method):
     """``--quantization int8`` (the lean runtime) with ``--max-num-seqs 3``: the server batches, with a batched
-    draft model and the load-aware K (calibrated at start); concurrent requests get the texts they get alone."""
+    draft model (alone, or beside suffix decoding in ``hybrid``) and the load-aware K (calibrated at start);
+    concurrent requests get the texts they get alone."""
     from draftwise.backends.quantization import int8_kernels_available
 
     if not int8_kernels_available():
@@ -151,7 +153,7 @@ def test_serve_command_batches_a_lean_target(draftwise_home, stories_path, monke
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     port = _free_port()
-    config = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3, "k_policy": "auto"}' % stories_path
+    config = '{"method": "%s", "model": "%s", "num_speculative_tokens": 3, "k_policy": "auto"}' % (method, stories_path)
     argv = ["serve", str(stories_path), "--speculative-config", config, "--quantization", "int8",
             "--max-num-seqs", "3", "--port", str(port), "--served-model-name", "tiny", "--device", "cpu",
             "--uvicorn-log-level", "warning"]
@@ -171,6 +173,7 @@ def test_serve_command_batches_a_lean_target(draftwise_home, stories_path, monke
                                                                           temperature=0), prompts))
         assert [r.choices[0].text for r in together] == [alone[p].choices[0].text for p in prompts]
         assert all(r.usage.speculative["num_speculative_tokens"] == 3 for r in together)
+        assert {r.usage.speculative["method"] for r in together} == {method}
     finally:
         if servers:
             servers[0].should_exit = True

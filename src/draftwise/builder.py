@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from draftwise.methods import FIXED_DRAFT_CONFIDENCE, METHODS, get_method
 from draftwise.models.loading import LoadedModel, check_model_source, load_model
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import Proposer
+
+if TYPE_CHECKING:
+    from draftwise.proposers.suffix import SuffixProposer
 
 __all__ = ["assemble_engine", "BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS",
            "TokenizerMismatchError", "backend_kind", "build_batched_engine", "build_engine", "build_proposer",
@@ -650,12 +654,33 @@ def build_batched_engine(
         proposer = BatchedDraftModel(draft.backend, backend.vocab_size, tree_width=config.tree_width,
                                      tree_budget=config.tree_budget, verify_seconds=verify,
                                      window=config.draft_window, confidence_threshold=stop)
+        if config.method == "hybrid":
+            proposer = _batched_hybrid(config, backend, draft, proposer)
     engine = EngineCore(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
     return engine, draft
 
 
+def _batched_hybrid(config: SpeculativeConfig, target: CausalLM, draft: LoadedModel,
+                    model: BatchedDraftModel) -> BatchProposer:
+    """``hybrid`` in the batch: per-sequence suffix proposers (:func:`_suffix_factory`) and the batched draft
+    model, chosen per step by one :class:`~draftwise.proposers.hybrid.HybridPolicy` priced by the cached
+    :func:`draftwise.calibration.calibrate_cost_model` (as the one-request hybrid)."""
+    from draftwise.calibration import calibrate_cost_model
+    from draftwise.engine.hybrid_slots import BatchedHybrid
+    from draftwise.proposers.hybrid import HybridPolicy
+
+    k = config.num_speculative_tokens
+    costs = calibrate_cost_model(target, k, draft=draft.backend)
+    return BatchedHybrid(_suffix_factory(config), model, HybridPolicy(costs, max_k=k))
+
+
 def _suffix_proposers(config: SpeculativeConfig) -> PerSequenceProposers:
-    """One suffix proposer per sequence (chains, or trees with ``suffix_decoding_tree_width`` > 1: the lean
+    """One suffix proposer per sequence (:func:`_suffix_factory`)."""
+    return PerSequenceProposers(_suffix_factory(config), "suffix")
+
+
+def _suffix_factory(config: SpeculativeConfig) -> Callable[[], SuffixProposer]:
+    """Makes one suffix proposer per sequence (chains, or trees with ``suffix_decoding_tree_width`` > 1: the lean
     multi-slot backend verifies several sequences' trees in one pass), all sharing one cross-request index (per
     scope)."""
     from draftwise.proposers.suffix import SuffixCache, suffix_proposer_from_config
@@ -663,9 +688,9 @@ def _suffix_proposers(config: SpeculativeConfig) -> PerSequenceProposers:
     shared = SuffixCache(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                          config.suffix_decoding_max_cached_tokens)
 
-    def make() -> Proposer:
+    def make() -> SuffixProposer:
         proposer = suffix_proposer_from_config(config, supports_tree=True)
         proposer.cache = shared
         return proposer
 
-    return PerSequenceProposers(make, "suffix")
+    return make

@@ -73,7 +73,7 @@ def register(subparsers) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                         help="requests decoded together by continuous batching (one KV-cache slot each; "
                         f"default {DEFAULT_MAX_NUM_SEQS}). Needs the lean runtime (int8 on the CPU) and plain "
-                        "decoding or the ngram, suffix or draft_model method; otherwise, or with 1, the server "
+                        "decoding or the ngram, suffix, draft_model or hybrid method; otherwise, or with 1, the server "
                         "runs one request at a time. With k_policy auto, K per request falls as the batch grows. "
                         "See docs/batching.md")
     parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,

@@ -56,7 +56,6 @@ from draftwise.backends.slots import (
 from draftwise.config import SamplingParams
 from draftwise.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.cost_model import PassCostCurve, batch_step_rate, expected_tokens, plan_batch_k
-from draftwise.engine.draft_slots import BatchedDraftModel
 from draftwise.engine.proposers import BatchProposer
 from draftwise.engine.sequence import DECODING, PREFILLING, BatchSequence, GenerationResult, commit_tokens
 from draftwise.methods import K_POLICIES
@@ -73,7 +72,7 @@ logger = logging.getLogger(__name__)
 
 #: Speculative methods that run many sequences per pass on a lean multi-slot target (every method runs on one
 #: slot).
-BATCHED_METHODS = ("ngram", "suffix", "draft_model")
+BATCHED_METHODS = ("ngram", "suffix", "draft_model", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -245,8 +244,9 @@ class EngineCore:
             raise ValueError(f"max_num_seqs must be in 1..{slots} (the target's cache slots), got {max_num_seqs}")
         if proposer is not None and num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 with a proposer, got {num_speculative_tokens}")
-        if isinstance(proposer, BatchedDraftModel) and proposer.num_slots < self.max_num_seqs:
-            raise ValueError(f"the draft model's cache has {proposer.num_slots} slots for {self.max_num_seqs} "
+        drafting = proposer.drafting_model if proposer is not None else None
+        if drafting is not None and drafting.num_slots < self.max_num_seqs:
+            raise ValueError(f"the draft model's cache has {drafting.num_slots} slots for {self.max_num_seqs} "
                              "sequences")
         if k_policy not in K_POLICIES:
             raise ValueError(f"unknown k_policy {k_policy!r}; choose one of {K_POLICIES}")
@@ -320,10 +320,10 @@ class EngineCore:
         curve = calibrate_pass_costs(self.backend, counts, slots, curve=self.pass_costs, repeats=2,
                                      per_sequence=True)
         self._live.clear()
-        if isinstance(self.proposer, BatchedDraftModel):
+        drafting = self.proposer.drafting_model if self.proposer is not None else None
+        if drafting is not None:
             draft_counts = sorted({1 << i for i in range(self.max_num_seqs.bit_length())} | {self.max_num_seqs})
-            calibrate_pass_costs(self.proposer.slots.backend, draft_counts, slots, curve=self.proposer.pass_costs,
-                                 repeats=2)
+            calibrate_pass_costs(drafting.slots.backend, draft_counts, slots, curve=drafting.pass_costs, repeats=2)
         logger.info("engine: pass costs measured in %.1f s: %s; %.2f ms per sequence in a pass",
                     time.perf_counter() - t0,
                     ", ".join(f"{n} rows {s * 1e3:.1f} ms" for n, s in sorted(curve.points.items())),

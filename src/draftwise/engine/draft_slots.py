@@ -13,7 +13,7 @@ from draftwise.methods import FIXED_DRAFT_CONFIDENCE
 from draftwise.engine.proposers import BatchProposer
 from draftwise.engine.sequence import BatchSequence
 from draftwise.proposers.base import DraftProposal
-from draftwise.proposers.draft_model import DraftRequest, DraftSlots, check_tree_shape
+from draftwise.proposers.draft_model import DraftRequest, DraftSlots, check_tree_shape, tree_nodes
 
 __all__ = ["BatchedDraftModel"]
 
@@ -60,8 +60,16 @@ class BatchedDraftModel(BatchProposer):
         self.pass_costs = self.slots.pass_costs
 
     @property
+    def drafting_model(self) -> BatchedDraftModel:
+        return self
+
+    @property
     def num_slots(self) -> int:
         return self.slots.backend.num_slots
+
+    def tree_nodes(self, k: int) -> int:
+        """Draft nodes a draft ``k`` tokens deep has at most (:func:`~draftwise.proposers.draft_model.tree_nodes`)."""
+        return tree_nodes(k, self.tree_width, self.tree_budget)
 
     def open(self, sequence: BatchSequence) -> None:
         self.slots.reset(sequence.seq_id, sequence.slot)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from draftwise.cost_model import PassCostCurve
 from draftwise.engine.sequence import BatchSequence
 from draftwise.proposers.base import DraftProposal, Proposer
+
+if TYPE_CHECKING:
+    from draftwise.engine.draft_slots import BatchedDraftModel
 
 __all__ = ["BatchProposer", "PerSequenceProposers", "check_proposal"]
 
@@ -37,6 +40,11 @@ class BatchProposer(ABC):
     drafts_first: bool = True
     needs_target_hidden: bool = False
     pass_costs: PassCostCurve | None = None
+
+    @property
+    def drafting_model(self) -> BatchedDraftModel | None:
+        """The multi-slot draft model this proposer drafts with (its cache slots and pass costs), or None."""
+        return None
 
     def open(self, sequence: BatchSequence) -> None:
         """A sequence joined the batch (its slot is set). Default: nothing."""

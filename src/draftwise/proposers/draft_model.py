@@ -46,7 +46,7 @@ from draftwise.sampling import Sampler
 from draftwise.tree import DraftNode, best_frontier, children_of, select_tree
 
 __all__ = ["DraftSlots", "DraftModelProposer", "DraftRequest", "WINDOW_SINKS", "check_tree_shape", "check_window",
-           "fit_vocab", "min_path_scores", "sized_tree", "window_view"]
+           "fit_vocab", "min_path_scores", "sized_tree", "tree_nodes", "window_view"]
 
 logger = logging.getLogger(__name__)
 
@@ -519,11 +519,8 @@ class DraftModelProposer(Proposer):
                            tree_width)
 
     def tree_nodes(self, k: int) -> int:
-        """Draft nodes a draft ``k`` tokens deep has at most: k for a chain, the tree budget (default
-        ``k * tree_width``) for a tree."""
-        if self.tree_width == 1:
-            return k
-        return self.tree_budget if self.tree_budget is not None else k * self.tree_width
+        """Draft nodes a draft ``k`` tokens deep has at most (:func:`tree_nodes`)."""
+        return tree_nodes(k, self.tree_width, self.tree_budget)
 
     def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
         """Nothing to reset: the draft's cache is reconciled with the context at every :meth:`propose`, and the
@@ -577,6 +574,14 @@ def check_tree_shape(tree_width: int, tree_budget: int | None) -> None:
     """Raise ``ValueError`` unless ``tree_width >= 1`` and ``tree_budget`` is None or >= 1."""
     if tree_width < 1 or (tree_budget is not None and tree_budget < 1):
         raise ValueError(f"tree_width and tree_budget must be >= 1, got {tree_width} and {tree_budget}")
+
+
+def tree_nodes(k: int, tree_width: int, tree_budget: int | None) -> int:
+    """Draft nodes a draft ``k`` tokens deep has at most: k for a chain (``tree_width`` 1), the tree budget
+    (default ``k * tree_width``) for a tree."""
+    if tree_width == 1:
+        return k
+    return tree_budget if tree_budget is not None else k * tree_width
 
 
 def fit_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:

@@ -43,7 +43,7 @@ from draftwise.proposers.suffix import (
 from draftwise.sampling import Sampler
 from draftwise.tree import children_of, node_depths
 
-__all__ = ["HybridProposer", "LearnedState", "StepCosts", "accepted_length"]
+__all__ = ["HybridPolicy", "HybridProposer", "HybridTrack", "LearnedState", "StepCosts", "accepted_length"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,76 +112,55 @@ class LearnedState:
     suffix_predicted: float = 0.0
 
 
-class HybridProposer(Proposer):
-    """Suffix decoding or a draft model, chosen per step (see the module docstring).
+class HybridPolicy:
+    """The hybrid's per-step choice and what it learns (see the module docstring): one policy serves the
+    one-request proposer (:class:`HybridProposer`) and the batched engine's
+    (:class:`draftwise.engine.hybrid_slots.BatchedHybrid`), so the two cannot choose differently.
 
-    What it learns (:class:`LearnedState`) carries over between requests. A seeded sampling request instead
-    starts from the priors and learns from itself only, with the initial costs (no measured times), and its
-    suffix drafts ignore earlier requests (:func:`draftwise.proposers.suffix.uses_earlier_requests`): its text
-    then depends only on its seed and prompt.
+    What it learns (:attr:`learned`) carries over between requests. A seeded sampling request instead starts
+    from the priors and learns from itself only (its :class:`HybridTrack`), with the initial costs (no measured
+    times), and its suffix drafts ignore earlier requests
+    (:func:`draftwise.proposers.suffix.uses_earlier_requests`): its text then depends only on its seed and prompt.
 
     Args:
-        suffix: the suffix proposer (also indexes every committed token, whichever side drafts).
-        draft: the draft-model proposer.
         costs: target verify costs and the draft model's initial seconds per token (:class:`StepCosts`).
         max_k: positions the acceptance estimator tracks initially (K).
         suffix_prior: pseudo-tokens of the suffix correction's prior (f = 1), > 0.
         suffix_decay: forgetting factor of the suffix correction's sums per suffix step, in (0, 1].
         learn_costs: refine the draft model's seconds per token from measured steps.
         cost_smoothing: weight of a new measurement in the running averages, in (0, 1].
-        clock: seconds (injectable for tests).
 
     Raises:
         ValueError: on out-of-range arguments.
 
     Attributes:
         learned: the state learned over requests.
-        num_suffix_steps, num_draft_steps: how often each side drafted.
-        last_choice: ``"suffix"`` or ``"draft_model"`` (or ``""`` before the first step).
     """
 
-    name = "hybrid"
-
-    def __init__(self, suffix: SuffixProposer, draft: DraftModelProposer, costs: StepCosts, *, max_k: int = 5,
-                 suffix_prior: float = 4.0, suffix_decay: float = 0.95, learn_costs: bool = True,
-                 cost_smoothing: float = 0.1, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, costs: StepCosts, *, max_k: int = 5, suffix_prior: float = 4.0, suffix_decay: float = 0.95,
+                 learn_costs: bool = True, cost_smoothing: float = 0.1) -> None:
         if suffix_prior <= 0 or not (0.0 < suffix_decay <= 1.0) or not (0.0 < cost_smoothing <= 1.0):
             raise ValueError("need suffix_prior > 0, 0 < suffix_decay <= 1 and 0 < cost_smoothing <= 1")
-        self.suffix = suffix
-        self.draft = draft
         self.costs = costs
         self.max_k = max_k
         self.suffix_prior = suffix_prior
         self.suffix_decay = suffix_decay
         self.learn_costs = learn_costs
         self.cost_smoothing = cost_smoothing
-        self.clock = clock
         self.learned = self.initial_state()
-        self._request_state: LearnedState | None = None  # a seeded sampling request's own state
-        self._pending: _Pending | None = None
-        self.num_suffix_steps = 0
-        self.num_draft_steps = 0
-        self.last_choice = ""
 
     def initial_state(self) -> LearnedState:
         """The priors: acceptance from :class:`AcceptanceEstimator`'s defaults, the cost model's draft cost."""
         return LearnedState(AcceptanceEstimator(self.max_k), float(self.costs.draft_seconds_per_token))
 
-    def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
-        self.suffix.start(prompt_ids, scope=scope)
-        self.draft.start(prompt_ids, scope=scope)
-        self._pending = None
-        self._request_state = None
+    def state_for(self, track: HybridTrack, params: SamplingParams) -> tuple[LearnedState, bool]:
+        """The state a request's step reads and updates, and whether it may use earlier requests (the shared
+        :attr:`learned` then; a seeded sampling request's own state otherwise)."""
+        if uses_earlier_requests(params):
+            return self.learned, True
+        track.own_state = track.own_state or self.initial_state()
+        return track.own_state, False
 
-    def export_state(self):
-        """The draft model's kept state (the prefix cache stores it with the target's KV)."""
-        return self.draft.export_state()
-
-    def import_state(self, state) -> None:
-        """Adopt the draft model's kept state (None: start empty)."""
-        self.draft.import_state(state)
-
-    # ------------------------------------------------------------------ the model
     def suffix_correction(self, state: LearnedState | None = None) -> float:
         """f: accepted / predicted tokens of the suffix drafts so far (prior: 1)."""
         state = state or self.learned
@@ -194,53 +173,24 @@ class HybridProposer(Proposer):
         expected = 1.0 + min(self.suffix_correction(state) * draft.score, float(len(draft)))
         return expected / self.costs.verify_cost(len(draft) + 1)
 
-    def draft_model_rate(self, k: int, state: LearnedState | None = None) -> float:
-        """Expected committed tokens per second of a step with a draft-model draft k tokens deep (a chain, or a
-        tree of :meth:`DraftModelProposer.tree_nodes` nodes: one draft pass per depth, the verification over
-        every node)."""
+    def draft_model_rate(self, k: int, nodes: int, state: LearnedState | None = None) -> float:
+        """Expected committed tokens per second of a step with a draft-model draft k tokens deep of ``nodes``
+        nodes (k for a chain; one draft pass per depth, the verification over every node)."""
         state = state or self.learned
-        seconds = k * state.draft_seconds_per_token + self.costs.verify_cost(self.draft.tree_nodes(k) + 1)
+        seconds = k * state.draft_seconds_per_token + self.costs.verify_cost(nodes + 1)
         return expected_tokens(state.acceptance.rates(k)) / seconds
 
-    def choose(self, draft: SuffixDraft, k: int, state: LearnedState | None = None) -> str:
+    def choose(self, draft: SuffixDraft, k: int, nodes: int, state: LearnedState | None = None) -> str:
         """``"suffix"`` when the suffix draft's expected rate is at least the draft model's, else
         ``"draft_model"``."""
-        if len(draft) and self.suffix_rate(draft, state) >= self.draft_model_rate(k, state):
+        if len(draft) and self.suffix_rate(draft, state) >= self.draft_model_rate(k, nodes, state):
             return SUFFIX
         return DRAFT_MODEL
 
-    # ------------------------------------------------------------------ Proposer
-    def propose(
-        self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler
-    ) -> DraftProposal:
-        context = context_ids if isinstance(context_ids, list) else list(context_ids)
-        shared = uses_earlier_requests(params)
-        if shared:
-            state = self.learned
-        else:
-            state = self._request_state = self._request_state or self.initial_state()
-        previous = self._learn_outcome(context, state)
-        suffix_draft = self.suffix.best_draft(context, k, use_earlier=shared)
-        choice = self.choose(suffix_draft, k, state)
-        self.last_choice = choice
-        if choice == SUFFIX:
-            self.num_suffix_steps += 1
-            proposal = suffix_draft.proposal()
-            predicted = suffix_draft.score
-        else:
-            self.num_draft_steps += 1
-            t0 = self.clock()
-            proposal = self.draft.propose(context, k, params, sampler)
-            if shared and previous == DRAFT_MODEL and len(proposal):
-                self._learn_draft_cost(state, (self.clock() - t0) / proposal.depth)
-            predicted = 0.0
-        self._pending = _Pending(choice, len(context), proposal.token_ids, proposal.parents, predicted)
-        return proposal
-
-    def _learn_outcome(self, context: list[int], state: LearnedState) -> str:
-        """Score the previous step's draft against what was committed since; returns its source (``""`` when
-        there is none for this request)."""
-        pending, self._pending = self._pending, None
+    def learn_outcome(self, track: HybridTrack, context: list[int], state: LearnedState) -> str:
+        """Score the request's previous draft against what was committed since; returns its source (``""``
+        when there is none)."""
+        pending, track.pending = track.pending, None
         if pending is None:
             return ""
         if len(context) > pending.context_len and pending.token_ids:
@@ -253,6 +203,104 @@ class HybridProposer(Proposer):
                 state.acceptance.observe(depth, accepted)
         return pending.source
 
-    def _learn_draft_cost(self, state: LearnedState, seconds_per_token: float) -> None:
+    def learn_draft_cost(self, state: LearnedState, seconds_per_token: float) -> None:
+        """Fold a measured draft-model cost (seconds per drafted token) into ``state``."""
         if self.learn_costs and seconds_per_token > 0:
             state.draft_seconds_per_token += self.cost_smoothing * (seconds_per_token - state.draft_seconds_per_token)
+
+
+@dataclass
+class HybridTrack:
+    """One request's place in the hybrid's learning: its pending draft (scored at its next step) and, for a
+    seeded sampling request, its own :class:`LearnedState`."""
+
+    pending: _Pending | None = None
+    own_state: LearnedState | None = None
+
+    def remember(self, source: str, context_len: int, proposal: DraftProposal, predicted: float) -> None:
+        """Keep this step's draft to score at the next one (``predicted``: a suffix draft's score, else 0)."""
+        self.pending = _Pending(source, context_len, proposal.token_ids, proposal.parents, predicted)
+
+
+class HybridProposer(Proposer):
+    """Suffix decoding or a draft model, chosen per step by a :class:`HybridPolicy` (see the module docstring).
+
+    Args:
+        suffix: the suffix proposer (also indexes every committed token, whichever side drafts).
+        draft: the draft-model proposer.
+        costs: target verify costs and the draft model's initial seconds per token (:class:`StepCosts`).
+        max_k, suffix_prior, suffix_decay, learn_costs, cost_smoothing: see :class:`HybridPolicy`.
+        clock: seconds (injectable for tests).
+
+    Raises:
+        ValueError: on out-of-range arguments.
+
+    Attributes:
+        policy: the choice and what it learned (``learned`` is its state).
+        num_suffix_steps, num_draft_steps: how often each side drafted.
+        last_choice: ``"suffix"`` or ``"draft_model"`` (or ``""`` before the first step).
+    """
+
+    name = "hybrid"
+
+    def __init__(self, suffix: SuffixProposer, draft: DraftModelProposer, costs: StepCosts, *, max_k: int = 5,
+                 suffix_prior: float = 4.0, suffix_decay: float = 0.95, learn_costs: bool = True,
+                 cost_smoothing: float = 0.1, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.policy = HybridPolicy(costs, max_k=max_k, suffix_prior=suffix_prior, suffix_decay=suffix_decay,
+                                   learn_costs=learn_costs, cost_smoothing=cost_smoothing)
+        self.suffix = suffix
+        self.draft = draft
+        self.clock = clock
+        self._track = HybridTrack()
+        self.num_suffix_steps = 0
+        self.num_draft_steps = 0
+        self.last_choice = ""
+
+    @property
+    def learned(self) -> LearnedState:
+        """The state learned over requests (the policy's)."""
+        return self.policy.learned
+
+    def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
+        self.suffix.start(prompt_ids, scope=scope)
+        self.draft.start(prompt_ids, scope=scope)
+        self._track = HybridTrack()
+
+    def export_state(self):
+        """The draft model's kept state (the prefix cache stores it with the target's KV)."""
+        return self.draft.export_state()
+
+    def import_state(self, state) -> None:
+        """Adopt the draft model's kept state (None: start empty)."""
+        self.draft.import_state(state)
+
+    def suffix_correction(self, state: LearnedState | None = None) -> float:
+        """See :meth:`HybridPolicy.suffix_correction`."""
+        return self.policy.suffix_correction(state)
+
+    def choose(self, draft: SuffixDraft, k: int, state: LearnedState | None = None) -> str:
+        """:meth:`HybridPolicy.choose` for this proposer's draft model (a chain or its tree's nodes)."""
+        return self.policy.choose(draft, k, self.draft.tree_nodes(k), state)
+
+    def propose(
+        self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler
+    ) -> DraftProposal:
+        context = context_ids if isinstance(context_ids, list) else list(context_ids)
+        state, shared = self.policy.state_for(self._track, params)
+        previous = self.policy.learn_outcome(self._track, context, state)
+        suffix_draft = self.suffix.best_draft(context, k, use_earlier=shared)
+        choice = self.choose(suffix_draft, k, state)
+        self.last_choice = choice
+        if choice == SUFFIX:
+            self.num_suffix_steps += 1
+            proposal = suffix_draft.proposal()
+            predicted = suffix_draft.score
+        else:
+            self.num_draft_steps += 1
+            t0 = self.clock()
+            proposal = self.draft.propose(context, k, params, sampler)
+            if shared and previous == DRAFT_MODEL and len(proposal):
+                self.policy.learn_draft_cost(state, (self.clock() - t0) / proposal.depth)
+            predicted = 0.0
+        self._track.remember(choice, len(context), proposal, predicted)
+        return proposal

@@ -316,6 +316,10 @@ class RequestBuilder:
     def _request_k(self, requested: int | None) -> int | None:
         if requested is None:
             return None
+        if self._max_k == 0 and requested != 0:
+            raise APIError(400, f"this server decodes plainly (started without a speculative method), so "
+                           f"'num_speculative_tokens' can only be 0 or left out, got {requested}",
+                           param="num_speculative_tokens")
         if not 0 <= requested <= self._max_k:
             raise APIError(400, f"'num_speculative_tokens' must be in 0..{self._max_k} (0 turns speculation off; "
                            f"this server speculates at most {self._max_k} tokens), got {requested}",
