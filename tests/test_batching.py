@@ -144,22 +144,24 @@ def test_greedy_outputs_equal_each_request_alone(single, multi, hf, weak_draft_h
         assert proposer.num_suffix_steps > 0 and proposer.num_draft_steps > 0  # both sides drafted
 
 
-def test_hybrid_in_the_batch_keeps_the_draft_state_and_catches_up_after_suffix_steps(single, multi, hf):
-    """The draft is the target itself (every model draft accepted): a second turn imports the draft's kept state,
-    and sequences that switch between suffix and draft-model steps stay exact."""
-    hybrid = batched_hybrid(hf, k=3)
-    engine = EngineCore(multi, hybrid, 3, prefix_cache=PrefixCache(64 << 20))
+def test_hybrid_in_the_batch_keeps_the_draft_state_and_switches_sides(single, multi, weak_draft_hf):
+    """An imperfect draft beside suffix decoding on repeated text: sequences switch between suffix and
+    draft-model steps (the draft slot catches up on what suffix steps committed) and stay exact; a finished
+    sequence keeps the draft's state in the prefix cache and the next turn imports it."""
+    hybrid = batched_hybrid(weak_draft_hf, k=3)
+    engine = EngineCore(multi, hybrid, 3, prefix_cache=PrefixCache(64 << 20), learn_costs=False,
+                        pass_costs=PassCostCurve(points={1: 1.0, 64: 1.5}))  # scripted target costs
     first_prompt = prompts([40], seed=6)[0]
     first = engine.generate([first_prompt], GREEDY)[0]
     assert first.token_ids == alone(single, first_prompt)
+    kept = engine.prefix_cache.lookup("", first_prompt + first.token_ids).entry
+    assert kept is not None and kept.proposer_state is not None  # the draft's state is kept
     follow_up = first_prompt + first.token_ids + [5, 6, 7]
-    steps_before = hybrid.num_draft_steps
     second, *others = engine.generate([follow_up] + prompts([30, 9], seed=8), GREEDY)
     assert second.stats.num_cached_prompt_tokens == len(first_prompt) + len(first.token_ids) - 1
     assert second.token_ids == alone(single, follow_up)
     assert [r.token_ids for r in others] == [alone(single, p) for p in prompts([30, 9], seed=8)]
-    assert hybrid.num_draft_steps > steps_before and hybrid.num_suffix_steps > 0
-    assert hybrid.policy.learned.acceptance.overall > 0.9  # learned from the committed tokens
+    assert hybrid.num_draft_steps > 0 and hybrid.num_suffix_steps > 0
 
 
 def test_speculative_draft_of_the_target_itself_accepts_everything(single, multi, hf):

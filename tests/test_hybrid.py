@@ -12,7 +12,7 @@ from conftest import tiny_llama
 from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
 from draftwise.proposers.draft_model import DraftModelProposer
-from draftwise.proposers.hybrid import HybridProposer, accepted_length
+from draftwise.proposers.hybrid import HybridProposer, SideOptions, accepted_length, assign_sides
 from draftwise.proposers.suffix import SuffixDraft, SuffixProposer
 from fakes import BigramLM, peaked_table
 
@@ -150,3 +150,64 @@ def test_accepted_length_of_chains_and_trees():
     assert accepted_length(tokens, parents, [6, 8, 1]) == 2
     assert accepted_length(tokens, parents, [5, 7]) == 1
     assert accepted_length(tokens, parents, [9]) == 0
+
+
+# ---------------------------------------------------------------------------------------------- batch sides
+def _step_rate(options, sides, base_rows, pass_seconds, draft_pass_seconds):
+    """The rate assign_sides maximises, written out independently."""
+    model = [o for o, side in zip(options, sides) if side == "draft_model"]
+    expected = sum(o.model_expected if side == "draft_model" else o.suffix_expected for o, side in zip(options, sides))
+    rows = base_rows + sum(o.model_rows if side == "draft_model" else o.suffix_rows for o, side in zip(options, sides))
+    depth = max((o.model_depth for o in model), default=0)
+    draft = sum(draft_pass_seconds(sum(1 for o in model if o.model_depth > d)) for d in range(depth))
+    return expected / (pass_seconds(rows) + draft)
+
+
+def test_assign_sides_for_one_sequence_is_the_rate_comparison():
+    option = SideOptions(suffix_expected=2.0, suffix_rows=2, model_expected=3.0, model_rows=4, model_depth=4)
+    verify = FakeCosts().verify_cost
+    # suffix 2 / 1.10 = 1.82 tokens/s; model 3 / (1.20 + 4 x 0.1) = 1.88
+    assert assign_sides([option], 1, verify, lambda rows: 0.1) == ["draft_model"]
+    assert assign_sides([option], 1, verify, lambda rows: 0.12) == ["suffix"]  # 3 / 1.68 = 1.79
+    plain = SideOptions(1.0, 0, 1.2, 4, 4)  # no suffix match and a draft that does not pay: a plain step
+    assert assign_sides([plain], 1, verify, lambda rows: 0.1) == ["suffix"]
+
+
+def test_assign_sides_weighs_the_batch_load():
+    options = [SideOptions(1.3, 1, 3.0, 4, 4) for _ in range(4)]
+    flat = lambda rows: 1.0 + 0.01 * rows  # memory-bound passes: draft rows are nearly free
+    steep = lambda rows: 0.2 * rows  # compute-bound: every row costs its share
+    per_pass = lambda rows: 0.15 + 0.01 * rows  # a draft pass costs about the same for 1 or 4 rows
+    assert assign_sides(options, 4, flat, per_pass) == ["draft_model"] * 4
+    assert assign_sides(options, 4, steep, per_pass) == ["suffix"] * 4
+    # one move alone does not repay the draft passes, all four do: the best prefix is kept, not the first loss
+    costly_pass = lambda rows: 0.5 + 0.001 * rows
+    gains = [SideOptions(1.0, 0, 3.5, 4, 4) for _ in range(4)]
+    one = _step_rate(gains, ["draft_model", "suffix", "suffix", "suffix"], 4, flat, costly_pass)
+    none = _step_rate(gains, ["suffix"] * 4, 4, flat, costly_pass)
+    assert one < none
+    assert assign_sides(gains, 4, flat, costly_pass) == ["draft_model"] * 4
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_assign_sides_is_near_the_best_assignment(seed):
+    """Against every assignment of 5 sequences (random options and costs): the greedy prefix reaches at least
+    97% of the best rate."""
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    options = []
+    for _ in range(5):
+        depth = rng.randint(1, 6)
+        options.append(SideOptions(1.0 + rng.random() * 3, rng.randint(0, 6), 1.0 + rng.random() * depth, depth,
+                                   depth))
+    a, b = rng.uniform(0.5, 1.0), rng.uniform(0.0, 0.1)
+    c, d = rng.uniform(0.05, 0.3), rng.uniform(0.0, 0.05)
+    pass_seconds = lambda rows: a + b * rows
+    draft_pass_seconds = lambda rows: c + d * rows
+    chosen = _step_rate(options, assign_sides(options, 5, pass_seconds, draft_pass_seconds), 5, pass_seconds,
+                        draft_pass_seconds)
+    best = max(_step_rate(options, sides, 5, pass_seconds, draft_pass_seconds)
+               for sides in itertools.product(["suffix", "draft_model"], repeat=5))
+    assert chosen >= 0.97 * best

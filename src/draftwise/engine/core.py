@@ -56,7 +56,7 @@ from draftwise.backends.slots import (
 from draftwise.config import SamplingParams
 from draftwise.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.cost_model import PassCostCurve, batch_step_rate, expected_tokens, plan_batch_k
-from draftwise.engine.proposers import BatchProposer
+from draftwise.engine.proposers import BatchProposer, StepPricing
 from draftwise.engine.sequence import DECODING, PREFILLING, BatchSequence, GenerationResult, commit_tokens
 from draftwise.methods import K_POLICIES
 from draftwise.prefix_cache import PrefixCache, PrefixEntry
@@ -276,7 +276,8 @@ class EngineCore:
         self._next_id = 0
         self.last_step: StepInfo | None = None
         self.pass_costs = pass_costs
-        if self.k_policy == "auto" and self.proposer is not None and (pass_costs is None or not len(pass_costs)):
+        priced = self.proposer is not None and (self.k_policy == "auto" or self.proposer.wants_pricing)
+        if priced and (pass_costs is None or not len(pass_costs)):
             self.pass_costs = self.calibrate()
 
     # ------------------------------------------------------------------ public API
@@ -631,32 +632,54 @@ class EngineCore:
         if self.proposer is None or not any(caps):
             return [empty] * len(decoding), asked, 0.0
         t0 = time.perf_counter()
+        pricing = self._pricing(base_rows, sequences) if self.proposer.wants_pricing else None
         if self.k_policy == "fixed":  # a lookup drafts its cap, a model only what the row budget holds
             ks = caps if self.proposer.drafts_first else self._within_rows(caps, draft_budget)
-            proposals = self._fit_rows(self._propose(decoding, ks), draft_budget)
+            proposals = self._fit_rows(self._propose(decoding, ks, pricing), draft_budget)
         else:
             offered: list[DraftProposal | None] = [None] * len(decoding)
             if self.proposer.drafts_first:
-                offered = self._propose(decoding, caps)
+                offered = self._propose(decoding, caps, pricing)
                 caps = [min(c, len(p)) for c, p in zip(caps, offered)]
             ks = self._plan(decoding, caps, base_rows, draft_budget, sequences)
             if self.proposer.drafts_first:
                 proposals = [p.truncated(k) if k else empty for p, k in zip(offered, ks)]
             else:
-                proposals = self._propose(decoding, ks)
+                proposals = self._propose(decoding, ks, pricing)
         proposals = [self._fit_context(s, p) for s, p in zip(decoding, proposals)]
         return proposals, asked, time.perf_counter() - t0
 
-    def _propose(self, decoding: list[BatchSequence], ks: list[int]) -> list[DraftProposal]:
-        """The proposer's drafts for the sequences with ``k > 0`` (an empty one for the others)."""
+    def _propose(self, decoding: list[BatchSequence], ks: list[int], pricing: StepPricing | None = None,
+                 ) -> list[DraftProposal]:
+        """The proposer's drafts for the sequences with ``k > 0`` (an empty one for the others); ``pricing``
+        goes to a proposer that ``wants_pricing``."""
         wanted = [i for i, k in enumerate(ks) if k > 0]
         proposals = [DraftProposal(token_ids=())] * len(decoding)
-        for i, proposal in zip(wanted, self.proposer.propose([(decoding[i], ks[i]) for i in wanted])):
+        requests = [(decoding[i], ks[i]) for i in wanted]
+        drafted = self.proposer.propose(requests, pricing) if pricing is not None else self.proposer.propose(requests)
+        for i, proposal in zip(wanted, drafted):
             if proposal.is_tree and not self.backend.supports_tree:
                 raise RuntimeError(f"proposer {self.proposer.name!r} returned a draft tree; {self.backend.name} "
                                    "verifies chains only")
             proposals[i] = proposal
         return proposals
+
+    def _pricing(self, base_rows: int, sequences: int) -> StepPricing | None:
+        """The step's measured costs for a proposer that weighs drafts against them (None before any
+        measurement): the target pass over ``sequences`` sequences, and a draft model's passes."""
+        if self.pass_costs is None or not len(self.pass_costs):
+            return None
+        drafting = self.proposer.drafting_model
+        draft_curve = drafting.pass_costs if drafting is not None else None
+        draft_pass_seconds = None
+        if draft_curve is not None and len(draft_curve):
+            def draft_pass_seconds(rows: int) -> float:  # one row per drafting sequence
+                return draft_curve.pass_seconds(rows, rows)
+
+        def pass_seconds(rows: int) -> float:
+            return self.pass_costs.pass_seconds(rows, sequences)
+
+        return StepPricing(base_rows, pass_seconds, draft_pass_seconds)
 
     @staticmethod
     def _within_rows(caps: list[int], budget: int) -> list[int]:

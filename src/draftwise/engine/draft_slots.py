@@ -10,7 +10,7 @@ from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import SlotBackend
 from draftwise.methods import FIXED_DRAFT_CONFIDENCE
-from draftwise.engine.proposers import BatchProposer
+from draftwise.engine.proposers import BatchProposer, StepPricing
 from draftwise.engine.sequence import BatchSequence
 from draftwise.proposers.base import DraftProposal
 from draftwise.proposers.draft_model import DraftRequest, DraftSlots, check_tree_shape, tree_nodes
@@ -90,6 +90,7 @@ class BatchedDraftModel(BatchProposer):
         if length > 0:
             self.slots.adopt(sequence.seq_id, sequence.slot, state, length)
 
-    def propose(self, requests: Sequence[tuple[BatchSequence, int]]) -> list[DraftProposal]:
+    def propose(self, requests: Sequence[tuple[BatchSequence, int]],
+                pricing: StepPricing | None = None) -> list[DraftProposal]:
         return self.slots.draft([DraftRequest(s.seq_id, s.slot, s.context, s.sampler, k, self.tree_width,
                                               self.tree_budget) for s, k in requests])

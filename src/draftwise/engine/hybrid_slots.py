@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftwise.engine.draft_slots import BatchedDraftModel
-from draftwise.engine.proposers import BatchProposer
+from draftwise.engine.proposers import BatchProposer, StepPricing
 from draftwise.engine.sequence import BatchSequence
 from draftwise.proposers.base import DraftProposal
-from draftwise.proposers.hybrid import DRAFT_MODEL, SUFFIX, HybridPolicy, HybridTrack, LearnedState
-from draftwise.proposers.suffix import SuffixProposer
+from draftwise.proposers.hybrid import DRAFT_MODEL, SUFFIX, HybridPolicy, HybridTrack, LearnedState, assign_sides
+from draftwise.proposers.suffix import SuffixDraft, SuffixProposer
 
 __all__ = ["BatchedHybrid"]
 
@@ -34,13 +34,13 @@ class _Lane:
 
 
 @dataclass
-class _ModelStep:
-    """A sequence whose step drafts with the draft model."""
+class _Candidate:
+    """A sequence's step before its side is chosen."""
 
-    index: int
     sequence: BatchSequence
     k: int
     state: LearnedState
+    suffix_draft: SuffixDraft
     learns_cost: bool  # its previous step drafted with the model too (no catch-up in this call) on shared state
 
 
@@ -57,10 +57,13 @@ class BatchedHybrid(BatchProposer):
 
     Attributes:
         num_suffix_steps, num_draft_steps: sequence-steps drafted by each side.
+        num_plain_steps: sequence-steps without a draft (no suffix match, and the draft model not expected to
+            pay at this load).
     """
 
     name = "hybrid"
     drafts_first = False  # K is planned first (the draft model's passes are priced), then each side drafts it
+    wants_pricing = True  # the sides are chosen for the whole step, on the engine's measured pass costs
 
     def __init__(self, suffix_factory: Callable[[], SuffixProposer], draft: BatchedDraftModel, policy: HybridPolicy,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -72,6 +75,7 @@ class BatchedHybrid(BatchProposer):
         self._lanes: dict[int, _Lane] = {}
         self.num_suffix_steps = 0
         self.num_draft_steps = 0
+        self.num_plain_steps = 0
 
     @property
     def drafting_model(self) -> BatchedDraftModel:
@@ -96,35 +100,56 @@ class BatchedHybrid(BatchProposer):
     def import_state(self, sequence: BatchSequence, state: Any, length: int) -> None:
         self.draft.import_state(sequence, state, length)
 
-    def propose(self, requests: Sequence[tuple[BatchSequence, int]]) -> list[DraftProposal]:
-        proposals: list[DraftProposal] = [DraftProposal(token_ids=())] * len(requests)
-        model_steps: list[_ModelStep] = []
-        for index, (sequence, k) in enumerate(requests):
-            lane = self._lanes[sequence.seq_id]
-            context = sequence.context
-            state, shared = self.policy.state_for(lane.track, sequence.params)
-            previous = self.policy.learn_outcome(lane.track, context, state)
-            suffix_draft = lane.suffix.best_draft(context, k, use_earlier=shared)
-            if self.policy.choose(suffix_draft, k, self.draft.tree_nodes(k), state) == SUFFIX:
-                self.num_suffix_steps += 1
-                proposals[index] = suffix_draft.proposal()
-                lane.track.remember(SUFFIX, len(context), proposals[index], suffix_draft.score)
-            else:
-                model_steps.append(_ModelStep(index, sequence, k, state, shared and previous == DRAFT_MODEL))
+    def propose(self, requests: Sequence[tuple[BatchSequence, int]],
+                pricing: StepPricing | None = None) -> list[DraftProposal]:
+        """Each sequence's suffix draft or a draft-model draft (or none: a plain step), chosen together by
+        :func:`~draftwise.proposers.hybrid.assign_sides` over the step's measured ``pricing``; without it, each
+        sequence alone by :meth:`HybridPolicy.choose` (the one-request hybrid's rule)."""
+        candidates = [self._candidate(sequence, k) for sequence, k in requests]
+        sides = self._sides(candidates, pricing)
+        proposals: list[DraftProposal] = [DraftProposal(token_ids=())] * len(candidates)
+        model_steps = [i for i, side in enumerate(sides) if side == DRAFT_MODEL]
+        for i, (candidate, side) in enumerate(zip(candidates, sides)):
+            if side == SUFFIX:
+                if len(candidate.suffix_draft):
+                    self.num_suffix_steps += 1
+                else:
+                    self.num_plain_steps += 1
+                proposals[i] = candidate.suffix_draft.proposal()
+                self._track(candidate).remember(SUFFIX, len(candidate.sequence.context), proposals[i],
+                                                candidate.suffix_draft.score)
         if model_steps:
-            self._draft_with_model(model_steps, proposals)
+            self._draft_with_model([candidates[i] for i in model_steps], model_steps, proposals)
         return proposals
 
-    def _draft_with_model(self, steps: list[_ModelStep], proposals: list[DraftProposal]) -> None:
+    def _candidate(self, sequence: BatchSequence, k: int) -> _Candidate:
+        """Score the sequence's previous draft and look up its suffix draft."""
+        lane = self._lanes[sequence.seq_id]
+        context = sequence.context
+        state, shared = self.policy.state_for(lane.track, sequence.params)
+        previous = self.policy.learn_outcome(lane.track, context, state)
+        suffix_draft = lane.suffix.best_draft(context, k, use_earlier=shared)
+        return _Candidate(sequence, k, state, suffix_draft, shared and previous == DRAFT_MODEL)
+
+    def _sides(self, candidates: list[_Candidate], pricing: StepPricing | None) -> list[str]:
+        if pricing is None or pricing.draft_pass_seconds is None:
+            return [self.policy.choose(c.suffix_draft, c.k, self.draft.tree_nodes(c.k), c.state) for c in candidates]
+        options = [self.policy.options(c.suffix_draft, c.k, self.draft.tree_nodes(c.k), c.state) for c in candidates]
+        return assign_sides(options, pricing.base_rows, pricing.pass_seconds, pricing.draft_pass_seconds)
+
+    def _track(self, candidate: _Candidate) -> HybridTrack:
+        return self._lanes[candidate.sequence.seq_id].track
+
+    def _draft_with_model(self, steps: list[_Candidate], indices: list[int], proposals: list[DraftProposal]) -> None:
         """One batched draft call for ``steps``; its seconds per depth teach the shared draft cost when no
         sequence in it caught up on skipped tokens."""
         self.num_draft_steps += len(steps)
         t0 = self.clock()
         drafted = self.draft.propose([(step.sequence, step.k) for step in steps])
         seconds = self.clock() - t0
-        for step, proposal in zip(steps, drafted):
-            proposals[step.index] = proposal
-            self._lanes[step.sequence.seq_id].track.remember(DRAFT_MODEL, len(step.sequence.context), proposal, 0.0)
+        for index, step, proposal in zip(indices, steps, drafted):
+            proposals[index] = proposal
+            self._track(step).remember(DRAFT_MODEL, len(step.sequence.context), proposal, 0.0)
         depth = max(proposal.depth for proposal in drafted)
         if depth and all(step.learns_cost for step in steps):
             self.policy.learn_draft_cost(self.policy.learned, seconds / depth)

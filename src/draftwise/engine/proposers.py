@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +21,23 @@ from draftwise.proposers.base import DraftProposal, Proposer
 if TYPE_CHECKING:
     from draftwise.engine.draft_slots import BatchedDraftModel
 
-__all__ = ["BatchProposer", "PerSequenceProposers", "check_proposal"]
+__all__ = ["BatchProposer", "PerSequenceProposers", "StepPricing", "check_proposal"]
+
+
+@dataclass(frozen=True)
+class StepPricing:
+    """What a step's drafts cost, for a proposer that weighs them against the batch (``wants_pricing``).
+
+    Attributes:
+        base_rows: rows of the step's target pass without any draft (one per decoding sequence, plus the
+            prompt chunks expected in it).
+        pass_seconds: ``rows -> seconds`` of that pass (the engine's measured curve).
+        draft_pass_seconds: ``rows -> seconds`` of one pass of the proposer's draft model, or None.
+    """
+
+    base_rows: int
+    pass_seconds: Callable[[int], float]
+    draft_pass_seconds: Callable[[int], float] | None = None
 
 
 class BatchProposer(ABC):
@@ -34,11 +51,14 @@ class BatchProposer(ABC):
         needs_target_hidden: the proposer reads the target's hidden states (Medusa, EAGLE): the engine asks the
             backend for them and calls :meth:`observe`.
         pass_costs: measured seconds of the proposer's own passes per row count (a draft model's), or None.
+        wants_pricing: :meth:`propose` weighs drafts against the step's measured costs (:class:`StepPricing`);
+            the engine then measures its pass costs at start, whatever its K policy.
     """
 
     name: str = "proposer"
     drafts_first: bool = True
     needs_target_hidden: bool = False
+    wants_pricing: bool = False
     pass_costs: PassCostCurve | None = None
 
     @property
@@ -65,8 +85,10 @@ class BatchProposer(ABC):
         ``[m]`` tokens that follow them (``needs_target_hidden`` only). Default: nothing."""
 
     @abstractmethod
-    def propose(self, requests: Sequence[tuple[BatchSequence, int]]) -> list[DraftProposal]:
-        """Draft at most ``k`` tokens deep for each ``(sequence, k)`` (k >= 1), after its committed context.
+    def propose(self, requests: Sequence[tuple[BatchSequence, int]],
+                pricing: StepPricing | None = None) -> list[DraftProposal]:
+        """Draft at most ``k`` tokens deep for each ``(sequence, k)`` (k >= 1), after its committed context;
+        ``pricing``: the step's costs (given to a proposer that ``wants_pricing``, when measured).
 
         Raises:
             RuntimeError: a proposer returned more than k tokens deep.
@@ -120,7 +142,8 @@ class PerSequenceProposers(BatchProposer):
     def observe(self, sequence: BatchSequence, hidden: torch.Tensor, next_token_ids: Sequence[int]) -> None:
         self._proposers[sequence.seq_id].observe(hidden, list(next_token_ids))
 
-    def propose(self, requests: Sequence[tuple[BatchSequence, int]]) -> list[DraftProposal]:
+    def propose(self, requests: Sequence[tuple[BatchSequence, int]],
+                pricing: StepPricing | None = None) -> list[DraftProposal]:
         proposals = []
         for sequence, k in requests:
             proposal = self._proposers[sequence.seq_id].propose(sequence.context, k, sequence.params, sequence.sampler)

@@ -11,6 +11,11 @@ Here the choice is the cost model of Leviathan et al. 2023, Sec. 3.4, per step:
 - draft model: ``E(K) / (K * c_d + verify(K + 1))``, with ``E(K)`` the expected committed tokens from the
   draft model's measured per-position acceptance and ``c_d`` its seconds per drafted token.
 
+When the suffix index has no match, the other option is a plain step (no draft: 1 token per ``verify(1)``),
+so a draft model that is not expected to pay is not run. In the batched engine the same comparison is made for
+all decoding sequences at once over the step's measured pass costs (:func:`assign_sides`): there a draft row
+lengthens the pass every sequence waits for, and one draft pass serves every sequence drafting at that depth.
+
 ``verify(n)`` (seconds of a target pass over n tokens) and the initial ``c_d`` come from a :class:`StepCosts`
 object; :func:`build` passes the cached :func:`draftwise.calibration.calibrate_cost_model` result (its
 ``verify_cost`` and ``draft_seconds_per_token``: the only use of that module). Acceptance uses
@@ -43,7 +48,8 @@ from draftwise.proposers.suffix import (
 from draftwise.sampling import Sampler
 from draftwise.tree import children_of, node_depths
 
-__all__ = ["HybridPolicy", "HybridProposer", "HybridTrack", "LearnedState", "StepCosts", "accepted_length"]
+__all__ = ["HybridPolicy", "HybridProposer", "HybridTrack", "LearnedState", "SideOptions", "StepCosts",
+           "accepted_length", "assign_sides"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +99,63 @@ def accepted_length(token_ids: Sequence[int], parents: Sequence[int] | None, com
             break
         accepted += 1
     return accepted
+
+
+@dataclass(frozen=True)
+class SideOptions:
+    """One sequence's two ways to draft a step, in expected committed tokens (bonus token included) and rows.
+
+    Attributes:
+        suffix_expected: with its suffix draft (1.0 when the draft is empty: a plain step).
+        suffix_rows: the suffix draft's nodes (0 when empty).
+        model_expected: with a draft-model draft ``model_depth`` tokens deep.
+        model_rows: that draft's nodes (``model_depth`` for a chain).
+        model_depth: its depth (one draft pass per depth).
+    """
+
+    suffix_expected: float
+    suffix_rows: int
+    model_expected: float
+    model_rows: int
+    model_depth: int
+
+
+def assign_sides(options: Sequence[SideOptions], base_rows: int, pass_seconds: Callable[[int], float],
+                 draft_pass_seconds: Callable[[int], float]) -> list[str]:
+    """Each sequence's side (``"suffix"`` or ``"draft_model"``) for one step over all of them, chosen for the
+    most expected committed tokens per second of the step (Leviathan et al. 2023, Sec. 3.4, summed over a batch):
+
+    ``sum_i E_i / (pass_seconds(base_rows + sum_i rows_i) + sum_{d < max depth} draft_pass_seconds(n_d))``
+
+    with ``n_d`` the sequences on the draft model drafting deeper than d. Every sequence starts on its suffix
+    draft (or a plain step); sequences move to the draft model in order of their gain in expected tokens, and the
+    best prefix of those moves is kept (a draft pass costs about as much for one row as for a few, so two moves
+    may pay where one does not). For one sequence this is the per-step comparison of its two rates.
+
+    Args:
+        options: per sequence, its two options.
+        base_rows: rows of the pass without any draft (one per decoding sequence, plus prompt chunks).
+        pass_seconds: ``rows -> seconds`` of the target pass.
+        draft_pass_seconds: ``rows -> seconds`` of one draft-model pass over that many sequences' rows.
+    """
+    sides = [SUFFIX] * len(options)
+    gains = sorted((o.model_expected - o.suffix_expected, -i) for i, o in enumerate(options)
+                   if o.model_depth > 0 and o.model_expected > o.suffix_expected)
+    order = [-i for _, i in reversed(gains)]
+
+    def rate(moved: int) -> float:
+        model = set(order[:moved])
+        expected = sum(o.model_expected if i in model else o.suffix_expected for i, o in enumerate(options))
+        rows = base_rows + sum(o.model_rows if i in model else o.suffix_rows for i, o in enumerate(options))
+        depths = [options[i].model_depth for i in model]
+        draft_s = sum(draft_pass_seconds(sum(1 for depth in depths if depth > d)) for d in range(max(depths, default=0)))
+        total = pass_seconds(rows) + draft_s
+        return expected / total if total > 0 else 0.0
+
+    best = max(range(len(order) + 1), key=lambda moved: (rate(moved), -moved))
+    for i in order[:best]:
+        sides[i] = DRAFT_MODEL
+    return sides
 
 
 @dataclass
@@ -166,26 +229,22 @@ class HybridPolicy:
         state = state or self.learned
         return (state.suffix_accepted + self.suffix_prior) / (state.suffix_predicted + self.suffix_prior)
 
-    def suffix_rate(self, draft: SuffixDraft, state: LearnedState | None = None) -> float:
-        """Expected committed tokens per second of a step with this suffix draft (0 for an empty one)."""
-        if not len(draft):
-            return 0.0
-        expected = 1.0 + min(self.suffix_correction(state) * draft.score, float(len(draft)))
-        return expected / self.costs.verify_cost(len(draft) + 1)
-
-    def draft_model_rate(self, k: int, nodes: int, state: LearnedState | None = None) -> float:
-        """Expected committed tokens per second of a step with a draft-model draft k tokens deep of ``nodes``
-        nodes (k for a chain; one draft pass per depth, the verification over every node)."""
+    def options(self, draft: SuffixDraft, k: int, nodes: int, state: LearnedState | None = None) -> SideOptions:
+        """A step's two options: this suffix draft (expected tokens ``1 + f * score``, at most its length + 1)
+        or a draft-model draft ``k`` tokens deep of ``nodes`` nodes (the draft's measured acceptance by
+        position)."""
         state = state or self.learned
-        seconds = k * state.draft_seconds_per_token + self.costs.verify_cost(nodes + 1)
-        return expected_tokens(state.acceptance.rates(k)) / seconds
+        suffix_expected = 1.0 + min(self.suffix_correction(state) * draft.score, float(len(draft)))
+        model_expected = expected_tokens(state.acceptance.rates(k)) if k > 0 else 1.0
+        return SideOptions(suffix_expected, len(draft), model_expected, nodes if k > 0 else 0, k)
 
     def choose(self, draft: SuffixDraft, k: int, nodes: int, state: LearnedState | None = None) -> str:
-        """``"suffix"`` when the suffix draft's expected rate is at least the draft model's, else
-        ``"draft_model"``."""
-        if len(draft) and self.suffix_rate(draft, state) >= self.draft_model_rate(k, nodes, state):
-            return SUFFIX
-        return DRAFT_MODEL
+        """One request's side for a step (:func:`assign_sides` for one sequence, priced by :attr:`costs` and
+        the learned seconds per draft token): ``"suffix"`` when its suffix draft (or, when that is empty, a
+        plain step) is expected to commit tokens at least as fast as the draft model, else ``"draft_model"``."""
+        state = state or self.learned
+        option = self.options(draft, k, nodes, state)
+        return assign_sides([option], 1, self.costs.verify_cost, lambda rows: state.draft_seconds_per_token)[0]
 
     def learn_outcome(self, track: HybridTrack, context: list[int], state: LearnedState) -> str:
         """Score the request's previous draft against what was committed since; returns its source (``""``
@@ -238,6 +297,7 @@ class HybridProposer(Proposer):
     Attributes:
         policy: the choice and what it learned (``learned`` is its state).
         num_suffix_steps, num_draft_steps: how often each side drafted.
+        num_plain_steps: steps without a draft (no suffix match, and the draft model not expected to pay).
         last_choice: ``"suffix"`` or ``"draft_model"`` (or ``""`` before the first step).
     """
 
@@ -254,6 +314,7 @@ class HybridProposer(Proposer):
         self._track = HybridTrack()
         self.num_suffix_steps = 0
         self.num_draft_steps = 0
+        self.num_plain_steps = 0
         self.last_choice = ""
 
     @property
@@ -292,7 +353,10 @@ class HybridProposer(Proposer):
         choice = self.choose(suffix_draft, k, state)
         self.last_choice = choice
         if choice == SUFFIX:
-            self.num_suffix_steps += 1
+            if len(suffix_draft):
+                self.num_suffix_steps += 1
+            else:
+                self.num_plain_steps += 1
             proposal = suffix_draft.proposal()
             predicted = suffix_draft.score
         else:
