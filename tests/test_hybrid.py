@@ -211,3 +211,15 @@ def test_assign_sides_is_near_the_best_assignment(seed):
     best = max(_step_rate(options, sides, 5, pass_seconds, draft_pass_seconds)
                for sides in itertools.product(["suffix", "draft_model"], repeat=5))
     assert chosen >= 0.97 * best
+
+
+def test_assign_sides_prices_the_drafts_catch_up():
+    """A sequence whose draft slot is 60 tokens behind (after suffix steps) pays a long first draft pass: it
+    stays on its suffix draft where a caught-up one moves to the draft model."""
+    flat = lambda rows: 1.0 + 0.01 * rows
+    per_row = lambda rows: 0.02 + 0.02 * rows
+    caught_up = SideOptions(1.5, 2, 3.0, 4, 4, model_catch_up=1)
+    behind = SideOptions(1.5, 2, 3.0, 4, 4, model_catch_up=60)
+    assert assign_sides([caught_up], 1, flat, per_row) == ["draft_model"]
+    assert assign_sides([behind], 1, flat, per_row) == ["suffix"]
+    assert assign_sides([behind, caught_up], 2, flat, per_row) == ["suffix", "draft_model"]

@@ -67,6 +67,10 @@ class BatchedDraftModel(BatchProposer):
     def num_slots(self) -> int:
         return self.slots.backend.num_slots
 
+    def lacking(self, sequence: BatchSequence) -> int:
+        """Rows the sequence's next draft feeds in its first pass: what its draft slot lacks of its context."""
+        return self.slots.lacking(sequence.seq_id, sequence.context)
+
     def tree_nodes(self, k: int) -> int:
         """Draft nodes a draft ``k`` tokens deep has at most (:func:`~draftwise.proposers.draft_model.tree_nodes`)."""
         return tree_nodes(k, self.tree_width, self.tree_budget)

@@ -134,7 +134,8 @@ class BatchedHybrid(BatchProposer):
     def _sides(self, candidates: list[_Candidate], pricing: StepPricing | None) -> list[str]:
         if pricing is None or pricing.draft_pass_seconds is None:
             return [self.policy.choose(c.suffix_draft, c.k, self.draft.tree_nodes(c.k), c.state) for c in candidates]
-        options = [self.policy.options(c.suffix_draft, c.k, self.draft.tree_nodes(c.k), c.state) for c in candidates]
+        options = [self.policy.options(c.suffix_draft, c.k, self.draft.tree_nodes(c.k), c.state,
+                                       self.draft.lacking(c.sequence)) for c in candidates]
         return assign_sides(options, pricing.base_rows, pricing.pass_seconds, pricing.draft_pass_seconds)
 
     def _track(self, candidate: _Candidate) -> HybridTrack:

@@ -228,6 +228,12 @@ class DraftSlots:
         """The tokens ``key``'s slot holds."""
         return self._cached.setdefault(key, [])
 
+    def lacking(self, key: int, context: Sequence[int]) -> int:
+        """Tokens of ``context`` (as the draft reads it) that ``key``'s slot lacks: the rows its next draft's
+        first pass feeds (at least 1)."""
+        view, _ = window_view(context, self._cuts.get(key, 0))
+        return max(1, len(view) - common_prefix_length(self.cached(key), view))
+
     def reset(self, key: int, slot: int) -> None:
         """Empty ``key``'s slot (and forget its window)."""
         self._empty(key, slot)

@@ -111,6 +111,8 @@ class SideOptions:
         model_expected: with a draft-model draft ``model_depth`` tokens deep.
         model_rows: that draft's nodes (``model_depth`` for a chain).
         model_depth: its depth (one draft pass per depth).
+        model_catch_up: rows of its first draft pass: the context tokens the draft has not read yet (1 when it
+            drafted the previous step; more after suffix steps or a new turn).
     """
 
     suffix_expected: float
@@ -118,6 +120,7 @@ class SideOptions:
     model_expected: float
     model_rows: int
     model_depth: int
+    model_catch_up: int = 1
 
 
 def assign_sides(options: Sequence[SideOptions], base_rows: int, pass_seconds: Callable[[int], float],
@@ -127,7 +130,8 @@ def assign_sides(options: Sequence[SideOptions], base_rows: int, pass_seconds: C
 
     ``sum_i E_i / (pass_seconds(base_rows + sum_i rows_i) + sum_{d < max depth} draft_pass_seconds(n_d))``
 
-    with ``n_d`` the sequences on the draft model drafting deeper than d. Every sequence starts on its suffix
+    with ``n_d`` the sequences on the draft model drafting deeper than d, except the first pass, which feeds
+    every such sequence's catch-up rows (``n_0 = sum_i model_catch_up_i``). Every sequence starts on its suffix
     draft (or a plain step); sequences move to the draft model in order of their gain in expected tokens, and the
     best prefix of those moves is kept (a draft pass costs about as much for one row as for a few, so two moves
     may pay where one does not). For one sequence this is the per-step comparison of its two rates.
@@ -148,7 +152,9 @@ def assign_sides(options: Sequence[SideOptions], base_rows: int, pass_seconds: C
         expected = sum(o.model_expected if i in model else o.suffix_expected for i, o in enumerate(options))
         rows = base_rows + sum(o.model_rows if i in model else o.suffix_rows for i, o in enumerate(options))
         depths = [options[i].model_depth for i in model]
-        draft_s = sum(draft_pass_seconds(sum(1 for depth in depths if depth > d)) for d in range(max(depths, default=0)))
+        first = sum(options[i].model_catch_up for i in model)
+        draft_s = sum(draft_pass_seconds(first if d == 0 else sum(1 for depth in depths if depth > d))
+                      for d in range(max(depths, default=0)))
         total = pass_seconds(rows) + draft_s
         return expected / total if total > 0 else 0.0
 
@@ -229,19 +235,21 @@ class HybridPolicy:
         state = state or self.learned
         return (state.suffix_accepted + self.suffix_prior) / (state.suffix_predicted + self.suffix_prior)
 
-    def options(self, draft: SuffixDraft, k: int, nodes: int, state: LearnedState | None = None) -> SideOptions:
+    def options(self, draft: SuffixDraft, k: int, nodes: int, state: LearnedState | None = None,
+                catch_up: int = 1) -> SideOptions:
         """A step's two options: this suffix draft (expected tokens ``1 + f * score``, at most its length + 1)
         or a draft-model draft ``k`` tokens deep of ``nodes`` nodes (the draft's measured acceptance by
-        position)."""
+        position) whose first pass feeds ``catch_up`` rows."""
         state = state or self.learned
         suffix_expected = 1.0 + min(self.suffix_correction(state) * draft.score, float(len(draft)))
         model_expected = expected_tokens(state.acceptance.rates(k)) if k > 0 else 1.0
-        return SideOptions(suffix_expected, len(draft), model_expected, nodes if k > 0 else 0, k)
+        return SideOptions(suffix_expected, len(draft), model_expected, nodes if k > 0 else 0, k, catch_up)
 
     def choose(self, draft: SuffixDraft, k: int, nodes: int, state: LearnedState | None = None) -> str:
         """One request's side for a step (:func:`assign_sides` for one sequence, priced by :attr:`costs` and
-        the learned seconds per draft token): ``"suffix"`` when its suffix draft (or, when that is empty, a
-        plain step) is expected to commit tokens at least as fast as the draft model, else ``"draft_model"``."""
+        the learned seconds per draft token; a catch-up after suffix steps is not priced): ``"suffix"`` when its
+        suffix draft (or, when that is empty, a plain step) is expected to commit tokens at least as fast as the
+        draft model, else ``"draft_model"``."""
         state = state or self.learned
         option = self.options(draft, k, nodes, state)
         return assign_sides([option], 1, self.costs.verify_cost, lambda rows: state.draft_seconds_per_token)[0]
