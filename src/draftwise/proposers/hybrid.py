@@ -132,9 +132,10 @@ def assign_sides(options: Sequence[SideOptions], base_rows: int, pass_seconds: C
 
     with ``n_d`` the sequences on the draft model drafting deeper than d, except the first pass, which feeds
     every such sequence's catch-up rows (``n_0 = sum_i model_catch_up_i``). Every sequence starts on its suffix
-    draft (or a plain step); sequences move to the draft model in order of their gain in expected tokens, and the
-    best prefix of those moves is kept (a draft pass costs about as much for one row as for a few, so two moves
-    may pay where one does not). For one sequence this is the per-step comparison of its two rates.
+    draft (or a plain step); then, one at a time, the sequence whose move to the draft model leaves the best
+    rate moves (forward selection, at most n^2 / 2 rate evaluations for n sequences), and the best set along
+    the way is kept (a draft pass costs about as much for one row as for a few, so two moves may pay where one
+    does not). For one sequence this is the per-step comparison of its two rates.
 
     Args:
         options: per sequence, its two options.
@@ -142,13 +143,7 @@ def assign_sides(options: Sequence[SideOptions], base_rows: int, pass_seconds: C
         pass_seconds: ``rows -> seconds`` of the target pass.
         draft_pass_seconds: ``rows -> seconds`` of one draft-model pass over that many sequences' rows.
     """
-    sides = [SUFFIX] * len(options)
-    gains = sorted((o.model_expected - o.suffix_expected, -i) for i, o in enumerate(options)
-                   if o.model_depth > 0 and o.model_expected > o.suffix_expected)
-    order = [-i for _, i in reversed(gains)]
-
-    def rate(moved: int) -> float:
-        model = set(order[:moved])
+    def rate(model: set[int]) -> float:
         expected = sum(o.model_expected if i in model else o.suffix_expected for i, o in enumerate(options))
         rows = base_rows + sum(o.model_rows if i in model else o.suffix_rows for i, o in enumerate(options))
         depths = [options[i].model_depth for i in model]
@@ -158,10 +153,17 @@ def assign_sides(options: Sequence[SideOptions], base_rows: int, pass_seconds: C
         total = pass_seconds(rows) + draft_s
         return expected / total if total > 0 else 0.0
 
-    best = max(range(len(order) + 1), key=lambda moved: (rate(moved), -moved))
-    for i in order[:best]:
-        sides[i] = DRAFT_MODEL
-    return sides
+    remaining = [i for i, o in enumerate(options) if o.model_depth > 0 and o.model_expected > o.suffix_expected]
+    moved: set[int] = set()
+    best, best_rate = set(), rate(set())
+    while remaining:  # forward selection: the move that leaves the best rate, then the next; best set kept
+        rates = {i: rate(moved | {i}) for i in remaining}
+        step = max(remaining, key=lambda i: (rates[i], -i))
+        moved.add(step)
+        remaining.remove(step)
+        if rates[step] > best_rate:
+            best, best_rate = set(moved), rates[step]
+    return [DRAFT_MODEL if i in best else SUFFIX for i in range(len(options))]
 
 
 @dataclass
