@@ -10,16 +10,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from draftwise.cost_model import PassCostCurve
 from draftwise.engine.sequence import BatchSequence
 from draftwise.proposers.base import DraftProposal, Proposer
-
-if TYPE_CHECKING:
-    from draftwise.engine.draft_slots import BatchedDraftModel
 
 __all__ = ["BatchProposer", "PerSequenceProposers", "StepPricing", "check_proposal"]
 
@@ -62,8 +59,9 @@ class BatchProposer(ABC):
     pass_costs: PassCostCurve | None = None
 
     @property
-    def drafting_model(self) -> BatchedDraftModel | None:
-        """The multi-slot draft model this proposer drafts with (its cache slots and pass costs), or None."""
+    def drafting_model(self) -> BatchProposer | None:
+        """The multi-slot draft model this proposer drafts with
+        (:class:`~draftwise.engine.draft_slots.BatchedDraftModel`: its cache slots and pass costs), or None."""
         return None
 
     def open(self, sequence: BatchSequence) -> None:
