@@ -1,11 +1,12 @@
 """The engine core's face of the hybrid proposer: suffix decoding or the batched draft model, chosen per
-sequence and step by the one :class:`~draftwise.proposers.hybrid.HybridPolicy`.
+sequence and step by the one :class:`~draftwise.proposers.hybrid.HybridPolicy`, for all sequences of a step
+together on the engine's measured pass costs (:func:`~draftwise.proposers.hybrid.assign_sides`).
 
 Each sequence has its own suffix proposer (sharing one cross-request index, as ``suffix`` in the batch does) and
 its own :class:`~draftwise.proposers.hybrid.HybridTrack`; the sequences whose step goes to the draft model draft
 together, one draft pass per depth (:class:`~draftwise.engine.draft_slots.BatchedDraftModel`). A sequence that
 drafted from its suffix index for a while leaves its draft slot behind; the draft catches it up on the skipped
-tokens at its next draft-model step, as the one-request hybrid does.
+tokens at its next draft-model step (priced: those rows are the first draft pass's).
 """
 
 from __future__ import annotations
