@@ -51,6 +51,12 @@ def test_labels_roles_and_durations():
     assert model_roles(parser_args) == {"/m/stories.gguf": "target/draft"}
     serve_args = type("Args", (), {"model_tag": "/m/stories.gguf", "speculative_model": "/m/stories.gguf"})()
     assert model_roles(serve_args) == {"/m/stories.gguf": "target/draft"}  # serve's TARGET is model_tag
+    config = '{"method": "hybrid", "model": "/m/stories.gguf"}'  # the draft named in --speculative-config
+    config_args = type("Args", (), {"model_tag": "/m/stories.gguf", "speculative_config": config})()
+    assert model_roles(config_args) == {"/m/stories.gguf": "target/draft"}
+    for broken in ("{not json", '["a"]', '{"model": 3}'):
+        assert model_roles(type("Args", (), {"model_tag": "t.gguf", "speculative_config": broken})()) == {
+            "t.gguf": "target"}
 
 
 def test_library_users_see_nothing_unless_they_ask(capsys, caplog):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
 
@@ -56,11 +57,25 @@ def model_roles(args: argparse.Namespace) -> dict[str, str]:
     roles: dict[str, str] = {}
     named = [(getattr(args, name, None), "target") for name in ("model", "target", "model_tag", "model_flag")]
     named += [(getattr(args, name, None), "draft") for name in ("draft", "speculative_model")]
+    named.append((_config_model(getattr(args, "speculative_config", None)), "draft"))
     for spec, role in named:
         if not isinstance(spec, str) or not spec or spec.lower() == "none" or role in roles.get(spec, "").split("/"):
             continue
         roles[spec] = f"{roles[spec]}/{role}" if spec in roles else role
     return roles
+
+
+def _config_model(config: object) -> str | None:
+    """The ``model`` of a ``--speculative-config`` JSON string (None when absent or not valid JSON: the
+    subcommand reports that itself)."""
+    if not isinstance(config, str):
+        return None
+    try:
+        fields = json.loads(config)
+    except ValueError:
+        return None
+    model = fields.get("model") if isinstance(fields, dict) else None
+    return model if isinstance(model, str) else None
 
 
 if __name__ == "__main__":
