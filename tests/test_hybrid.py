@@ -180,7 +180,7 @@ def test_assign_sides_weighs_the_batch_load():
     per_pass = lambda rows: 0.15 + 0.01 * rows  # a draft pass costs about the same for 1 or 4 rows
     assert assign_sides(options, 4, flat, per_pass) == ["draft_model"] * 4
     assert assign_sides(options, 4, steep, per_pass) == ["suffix"] * 4
-    # one move alone does not repay the draft passes, all four do: the best prefix is kept, not the first loss
+    # one move alone does not repay the draft passes, all four do: the best set is kept, not the first loss
     costly_pass = lambda rows: 0.5 + 0.001 * rows
     gains = [SideOptions(1.0, 0, 3.5, 4, 4) for _ in range(4)]
     one = _step_rate(gains, ["draft_model", "suffix", "suffix", "suffix"], 4, flat, costly_pass)
@@ -191,7 +191,7 @@ def test_assign_sides_weighs_the_batch_load():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_assign_sides_is_near_the_best_assignment(seed):
-    """Against every assignment of 5 sequences (random options and costs): the greedy prefix reaches at least
+    """Against every assignment of 5 sequences (random options and costs): the forward selection reaches at least
     97% of the best rate."""
     import itertools
     import random

@@ -632,20 +632,21 @@ class EngineCore:
         if self.proposer is None or not any(caps):
             return [empty] * len(decoding), asked, 0.0
         t0 = time.perf_counter()
-        pricing = self._pricing(base_rows, sequences) if self.proposer.wants_pricing else None
+        pricing = self._pricing(base_rows, sequences)
+        given = pricing if self.proposer.wants_pricing else None
         if self.k_policy == "fixed":  # a lookup drafts its cap, a model only what the row budget holds
             ks = caps if self.proposer.drafts_first else self._within_rows(caps, draft_budget)
-            proposals = self._fit_rows(self._propose(decoding, ks, pricing), draft_budget)
+            proposals = self._fit_rows(self._propose(decoding, ks, given), draft_budget)
         else:
             offered: list[DraftProposal | None] = [None] * len(decoding)
             if self.proposer.drafts_first:
-                offered = self._propose(decoding, caps, pricing)
+                offered = self._propose(decoding, caps, given)
                 caps = [min(c, len(p)) for c, p in zip(caps, offered)]
-            ks = self._plan(decoding, caps, base_rows, draft_budget, sequences)
+            ks = self._plan(decoding, caps, pricing, draft_budget)
             if self.proposer.drafts_first:
                 proposals = [p.truncated(k) if k else empty for p, k in zip(offered, ks)]
             else:
-                proposals = self._propose(decoding, ks, pricing)
+                proposals = self._propose(decoding, ks, given)
         proposals = [self._fit_context(s, p) for s, p in zip(decoding, proposals)]
         return proposals, asked, time.perf_counter() - t0
 
@@ -655,9 +656,7 @@ class EngineCore:
         goes to a proposer that ``wants_pricing``."""
         wanted = [i for i, k in enumerate(ks) if k > 0]
         proposals = [DraftProposal(token_ids=())] * len(decoding)
-        requests = [(decoding[i], ks[i]) for i in wanted]
-        drafted = self.proposer.propose(requests, pricing) if pricing is not None else self.proposer.propose(requests)
-        for i, proposal in zip(wanted, drafted):
+        for i, proposal in zip(wanted, self.proposer.propose([(decoding[i], ks[i]) for i in wanted], pricing)):
             if proposal.is_tree and not self.backend.supports_tree:
                 raise RuntimeError(f"proposer {self.proposer.name!r} returned a draft tree; {self.backend.name} "
                                    "verifies chains only")
@@ -665,8 +664,9 @@ class EngineCore:
         return proposals
 
     def _pricing(self, base_rows: int, sequences: int) -> StepPricing | None:
-        """The step's measured costs for a proposer that weighs drafts against them (None before any
-        measurement): the target pass over ``sequences`` sequences, and a draft model's passes."""
+        """The step's measured costs (None before any measurement): the target pass over ``sequences``
+        sequences, and a draft model's passes (None for a lookup, whose drafting costs nothing worth counting).
+        The load-aware K plans on them; a proposer that ``wants_pricing`` gets them."""
         if self.pass_costs is None or not len(self.pass_costs):
             return None
         drafting = self.proposer.drafting_model
@@ -707,20 +707,12 @@ class EngineCore:
             return proposal.truncated(self.backend.max_context - len(sequence.prompt) - len(sequence.generated))
         return proposal
 
-    def _plan(self, decoding: list[BatchSequence], caps: list[int], base_rows: int, draft_budget: int,
-              sequences: int) -> list[int]:
-        """Load-aware K per decoding sequence with probes, within the step's draft-row budget; ``sequences``:
-        how many sequences the pass spans."""
+    def _plan(self, decoding: list[BatchSequence], caps: list[int], pricing: StepPricing, draft_budget: int,
+              ) -> list[int]:
+        """Load-aware K per decoding sequence with probes, on the step's measured costs (:meth:`_pricing`),
+        within the step's draft-row budget."""
         rates = [s.estimator.rates(cap) for s, cap in zip(decoding, caps)]
-        draft_curve = self.proposer.pass_costs if not self.proposer.drafts_first else None
-        draft_seconds = None
-        if draft_curve is not None and len(draft_curve):
-            def draft_seconds(rows: int) -> float:  # a draft pass per depth: one row per drafting sequence
-                return draft_curve.pass_seconds(rows, rows)
-
-        def pass_seconds(rows: int) -> float:
-            return self.pass_costs.pass_seconds(rows, sequences)
-
+        base_rows, pass_seconds, draft_seconds = pricing.base_rows, pricing.pass_seconds, pricing.draft_pass_seconds
         ks = plan_batch_k(rates, caps, base_rows, pass_seconds, draft_seconds, draft_budget)
         self._probe(decoding, caps, ks, rates, base_rows, draft_budget, pass_seconds, draft_seconds)
         return ks

@@ -41,6 +41,10 @@ class BatchedDraftModel(BatchProposer):
         ValueError: ``tree_width`` or ``tree_budget`` < 1, ``tree_width`` > 1 on a draft that cannot grow trees,
             ``window`` too small, or ``confidence_threshold`` invalid
             (:func:`~draftwise.proposers.draft_model.min_path_scores`).
+
+    Attributes:
+        pass_costs: the draft's measured seconds per pass by row count (its ``DraftSlots``' curve; the engine
+            calibrates it at start and prices the draft's passes with it).
     """
 
     name = "draft_model"

@@ -72,7 +72,6 @@ class BatchedHybrid(BatchProposer):
         self.draft = draft
         self.policy = policy
         self.clock = clock
-        self.pass_costs = draft.pass_costs
         self._lanes: dict[int, _Lane] = {}
         self.num_suffix_steps = 0
         self.num_draft_steps = 0

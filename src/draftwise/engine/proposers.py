@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from draftwise.cost_model import PassCostCurve
 from draftwise.engine.sequence import BatchSequence
 from draftwise.proposers.base import DraftProposal, Proposer
 
@@ -47,7 +46,6 @@ class BatchProposer(ABC):
             model): K is planned first and only that many tokens are drafted.
         needs_target_hidden: the proposer reads the target's hidden states (Medusa, EAGLE): the engine asks the
             backend for them and calls :meth:`observe`.
-        pass_costs: measured seconds of the proposer's own passes per row count (a draft model's), or None.
         wants_pricing: :meth:`propose` weighs drafts against the step's measured costs (:class:`StepPricing`);
             the engine then measures its pass costs at start, whatever its K policy.
     """
@@ -56,7 +54,6 @@ class BatchProposer(ABC):
     drafts_first: bool = True
     needs_target_hidden: bool = False
     wants_pricing: bool = False
-    pass_costs: PassCostCurve | None = None
 
     @property
     def drafting_model(self) -> BatchProposer | None:
