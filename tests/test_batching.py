@@ -164,6 +164,25 @@ def test_hybrid_in_the_batch_keeps_the_draft_state_and_switches_sides(single, mu
     assert hybrid.num_draft_steps > 0 and hybrid.num_suffix_steps > 0
 
 
+@pytest.mark.parametrize("policy", ["fixed", "auto"])
+def test_hybrid_steps_are_counted_per_sequence(multi, weak_draft_hf, policy):
+    """Each sequence's ``hybrid_steps`` are the proposals the hybrid made for it: over the batch they add up to
+    the hybrid's own counters, the suffix and draft-model passes are the sequence's drafts, and no more passes
+    are counted than the sequence took (the load-aware K plans some at K = 0 without asking the hybrid)."""
+    hybrid = batched_hybrid(weak_draft_hf, k=3)
+    engine = EngineCore(multi, hybrid, 3, learn_costs=False, k_policy=policy,
+                        pass_costs=PassCostCurve(points={1: 1.0, 64: 1.5}))
+    results = engine.generate(prompts([40, 30, 9, 60], seed=8), GREEDY)
+    for result in results:
+        steps = result.stats.hybrid_steps
+        assert steps is not None and set(steps) == {"suffix", "draft_model", "plain"}
+        assert steps["suffix"] + steps["draft_model"] == result.stats.num_drafts
+        assert sum(steps.values()) <= result.stats.num_target_passes
+    assert {side: sum(r.stats.hybrid_steps[side] for r in results) for side in ("suffix", "draft_model", "plain")} \
+        == {"suffix": hybrid.num_suffix_steps, "draft_model": hybrid.num_draft_steps, "plain": hybrid.num_plain_steps}
+    assert hybrid.num_suffix_steps > 0 and hybrid.num_draft_steps > 0
+
+
 def test_speculative_draft_of_the_target_itself_accepts_everything(single, multi, hf):
     draft = BatchedDraftModel(build_lean(hf, quantization=MODE, num_slots=SLOTS), 96)
     engine = EngineCore(multi, draft, 3)
@@ -407,6 +426,13 @@ def test_stories_batch_equals_alone(stories_batch, stories_path, method):
         assert result.token_ids == oracle.token_ids
     if method != "ngram":
         assert sum(r.stats.num_accepted_tokens for r in results) > 0
+    for result in results:  # hybrid: every decode pass but a last one clamped to K = 0 was the hybrid's to draft
+        steps = result.stats.hybrid_steps
+        if method != "hybrid":
+            assert steps is None
+            continue
+        assert steps["suffix"] + steps["draft_model"] == result.stats.num_drafts
+        assert result.stats.num_target_passes - sum(steps.values()) in (0, 1)
 
 
 def test_build_engine_batches_lean_targets_only(stories_path, draftwise_home, caplog, monkeypatch):

@@ -196,6 +196,29 @@ def test_summary_predicts_from_the_chains_actually_drafted():
         predicted_speedup_of_steps(0.8, [], 0.1, costs.relative)
 
 
+def test_summary_and_report_show_the_hybrid_steps_by_side(tmp_path):
+    """A hybrid row sums its runs' passes by side, a report prints them under the table; other rows have none."""
+    import dataclasses
+
+    from draftwise.report import hybrid_lines, write_markdown
+
+    plain = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_target_passes": 99}
+    drafts = {"num_draft_tokens": 40, "num_accepted_tokens": 30, "num_target_passes": 29,
+              "drafted_per_position": [20, 20], "accepted_per_position": [16, 14]}
+    runs = []
+    for prompt_id, steps in (("1", {"suffix": 12, "draft_model": 8, "plain": 9}),
+                             ("2", {"suffix": 1, "draft_model": 19, "plain": 0})):
+        runs += [dataclasses.replace(_run("plain", "plain", None, plain), prompt_id=prompt_id),
+                 dataclasses.replace(_run("hybrid K=4", "hybrid", 4, {**drafts, "hybrid_steps": steps}, 0.5),
+                                     prompt_id=prompt_id)]
+    rows = {row["method"]: row for row in summarize(runs)}
+    assert rows["plain"]["hybrid_steps"] is None
+    assert rows["hybrid K=4"]["hybrid_steps"] == {"suffix": 13, "draft_model": 27, "plain": 9}
+    assert hybrid_lines(list(rows.values())) == ["hybrid K=4: hybrid steps: suffix 13, draft model 27, plain 9"]
+    text = write_markdown(tmp_path / "report.md", {}, list(rows.values()), [], {}, runs).read_text()
+    assert "- hybrid K=4: hybrid steps: suffix 13, draft model 27, plain 9" in text
+
+
 @pytest.mark.parametrize("workload", ["prompts", "agent"])
 def test_an_output_directory_is_refused_before_anything_runs(stories_path, prompts_file, tmp_path, capsys, workload):
     """A directory as --output used to crash with a traceback after the first prompt had been measured."""

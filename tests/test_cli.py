@@ -74,6 +74,7 @@ def test_generate_with_suffix_and_hybrid_prints_the_plain_text(stories, stories_
     assert text.strip() == plain.strip() and len(text.strip()) > 0
     assert stats["method"] == json.loads(config.replace("STORIES", "x"))["method"]
     assert stats["num_accepted_tokens"] > 0
+    assert (stats["hybrid_steps"] is not None) == (stats["method"] == "hybrid")  # passes by side, hybrid only
 
 
 @pytest.mark.parametrize("config, message", [

@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_llama
 from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
+from draftwise.proposers.base import DraftProposal
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.hybrid import HybridProposer, SideOptions, accepted_length, assign_sides
 from draftwise.proposers.suffix import SuffixDraft, SuffixProposer
@@ -84,6 +85,45 @@ def test_stories260k_exactness(stories, stories_draft):
     assert proposer.num_draft_steps > 0 and proposer.num_suffix_steps > 0
 
 
+def _sides(proposer: HybridProposer) -> dict[str, int]:
+    """The proposer's own counters (over every request so far), keyed like ``stats.hybrid_steps``."""
+    return {"suffix": proposer.num_suffix_steps, "draft_model": proposer.num_draft_steps,
+            "plain": proposer.num_plain_steps}
+
+
+def test_stories260k_requests_count_their_steps_by_side(stories, stories_draft):
+    """Each request's ``hybrid_steps`` are its share of the proposer's counters; the suffix and draft-model
+    passes are its drafts, and every decode pass but a last one clamped to K = 0 was the hybrid's to draft."""
+    params = SamplingParams(max_tokens=40)
+    proposer = HybridProposer(SuffixProposer(), DraftModelProposer(stories_draft.backend, stories.backend.vocab_size),
+                              FakeCosts(), max_k=4)
+    engine = SpeculativeEngine(stories.backend, proposer, 4, eos_token_ids=stories.eos_token_ids)
+    totals = dict.fromkeys(_sides(proposer), 0)
+    for text in ("Once upon a time", "One two three. One two three. One two three. One two three. One two"):
+        before = _sides(proposer)
+        stats = engine.generate(stories.encode(text), params).stats
+        assert stats.hybrid_steps == {side: n - before[side] for side, n in _sides(proposer).items()}, text
+        assert stats.hybrid_steps["suffix"] + stats.hybrid_steps["draft_model"] == stats.num_drafts > 0
+        assert stats.num_target_passes - sum(stats.hybrid_steps.values()) in (0, 1)
+        assert stats.to_dict()["hybrid_steps"] == stats.hybrid_steps
+        totals = {side: totals[side] + n for side, n in stats.hybrid_steps.items()}
+    assert totals["suffix"] > 0 and totals["draft_model"] > 0
+    plain = engine.stream(stories.encode("Once upon a time"), params, num_speculative_tokens=0)
+    for _ in plain:
+        pass
+    assert plain.result.stats.hybrid_steps is None  # speculation off: the hybrid never drafted
+
+
+def test_plain_steps_are_counted_when_neither_side_pays():
+    """A target that never repeats (no suffix match) and a draft model too slow to pay: every step is plain."""
+    table = cycle_table(200, 200)
+    target, proposer = hybrid(table, table, 4, learn_costs=False, costs=FakeCosts(draft_seconds_per_token=10.0))
+    stats = SpeculativeEngine(target, proposer, 4).generate([0], SamplingParams(max_tokens=20, ignore_eos=True)).stats
+    assert stats.num_drafts == 0
+    assert stats.hybrid_steps == {"suffix": 0, "draft_model": 0, "plain": proposer.num_plain_steps}
+    assert proposer.num_plain_steps == stats.num_target_passes - 1  # the last step: one token left, K = 0
+
+
 def test_seeded_sampling_is_reproducible_whatever_ran_before():
     """A seeded sampling request ignores what the hybrid learned from earlier requests (and their outputs), so
     the same request gives the same text after other requests; an unseeded one may use all of it."""
@@ -140,6 +180,13 @@ def test_choice_weighs_confidence_against_costs():
     proposer.learned.suffix_predicted = 50.0  # the suffix drafts turned out wrong: their confidence is discounted
     assert proposer.suffix_correction() < 0.1
     assert proposer.choose(confident, 4) == "draft_model"
+
+
+def test_a_cut_proposal_keeps_its_side():
+    """The engine cuts drafts to its row budget and the context; the cut draft is still counted for its side."""
+    proposal = DraftProposal((1, 2, 3), parents=(-1, -1, 0), hybrid_side="suffix")
+    assert proposal.truncated(2).hybrid_side == "suffix" and proposal.truncated(2).token_ids == (1, 2)
+    assert DraftProposal((1, 2)).hybrid_side == ""
 
 
 def test_accepted_length_of_chains_and_trees():

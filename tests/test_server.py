@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import httpx
 import openai
@@ -26,6 +27,8 @@ from draftwise.builder import EngineBundle
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
 from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.proposers.hybrid import HybridProposer
+from draftwise.proposers.suffix import SuffixProposer
 from draftwise.server import ServerSettings, create_app
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -94,6 +97,30 @@ def plain_bundle(draftwise_home, stories_path):
 
     target = load_model(str(stories_path), device="cpu")
     return EngineBundle(target=target, engine=SpeculativeEngine(target.backend, eos_token_ids=target.eos_token_ids))
+
+
+@pytest.fixture(scope="module")
+def hybrid_url(draftwise_home, stories_path):
+    """A third server: the hybrid (suffix decoding or the 2-layer derived draft; fixed costs: a draft token
+    costs a tenth of a target pass), for the per-side counts."""
+    from draftwise.models.loading import derive_layer_draft, load_model
+
+    @dataclass
+    class Costs:
+        draft_seconds_per_token: float = 0.1
+
+        def verify_cost(self, num_tokens: int) -> float:
+            return 1.0 + 0.05 * (num_tokens - 1)
+
+    target = load_model(str(stories_path), device="cpu")
+    draft = derive_layer_draft(target, 2)
+    proposer = HybridProposer(SuffixProposer(), DraftModelProposer(draft.backend, target.backend.vocab_size), Costs(),
+                              max_k=3)
+    engine = SpeculativeEngine(target.backend, proposer, 3, eos_token_ids=target.eos_token_ids)
+    config = SpeculativeConfig(method="hybrid", model=draft.name, num_speculative_tokens=3)
+    bundle = EngineBundle(target=target, engine=engine, speculative_config=config, draft=draft)
+    with live_server(create_app(bundle, ServerSettings(served_model_names=("stories",)))) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +224,7 @@ def test_usage_carries_speculative_statistics(spec, plain):
     assert stats["acceptance_rate"] == pytest.approx(stats["num_accepted_tokens"] / stats["num_draft_tokens"])
     assert 1.0 <= stats["mean_accepted_length"] <= 4.0
     assert len(stats["acceptance_by_position"]) == 3
+    assert stats["hybrid_steps"] is None  # only the hybrid method counts its sides
     slow = complete(plain, PROMPTS[0], max_tokens=8)
     assert slow.usage.speculative["method"] == "plain" and slow.usage.speculative["num_draft_tokens"] == 0
 
@@ -468,6 +496,25 @@ def test_metrics_follow_vllm_names(spec, spec_url):
     assert accepted == per_position > 0
     assert metric(spec_url, "draftwise:request_success_total", finished_reason="length") >= 1
     assert metric(spec_url, "draftwise:time_to_first_token_seconds_count") >= 1
+
+
+def test_hybrid_steps_in_usage_and_metrics(hybrid_url):
+    """A hybrid server reports each response's passes by side in ``usage.speculative.hybrid_steps`` and adds them
+    to ``draftwise:spec_decode_hybrid_steps_total{side}``."""
+    client = openai.OpenAI(base_url=f"{hybrid_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    name = "draftwise:spec_decode_hybrid_steps_total"
+    before = {side: metric(hybrid_url, name, side=side) for side in ("suffix", "draft_model", "plain")}
+    seen = dict.fromkeys(before, 0)
+    for prompt in ("Once upon a time", "One two three. One two three. One two three. One two three. One two"):
+        stats = complete(client, prompt, max_tokens=32).usage.speculative
+        steps = stats["hybrid_steps"]
+        assert stats["method"] == "hybrid" and set(steps) == set(before)
+        assert steps["suffix"] + steps["draft_model"] == stats["num_drafts"] > 0
+        seen = {side: seen[side] + n for side, n in steps.items()}
+    assert seen["suffix"] > 0 and seen["draft_model"] > 0
+    assert {side: metric(hybrid_url, name, side=side) - before[side] for side in before} == seen
+    off = complete(client, PROMPTS[0], max_tokens=4, extra_body={"num_speculative_tokens": 0}).usage.speculative
+    assert off["method"] == "plain" and off["hybrid_steps"] is None
 
 
 def test_ignored_request_fields_are_logged_by_name(caplog):

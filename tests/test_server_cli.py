@@ -90,6 +90,22 @@ def test_bad_flags_are_cli_errors(argv):
         plan(*argv)
 
 
+def test_the_prefix_cache_budget_defaults_to_a_share_of_available_memory(monkeypatch):
+    """Found in a benchmark: four servers with a fixed 4 GiB each on a 24 GiB machine, one killed by the kernel.
+    Unset, --kv-cache-memory is resolved at start from the memory available then; a value given is used as is."""
+    import draftwise.builder as builder
+
+    monkeypatch.setattr(builder, "available_ram", lambda: 10 * 2**30)
+    assert build_parser().parse_args(["serve"]).kv_cache_memory is None
+    default = plan("t").kv_cache
+    assert default.nbytes == 10 * 2**30 // 4
+    assert default.describe() == "prefix cache: 2.50 GiB (1/4 of 10.0 GiB available; cap 4.00 GiB)"
+    assert plan("t", "--kv-cache-memory", "512MiB").kv_cache.nbytes == 512 * 2**20
+    assert plan("t", "--kv-cache-memory", "0").kv_cache.describe() == "prefix cache: off (--kv-cache-memory)"
+    monkeypatch.setattr(builder, "available_ram", lambda: None)
+    assert plan("t").kv_cache.nbytes == builder.DEFAULT_KV_CACHE_MEMORY
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from draftwise.commands.generate import format_stats
 from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
-from draftwise.stats import SpeculativeStats
+from draftwise.stats import SpeculativeStats, hybrid_steps_line, total_hybrid_steps
 from fakes import BigramLM, ScriptedProposer, peaked_table
 
 
@@ -80,3 +81,21 @@ def test_rejections_are_counted_where_they_happen():
     assert stats.mean_accepted_length == 1 + 6 / 4
     with pytest.raises(ValueError):
         stats.record_step(2, 3, 1)
+
+
+def test_hybrid_steps_by_side():
+    stats = SpeculativeStats()
+    assert stats.hybrid_steps is None and stats.to_dict()["hybrid_steps"] is None  # not a hybrid request
+    stats.record_hybrid_step("suffix", 3)
+    stats.record_hybrid_step("draft_model", 4)
+    stats.record_hybrid_step("suffix", 0)  # an empty draft: a plain pass, whichever side was chosen
+    stats.record_hybrid_step("draft_model", 2)
+    assert stats.hybrid_steps == {"suffix": 1, "draft_model": 2, "plain": 1}
+    with pytest.raises(ValueError):
+        stats.record_hybrid_step("ngram", 2)
+    assert total_hybrid_steps([None, {}, stats.hybrid_steps, {"suffix": 2, "draft_model": 0, "plain": 5}]) == {
+        "suffix": 3, "draft_model": 2, "plain": 6}
+    assert total_hybrid_steps([None, {}]) is None
+    assert hybrid_steps_line(stats.hybrid_steps) == "hybrid steps: suffix 1, draft model 2, plain 1"
+    assert "hybrid steps: suffix 1, draft model 2, plain 1" in format_stats("hybrid", stats).splitlines()
+    assert "hybrid steps" not in format_stats("ngram", SpeculativeStats())  # only when the hybrid ran

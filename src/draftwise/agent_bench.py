@@ -62,6 +62,7 @@ from draftwise import measurement
 from draftwise.benchmark import BenchPrompt, environment, first_difference
 from draftwise.config import SamplingParams
 from draftwise.files import write_json_atomic
+from draftwise.stats import total_hybrid_steps
 
 __all__ = ["AgentSession", "TurnOutcome", "AgentTurn", "TurnRunner", "AgentMethod", "AgentBenchError",
            "FOLLOW_UPS", "DEFAULT_SYSTEM_PROMPT", "default_sessions_path", "load_sessions", "sessions_from_prompts",
@@ -683,6 +684,7 @@ def _totals(turns: Sequence[AgentTurn]) -> dict:
         "ttft_later_turns_max_s": max(later) if later else None,
         "decode_tokens_per_s": decode_tokens / decode_time if decode_time > 0 else None,
         "acceptance_rate": accepted / drafted if drafted else None,
+        "hybrid_steps": total_hybrid_steps(t.stats.get("hybrid_steps") for t in turns),
         "identical": sum(t.identical_to_plain for t in turns),
     }
 

@@ -30,6 +30,7 @@ from draftwise.config import SamplingParams
 from draftwise.engine import GenerationResult, SpeculativeEngine
 from draftwise.files import write_json_atomic
 from draftwise.models.loading import LoadedModel
+from draftwise.stats import total_hybrid_steps
 
 __all__ = ["BenchPrompt", "MethodSpec", "PromptRun", "load_prompts", "default_prompts_path", "run_benchmark",
            "summarize", "first_difference", "load_results", "write_json", "doubts_of", "row_name", "is_external_anchor",
@@ -364,6 +365,7 @@ def _method_row(label: str, mine: list[PromptRun], plain_time: float) -> dict:
         "mean_accepted_length": cost_model.mean_accepted_length(accepted, passes) if passes else None,
         "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(accepted_pos, drafted_pos)],
         "mean_k": statistics.fmean(ks) if ks else None,
+        "hybrid_steps": total_hybrid_steps(r.stats.get("hybrid_steps") for r in mine),
         "identical": sum(r.identical_to_plain for r in mine),
         # external anchors report only wall time, so the engine's overhead share is undefined for them
         "overhead_share": (_sum(mine, "overhead_time_s") / decode_time if decode_time > 0 else 0.0)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from draftwise.check.memory import available_ram
 from draftwise.check.tokenizer import (
     TokenizerInfo,
     TokenizerMismatchError,
@@ -36,6 +37,7 @@ from draftwise.methods import FIXED_DRAFT_CONFIDENCE, METHODS, get_method
 from draftwise.models.loading import LoadedModel, check_model_source, load_model
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import Proposer
+from draftwise.units import format_bytes
 
 if TYPE_CHECKING:
     from draftwise.proposers.suffix import SuffixProposer
@@ -43,14 +45,69 @@ if TYPE_CHECKING:
 __all__ = ["assemble_engine", "BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS",
            "TokenizerMismatchError", "backend_kind", "build_batched_engine", "build_engine", "build_proposer",
            "build_head_proposer", "check_same_tokenizer", "draft_confidence", "draft_load_options", "load_draft_model",
-           "load_target_heads", "require_target_ids_across_backends"]
+           "load_target_heads", "require_target_ids_across_backends", "DEFAULT_KV_CACHE_MEMORY", "KvCacheBudget",
+           "default_kv_cache_memory", "kv_cache_budget"]
 
 logger = logging.getLogger(__name__)
 
 DEMO_TARGET = "qwen2.5-coder-1.5b"
 DEMO_DRAFT = "qwen2.5-coder-0.5b"
-#: Default prefix-cache budget (bytes): about 75k tokens of Qwen2.5-Coder-1.5B fp32 KV state.
+#: Default prefix-cache budget of the library (bytes), and the cap of the commands' default
+#: (:func:`default_kv_cache_memory`): about 75k tokens of Qwen2.5-Coder-1.5B fp32 KV state.
 DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
+#: The commands' default prefix-cache budget is at most 1/KV_CACHE_MEMORY_DIVISOR of the memory available at start.
+KV_CACHE_MEMORY_DIVISOR = 4
+#: How ``--help`` states the commands' default (``serve``, ``bench --workload agent``).
+KV_CACHE_MEMORY_DEFAULT_HELP = (f"min({DEFAULT_KV_CACHE_MEMORY // 1024**3} GiB, 1/{KV_CACHE_MEMORY_DIVISOR} of "
+                                "available memory at start)")
+
+
+def default_kv_cache_memory(available_bytes: int | None = None) -> int:
+    """The commands' default prefix-cache budget (bytes): ``min(DEFAULT_KV_CACHE_MEMORY, available_bytes // 4)``.
+
+    ``available_bytes``: the memory available (bytes); None reads it now
+    (:func:`draftwise.check.memory.available_ram`), and
+    when that is unknown too the budget is the cap, :data:`DEFAULT_KV_CACHE_MEMORY`. Never raises.
+
+    Why a quarter (:data:`KV_CACHE_MEMORY_DIVISOR`): the figure is read once at start, before the models load,
+    and the cache fills only later, over many requests; the other three quarters must hold the target's and the
+    draft's weights (dequantized: several GiB for the demo pair), the working KV cache, the activations and the
+    rest of the machine. A fixed 4 GiB got a server killed by the kernel (OOM) on a 24 GiB machine running four
+    servers. The cap applies from 16 GiB available up. Servers started together each see the same available
+    memory and each take their quarter: give each an explicit ``--kv-cache-memory`` then.
+    """
+    if available_bytes is None:
+        available_bytes = available_ram()
+    if available_bytes is None:
+        return DEFAULT_KV_CACHE_MEMORY
+    return max(0, min(DEFAULT_KV_CACHE_MEMORY, available_bytes // KV_CACHE_MEMORY_DIVISOR))
+
+
+@dataclass(frozen=True)
+class KvCacheBudget:
+    """The prefix-cache budget a command runs with: ``nbytes`` (bytes; 0: no prefix reuse) and ``reason``, where
+    it came from, for the log (e.g. ``"1/4 of 10.0 GiB available; cap 4.00 GiB"``)."""
+
+    nbytes: int
+    reason: str
+
+    def describe(self) -> str:
+        """``"prefix cache: 2.50 GiB (1/4 of 10.0 GiB available; cap 4.00 GiB)"``; ``"prefix cache: off (...)"``."""
+        return f"prefix cache: {format_bytes(self.nbytes) if self.nbytes else 'off'} ({self.reason})"
+
+
+def kv_cache_budget(requested: int | None, available_bytes: int | None = None) -> KvCacheBudget:
+    """Resolve ``--kv-cache-memory`` (bytes; None: not given): a value given is used as is, else
+    :func:`default_kv_cache_memory` of ``available_bytes`` (None: read now, once)."""
+    if requested is not None:
+        return KvCacheBudget(requested, "--kv-cache-memory")
+    if available_bytes is None:
+        available_bytes = available_ram()
+    cap = format_bytes(DEFAULT_KV_CACHE_MEMORY)
+    if available_bytes is None:
+        return KvCacheBudget(DEFAULT_KV_CACHE_MEMORY, f"available memory unknown; cap {cap}")
+    return KvCacheBudget(default_kv_cache_memory(available_bytes), f"1/{KV_CACHE_MEMORY_DIVISOR} of "
+                         f"{format_bytes(available_bytes)} available; cap {cap}")
 
 
 @dataclass(frozen=True)
@@ -511,7 +568,7 @@ def build_engine(
     quantization: str | None = None,
     backend: str = "torch",
     threads: int | None = None,
-    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
+    kv_cache_memory: int | None = None,
     runtime: str = "auto",
     max_num_seqs: int = 1,
     max_num_batched_tokens: int = 256,
@@ -534,7 +591,8 @@ def build_engine(
             :func:`draftwise.models.loading.select_runtime`); the heads methods (Medusa, EAGLE) run their heads on
             the transformers model, so ``"auto"`` gives their target the transformers runtime.
         kv_cache_memory: memory budget (bytes) of the prefix cache that keeps finished sequences' KV states for
-            reuse by later requests sharing a prefix (:mod:`draftwise.prefix_cache`); 0 turns reuse off.
+            reuse by later requests sharing a prefix (:mod:`draftwise.prefix_cache`); 0 turns reuse off; None: the
+            commands' default, :func:`default_kv_cache_memory` (read when the engine is built).
         max_num_seqs: requests decoded together. Above 1, a target on the lean runtime with plain decoding or a
             batchable method (:data:`draftwise.engine.BATCHED_METHODS`) gets a
             :class:`~draftwise.engine.core.EngineCore` (continuous batching, one KV-cache slot per request, with
@@ -557,6 +615,8 @@ def build_engine(
         logger.warning("method %r does not run in the batched engine (batched: %s); serving one request at a time",
                        speculative_config.method, ", ".join(BATCHED_METHODS))
         batch = False
+    if kv_cache_memory is None:
+        kv_cache_memory = default_kv_cache_memory()
     target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
                               quantization=quantization, backend=backend, threads=threads, runtime=target_runtime,
                               num_slots=max_num_seqs if batch else 1)

@@ -7,13 +7,25 @@ from pathlib import Path
 
 from draftwise import measurement
 from draftwise.benchmark import PromptRun, doubts_of
+from draftwise.stats import hybrid_steps_line
 
 __all__ = ["markdown_table", "write_markdown", "write_plots", "agent_method_rows", "agent_session_rows",
-           "write_agent_markdown", "write_agent_plots"]
+           "write_agent_markdown", "write_agent_plots", "hybrid_lines"]
 
 
 def _fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def hybrid_lines(rows: Sequence[dict]) -> list[str]:
+    """One line per summary row whose method ran the hybrid (``row["hybrid_steps"]``): its passes by side."""
+    return [f"{row['method']}: {hybrid_steps_line(row['hybrid_steps'])}" for row in rows if row.get("hybrid_steps")]
+
+
+def _hybrid_markdown(summary: Sequence[dict]) -> list[str]:
+    """The :func:`hybrid_lines` as a Markdown list after a table (nothing when no hybrid ran)."""
+    found = hybrid_lines(summary)
+    return ["", *(f"- {line}" for line in found)] if found else []
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -50,6 +62,7 @@ def write_markdown(path: Path, config: dict, summary: list[dict], by_category: l
                      _fmt(row["overhead_share"], ".1%"), f"{row['peak_rss_bytes'] / 1e9:.1f}",
                      _fmt(row.get("predicted_speedup"))))
     lines += ["## Results", ""] + markdown_table(columns, rows)
+    lines += _hybrid_markdown(summary)
     lines += ["", "## Measurement", ""] + measurement_lines(doubts_of(summary + by_category, calibration), summary)
     if calibration:
         rel = calibration.get("target", {}).get("relative", {})
@@ -211,6 +224,7 @@ def write_agent_markdown(path: Path, config: dict, summary: Sequence[dict], sess
              "", "Each turn carries the whole conversation so far, with the method's own earlier answers. "
              "Speed-up: the baseline's (first method's) wall time / the method's, summed over the turns.", ""]
     lines += ["## Methods", ""] + markdown_table(AGENT_METHOD_COLUMNS, agent_method_rows(summary))
+    lines += _hybrid_markdown(summary)
     doubts = [(row["method"], d) for row in summary for d in row.get("warnings", [])]
     lines += ["", "## Measurement", ""] + measurement_lines(doubts, summary)
     lines += ["", "## Sessions", ""] + markdown_table(AGENT_SESSION_COLUMNS, agent_session_rows(sessions))

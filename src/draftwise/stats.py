@@ -7,7 +7,10 @@ Terms (as in vLLM's spec-decode metrics):
 - acceptance rate ``accepted / drafted`` (None when nothing was drafted);
 - per-token acceptance ``a``: the probability that a draft token is accepted given the earlier ones were,
   the ``alpha`` of Leviathan et al. 2023's formula (``accepted / drafted`` is not);
-- mean accepted length ``tau = 1 + accepted / verification passes`` (1.0 for plain decoding).
+- mean accepted length ``tau = 1 + accepted / verification passes`` (1.0 for plain decoding);
+- hybrid steps: the ``hybrid`` method's verification passes by the side that drafted them, ``suffix`` or
+  ``draft_model``, and ``plain`` for a pass without draft tokens (no suffix match, and the draft model not
+  expected to pay); passes the hybrid was not asked to draft for (K = 0) are not counted.
 
 A stop token inside an accepted draft ends the step there: the drafted and accepted counts stop at it.
 The definitions live in :mod:`draftwise.cost_model`.
@@ -15,11 +18,15 @@ The definitions live in :mod:`draftwise.cost_model`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
 from draftwise import cost_model
 
-__all__ = ["SpeculativeStats"]
+__all__ = ["SpeculativeStats", "HYBRID_SIDES", "total_hybrid_steps", "hybrid_steps_line"]
+
+#: The hybrid method's sides, in report order (:attr:`SpeculativeStats.hybrid_steps` keys).
+HYBRID_SIDES = ("suffix", "draft_model", "plain")
 
 
 @dataclass
@@ -35,6 +42,7 @@ class SpeculativeStats:
     num_target_passes: int = 0  # decode-phase target forward passes (prefill excluded)
     num_step_tokens: int = 0  # tokens committed by decode-phase passes (bonus included)
     num_tree_nodes: int = 0  # draft-tree nodes verified (tree methods; a chain counts 0)
+    hybrid_steps: dict[str, int] | None = None  # hybrid only: passes per HYBRID_SIDES side; None for other methods
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     rejected_per_position: list[int] = field(default_factory=list)  # drafts whose first rejection was there
@@ -74,6 +82,20 @@ class SpeculativeStats:
             self.accepted_per_position[position] += 1
         if num_accepted < num_drafted:
             self.rejected_per_position[num_accepted] += 1
+
+    def record_hybrid_step(self, side: str, num_drafted: int) -> None:
+        """Count one verification pass of the hybrid method by the side that drafted it (``"suffix"`` or
+        ``"draft_model"``, as :meth:`record_step` counted its ``num_drafted``); a pass that carried no draft token
+        counts as ``"plain"``, whichever side was chosen.
+
+        Raises:
+            ValueError: ``side`` is not one of :data:`HYBRID_SIDES`.
+        """
+        if side not in HYBRID_SIDES:
+            raise ValueError(f"unknown hybrid side {side!r}; expected one of {HYBRID_SIDES}")
+        if self.hybrid_steps is None:
+            self.hybrid_steps = dict.fromkeys(HYBRID_SIDES, 0)
+        self.hybrid_steps[side if num_drafted else "plain"] += 1
 
     def _grow(self, length: int) -> None:
         while len(self.drafted_per_position) < length:
@@ -132,3 +154,17 @@ class SpeculativeStats:
             overhead_time_s=self.overhead_time_s,
         )
         return data
+
+
+def total_hybrid_steps(per_request: Iterable[Mapping[str, int] | None]) -> dict[str, int] | None:
+    """Sum requests' hybrid steps (:attr:`SpeculativeStats.hybrid_steps`, or the server's
+    ``usage.speculative.hybrid_steps``) by side; None when no request has any (no hybrid ran)."""
+    found = [steps for steps in per_request if steps]
+    if not found:
+        return None
+    return {side: sum(int(steps.get(side, 0)) for steps in found) for side in HYBRID_SIDES}
+
+
+def hybrid_steps_line(steps: Mapping[str, int]) -> str:
+    """``hybrid steps: suffix 12, draft model 5, plain 3``: the one-line form the CLI and reports print."""
+    return "hybrid steps: " + ", ".join(f"{side.replace('_', ' ')} {int(steps.get(side, 0))}" for side in HYBRID_SIDES)

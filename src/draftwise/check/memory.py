@@ -57,13 +57,26 @@ def available_memory(device: str) -> tuple[int, str] | None:
             raise ValueError(f"device {device!r} requested but CUDA is not available here")
         free, total = torch.cuda.mem_get_info(torch.device(device))
         return int(free), f"free on {device} (of {format_bytes(total)})"
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, "available RAM"
+    ram = available_ram()
+    return None if ram is None else (ram, "available RAM")
+
+
+def available_ram(meminfo: str | Path = "/proc/meminfo") -> int | None:
+    """RAM this machine can give new allocations now without swapping, in bytes; None when unknown.
+
+    Reads ``MemAvailable`` of ``meminfo`` (Linux; free memory plus the page cache the kernel can reclaim, in
+    kiB), else the free physical pages (``os.sysconf``). Never raises: an unreadable or odd ``meminfo`` falls
+    through to the next source.
+    """
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free RAM"
+        with open(meminfo, encoding="ascii") as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
 

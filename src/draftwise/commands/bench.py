@@ -41,11 +41,12 @@ from draftwise.benchmark import (
     write_json,
 )
 from draftwise.builder import (
-    DEFAULT_KV_CACHE_MEMORY,
     DEMO_DRAFT,
     DEMO_TARGET,
+    KV_CACHE_MEMORY_DEFAULT_HELP,
     assemble_engine,
     backend_kind,
+    kv_cache_budget,
     load_draft_model,
 )
 from draftwise.calibration import ForwardCosts, forward_pass_samples
@@ -143,8 +144,9 @@ def _add_agent_args(parser: argparse.ArgumentParser) -> None:
                        "build sessions from --prompts (category coding unless --category) plus coding follow-ups; "
                        "--limit caps the number of sessions")
     group.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",
-                       help="in process: prefix-cache budget of every method's engine (default 4GiB; 0 = no prefix "
-                       "reuse); the method plain-nocache always runs without")
+                       help="in process: prefix-cache budget of every method's engine (default: "
+                       f"{KV_CACHE_MEMORY_DEFAULT_HELP}, read once for all methods; 0 = no prefix reuse); the method "
+                       "plain-nocache always runs without")
     group.add_argument("--agent-turns", type=int, default=None,
                        help="turns per session (default: all of a file's; 4 for spec-bench)")
     group.add_argument("--system-prompt", default=None, help="system prompt for every session (replaces the file's)")
@@ -547,6 +549,14 @@ def _shown_rows(summary: list[dict], by_category: list[dict]) -> list[dict]:
     return summary + (by_category if len({r["category"] for r in by_category}) > 1 else [])
 
 
+def _print_hybrid_lines(console: Console, summary: list[dict]) -> None:
+    """Under a table: each hybrid method's passes by side (:func:`draftwise.report.hybrid_lines`)."""
+    from draftwise.report import hybrid_lines
+
+    for line in hybrid_lines(summary):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
 def _print_tables(console: Console, summary: list[dict], by_category: list[dict], calibration: dict) -> None:
     columns = ("!", "category", "method", "tok/s", "speedup", "decode speedup", "median [min, max]", "alpha", "tau",
                "K", "identical", "predicted")
@@ -560,6 +570,7 @@ def _print_tables(console: Console, summary: list[dict], by_category: list[dict]
                      _fmt(row["acceptance_rate"], ".3f"), _fmt(row["mean_accepted_length"]), _fmt(row["mean_k"], ".1f"),
                      f"{row['identical']}/{row['runs']}", _fmt(row.get("predicted_speedup"))))
     print_table(console, "speculative decoding vs plain (same prompts, same process)", columns, rows)
+    _print_hybrid_lines(console, summary)
     footnote = measurement.legend(d for row in shown for d in row.get("warnings", []))
     if footnote:
         console.print(footnote, markup=False, highlight=False, soft_wrap=True)
@@ -694,12 +705,14 @@ def _agent_methods(args: argparse.Namespace, params):
                              draft_backend=args.speculative_backend, windows=draft_windows(args.draft_windows),
                              confidences=draft_confidences(args.draft_confidence))
     chat_template = _chat_template(args.chat_template)
-    specs = [_engine_method(label, kind, k, spec_config, args, params, chat_template)
+    kv_cache = kv_cache_budget(args.kv_cache_memory)  # once: every method gets the same budget
+    logger.info("%s", kv_cache.describe())
+    specs = [_engine_method(label, kind, k, spec_config, args, params, chat_template, kv_cache.nbytes)
              for label, kind, k, spec_config in plan]
     config = {"mode": "in-process", "target": args.model, "draft": args.draft if "draft" in methods else None,
               "methods": [label for label, *_ in plan], "quantization": args.quantization, "backend": args.backend,
               "draft_backend": args.speculative_backend, "threads": args.threads, "dtype": args.dtype,
-              "chat_template": "given" if chat_template else "model's"}
+              "chat_template": "given" if chat_template else "model's", "kv_cache_memory": kv_cache.nbytes}
     return specs, config
 
 
@@ -752,8 +765,9 @@ def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tr
     return plan
 
 
-def _engine_method(label, kind, k, spec_config, args, params, chat_template):
-    """An in-process method: its engine is built (models loaded) when the replay opens it and dropped after."""
+def _engine_method(label, kind, k, spec_config, args, params, chat_template, kv_cache_memory: int):
+    """An in-process method: its engine is built (models loaded) when the replay opens it and dropped after; its
+    prefix cache holds ``kv_cache_memory`` bytes (none for ``plain-nocache``)."""
     from contextlib import contextmanager
 
     from draftwise.agent_bench import AgentMethod, EngineTurnRunner
@@ -761,10 +775,9 @@ def _engine_method(label, kind, k, spec_config, args, params, chat_template):
 
     @contextmanager
     def open_runner():
-        memory = DEFAULT_KV_CACHE_MEMORY if args.kv_cache_memory is None else args.kv_cache_memory
         bundle = build_engine(args.model, spec_config, device=args.device, dtype=args.dtype,
                               quantization=args.quantization, backend=args.backend, threads=args.threads,
-                              runtime=args.runtime, kv_cache_memory=0 if kind == "plain-nocache" else memory)
+                              runtime=args.runtime, kv_cache_memory=0 if kind == "plain-nocache" else kv_cache_memory)
         yield EngineTurnRunner(bundle, params, chat_template)
 
     return AgentMethod(label, open_runner, kind, k, concurrent=False)
@@ -840,6 +853,7 @@ def _print_agent_tables(console: Console, summary: list[dict], per_session: list
 
     print_table(console, "agent loop: multi-turn sessions, each turn carries the conversation so far",
                 AGENT_METHOD_COLUMNS, agent_method_rows(summary))
+    _print_hybrid_lines(console, summary)
     footnote = measurement.legend(d for row in summary for d in row.get("warnings", []))
     if footnote:
         console.print(footnote, markup=False, highlight=False, soft_wrap=True)

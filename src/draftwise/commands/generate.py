@@ -18,6 +18,7 @@ from draftwise.commands.common import (
     sampling_params_from_args,
     speculative_config_from_args,
 )
+from draftwise.stats import hybrid_steps_line
 
 
 def register(subparsers) -> None:
@@ -88,5 +89,7 @@ def format_stats(method: str, stats) -> str:
             f"acceptance rate {stats.acceptance_rate:.3f}, mean accepted length {stats.mean_accepted_length:.2f}"
         )
         lines.append(f"acceptance by position: {per_pos}")
+    if stats.hybrid_steps:
+        lines.append(hybrid_steps_line(stats.hybrid_steps))
     lines.extend(f"warning: {w}" for w in stats.warnings)
     return "\n".join(lines)

@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftwise.builder import DEFAULT_KV_CACHE_MEMORY, DEMO_DRAFT, DEMO_TARGET
+from draftwise.builder import DEMO_DRAFT, DEMO_TARGET, KV_CACHE_MEMORY_DEFAULT_HELP, KvCacheBudget, kv_cache_budget
 from draftwise.commands.common import (
     CliError,
     add_backend_arg,
@@ -64,10 +64,11 @@ def register(subparsers) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help=f"max_tokens when a request sets none (default {DEFAULT_MAX_TOKENS}, clamped to the "
                         "context)")
-    parser.add_argument("--kv-cache-memory", type=memory_size, default=DEFAULT_KV_CACHE_MEMORY, metavar="SIZE",
+    parser.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",
                         help="memory for the KV states of finished requests, reused by later requests that share a "
                         "token prefix with one (agent loops resend the conversation each turn), e.g. 4GiB, 512MB; "
-                        "0 turns prefix reuse off (default 4GiB; least recently used evicted first)")
+                        f"0 turns prefix reuse off (default: {KV_CACHE_MEMORY_DEFAULT_HELP}; least recently used "
+                        "evicted first)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="queued requests beyond which new ones get 503 (default 256)")
     parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
@@ -101,10 +102,13 @@ class ServePlan:
     target: str
     speculative_config: SpeculativeConfig | None
     settings: ServerSettings
+    kv_cache: KvCacheBudget
 
 
 def plan_from_args(args: argparse.Namespace) -> ServePlan:
-    """Resolve the target, the speculative config (demo draft by default) and the server settings.
+    """Resolve the target, the speculative config (demo draft by default), the server settings and the
+    prefix-cache budget (``--kv-cache-memory``, else :func:`draftwise.builder.default_kv_cache_memory` of the
+    memory available now).
 
     Raises:
         CliError: a device or dtype this machine lacks, conflicting targets, an unreadable chat template,
@@ -135,7 +139,8 @@ def plan_from_args(args: argparse.Namespace) -> ServePlan:
     if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
         raise CliError(f"--max-num-seqs and --max-num-batched-tokens must be >= 1, got {args.max_num_seqs} and "
                        f"{args.max_num_batched_tokens}")
-    return ServePlan(target=target, speculative_config=spec, settings=settings)
+    return ServePlan(target=target, speculative_config=spec, settings=settings,
+                     kv_cache=kv_cache_budget(args.kv_cache_memory))
 
 
 def _target(args: argparse.Namespace) -> str | None:
@@ -219,12 +224,13 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     _check_port_free(args.host, args.port)
     _enable_request_logging()
+    logger.info("%s", plan.kv_cache.describe())
     logger.info("loading %s (%s)", plan.target,
                 f"draft {plan.speculative_config.model or plan.speculative_config.method}, "
                 f"K={plan.speculative_config.num_speculative_tokens}" if plan.speculative_config else "plain decoding")
     bundle = build_engine(plan.target, plan.speculative_config, device=args.device, dtype=args.dtype,
                           max_context=args.max_model_len, quantization=args.quantization,
-                          backend=args.backend, threads=args.threads, kv_cache_memory=args.kv_cache_memory,
+                          backend=args.backend, threads=args.threads, kv_cache_memory=plan.kv_cache.nbytes,
                           runtime=args.runtime, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
     app = create_app(bundle, plan.settings)

@@ -791,6 +791,8 @@ class EngineCore:
         stats.draft_time_s += draft_s
         stats.record_step(num_drafted, num_accepted, len(chunk))
         stats.num_tree_nodes += len(proposal) if proposal.is_tree else 0
+        if proposal.hybrid_side:
+            stats.record_hybrid_step(proposal.hybrid_side, num_drafted)
         stats.step_end_s.append(time.perf_counter() - sequence.admitted_s)
         if not reason:  # the last step (perhaps cut by a stop) tells nothing about later ones
             self._learn(sequence, num_drafted, num_accepted, draft_s, pass_s)

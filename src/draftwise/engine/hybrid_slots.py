@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from draftwise.engine.draft_slots import BatchedDraftModel
@@ -57,7 +57,9 @@ class BatchedHybrid(BatchProposer):
         clock: seconds (injectable for tests).
 
     Attributes:
-        num_suffix_steps, num_draft_steps: sequence-steps drafted by each side.
+        num_suffix_steps, num_draft_steps: sequence-steps drafted by each side (all sequences together; each
+            sequence's own counts are its statistics' ``hybrid_steps``, counted by the engine from the proposals'
+            ``hybrid_side``).
         num_plain_steps: sequence-steps without a draft (no suffix match, and the draft model not expected to
             pay at this load).
     """
@@ -115,7 +117,7 @@ class BatchedHybrid(BatchProposer):
                     self.num_suffix_steps += 1
                 else:
                     self.num_plain_steps += 1
-                proposals[i] = candidate.suffix_draft.proposal()
+                proposals[i] = replace(candidate.suffix_draft.proposal(), hybrid_side=SUFFIX)
                 self._track(candidate).remember(SUFFIX, len(candidate.sequence.context), proposals[i],
                                                 candidate.suffix_draft.score)
         if model_steps:
@@ -149,6 +151,7 @@ class BatchedHybrid(BatchProposer):
         drafted = self.draft.propose([(step.sequence, step.k) for step in steps])
         seconds = self.clock() - t0
         for index, step, proposal in zip(indices, steps, drafted):
+            proposal = replace(proposal, hybrid_side=DRAFT_MODEL)
             proposals[index] = proposal
             self._track(step).remember(DRAFT_MODEL, len(step.sequence.context), proposal, 0.0)
         depth = max(proposal.depth for proposal in drafted)

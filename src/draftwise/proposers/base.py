@@ -38,11 +38,15 @@ class DraftProposal:
         parents: None for a chain; for a draft tree, ``[k]`` parent node indices (-1 = the last committed
             token), see :mod:`draftwise.tree`. A chain-shaped ``parents`` (each node the child of the one
             before) is stored as None: a chain is the tree whose nodes each have one child.
+        hybrid_side: the side of the hybrid proposer that made it (``"suffix"``, also for its empty draft, or
+            ``"draft_model"``); the engine counts the request's passes by it
+            (:meth:`~draftwise.stats.SpeculativeStats.record_hybrid_step`). "" from every other proposer.
     """
 
     token_ids: tuple[int, ...]
     draft_probs: torch.Tensor | None = None
     parents: tuple[int, ...] | None = None
+    hybrid_side: str = ""
 
     def __post_init__(self) -> None:
         if self.parents is not None and tuple(self.parents) == chain_parents(len(self.token_ids)):
@@ -81,7 +85,7 @@ class DraftProposal:
             return self
         probs = None if self.draft_probs is None else self.draft_probs[:num_nodes]
         parents = None if self.parents is None else self.parents[:num_nodes]
-        return DraftProposal(self.token_ids[:num_nodes], probs, parents)
+        return DraftProposal(self.token_ids[:num_nodes], probs, parents, self.hybrid_side)
 
 
 class Proposer(ABC):

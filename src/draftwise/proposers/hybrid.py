@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from draftwise.config import SamplingParams
@@ -306,7 +306,8 @@ class HybridProposer(Proposer):
 
     Attributes:
         policy: the choice and what it learned (``learned`` is its state).
-        num_suffix_steps, num_draft_steps: how often each side drafted.
+        num_suffix_steps, num_draft_steps: how often each side drafted (over every request; each request's own
+            counts are its statistics' ``hybrid_steps``: the engine counts its proposals' ``hybrid_side``).
         num_plain_steps: steps without a draft (no suffix match, and the draft model not expected to pay).
         last_choice: ``"suffix"`` or ``"draft_model"`` (or ``""`` before the first step).
     """
@@ -367,12 +368,12 @@ class HybridProposer(Proposer):
                 self.num_suffix_steps += 1
             else:
                 self.num_plain_steps += 1
-            proposal = suffix_draft.proposal()
+            proposal = replace(suffix_draft.proposal(), hybrid_side=SUFFIX)
             predicted = suffix_draft.score
         else:
             self.num_draft_steps += 1
             t0 = self.clock()
-            proposal = self.draft.propose(context, k, params, sampler)
+            proposal = replace(self.draft.propose(context, k, params, sampler), hybrid_side=DRAFT_MODEL)
             if shared and previous == DRAFT_MODEL and len(proposal):
                 self.policy.learn_draft_cost(state, (self.clock() - t0) / proposal.depth)
             predicted = 0.0

@@ -92,6 +92,8 @@ class ServerMetrics:
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position (0-based).", ("position",))
+        self.hybrid_steps = counter("spec_decode_hybrid_steps", "Verification passes of hybrid requests by the "
+                                    "side that drafted them (suffix, draft_model; plain: none).", ("side",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated and returned to clients.")
         self.request_success = counter("request_success", "Finished requests by finish reason (stop, length, "
@@ -156,6 +158,8 @@ class ServerMetrics:
         self.num_accepted_tokens.labels(**labels).inc(stats.num_accepted_tokens)
         for position, accepted in enumerate(stats.accepted_per_position):
             self.accepted_per_pos.labels(**labels, position=str(position)).inc(accepted)
+        for side, steps in (stats.hybrid_steps or {}).items():
+            self.hybrid_steps.labels(**labels, side=side).inc(steps)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

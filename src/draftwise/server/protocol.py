@@ -126,7 +126,9 @@ class SpeculativeUsage(_Response):
 
     ``acceptance_rate`` = accepted / draft tokens (None when nothing was drafted); ``mean_accepted_length``
     = 1 + accepted / target verification passes (1.0 for plain decoding); ``acceptance_by_position[i]`` = the
-    fraction of drafts whose token at position i was accepted.
+    fraction of drafts whose token at position i was accepted; ``hybrid_steps`` = the ``hybrid`` method's
+    verification passes by the side that drafted them (``suffix``, ``draft_model``, ``plain``: none), None for
+    other methods.
     """
 
     method: str
@@ -139,6 +141,7 @@ class SpeculativeUsage(_Response):
     acceptance_by_position: list[float]
     accepted_per_position: list[int]
     drafted_per_position: list[int]
+    hybrid_steps: dict[str, int] | None = None
 
 
 class PromptTokensDetails(_Response):

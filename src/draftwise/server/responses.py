@@ -37,6 +37,7 @@ def make_usage(prompt_tokens: int, completion_tokens: int, stats: SpeculativeSta
         acceptance_by_position=stats.acceptance_by_position,
         accepted_per_position=list(stats.accepted_per_position),
         drafted_per_position=list(stats.drafted_per_position),
+        hybrid_steps=dict(stats.hybrid_steps) if stats.hybrid_steps is not None else None,
     )
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens,
