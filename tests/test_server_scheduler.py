@@ -152,3 +152,21 @@ def test_releasing_openmp_workers_keeps_torch_working_on_every_thread():
     assert torch.equal(after, before) and torch.equal(results["thread"], before)
     if sys.platform.startswith("linux") and torch.__config__.parallel_info().find("OpenMP") >= 0:
         assert released
+
+
+def test_request_log_line_names_the_hybrid_sides():
+    """The batched server's per-request INFO line: acceptance and tau when anything was drafted, the hybrid's
+    steps by side when it ran (also when every step was plain), nothing for plain decoding."""
+    from draftwise.server.batch_scheduler import _speculation
+    from draftwise.stats import SpeculativeStats
+
+    assert _speculation(None) == "" and _speculation(SpeculativeStats()) == ""
+    drafted = SpeculativeStats()
+    drafted.record_step(4, 3, 4)
+    assert _speculation(drafted) == ", acceptance 0.75, tau 4.00"
+    drafted.record_hybrid_step("suffix", 4)
+    assert _speculation(drafted).endswith(", hybrid steps: suffix 1, draft model 0, plain 0")
+    plain_only = SpeculativeStats()
+    plain_only.record_step(0, 0, 1)
+    plain_only.record_hybrid_step("suffix", 0)
+    assert _speculation(plain_only) == ", hybrid steps: suffix 0, draft model 0, plain 1"

@@ -39,6 +39,7 @@ from draftwise.server.scheduler import (
     _Job,
 )
 from draftwise.server.text import OutputText
+from draftwise.stats import hybrid_steps_line
 
 __all__ = ["BatchScheduler"]
 
@@ -254,6 +255,13 @@ class BatchScheduler(QueueLifecycle):
 
 
 def _speculation(stats) -> str:
-    if stats is None or not stats.num_draft_tokens:
+    """The log line's speculation part: acceptance and tau when anything was drafted, and the hybrid's steps by
+    side (``hybrid steps: suffix 12, draft model 5, plain 3``) when the hybrid ran."""
+    if stats is None:
         return ""
-    return f", acceptance {stats.acceptance_rate:.2f}, tau {stats.mean_accepted_length:.2f}"
+    line = ""
+    if stats.num_draft_tokens:
+        line = f", acceptance {stats.acceptance_rate:.2f}, tau {stats.mean_accepted_length:.2f}"
+    if stats.hybrid_steps:
+        line += f", {hybrid_steps_line(stats.hybrid_steps)}"
+    return line
