@@ -342,3 +342,21 @@ def test_load_time_self_test_refuses_a_row_dependent_model(monkeypatch):
     monkeypatch.setattr(model_module, "block_attention", leaky)
     with pytest.raises(NotExactError):
         build_lean(hf("qwen2"), quantization="none")
+
+
+@pytest.mark.skipif("int8" not in MODES, reason="no int8 kernels here")
+def test_int8_lean_model_keeps_no_view_of_the_checkpoint_weights():
+    """The int8 decoder holds its own copies: no tensor of it shares storage with the transformers model it was
+    built from (an untied LM head's weight once stayed a view of the checkpoint, which kept the whole memory-mapped
+    dequantized file of the 1.5B resident, 6.8 GB, after the transformers model was dropped). The fp32 mode uses
+    the checkpoint's fp32 weights as they are, by design."""
+    mode = "int8"
+    source = hf("llama")
+    assert not source.config.tie_word_embeddings  # the untied head is the case that leaked
+    checkpoint = {p.untyped_storage().data_ptr() for p in source.parameters()}
+    model = build_lean(source, quantization=mode, name=f"tiny-llama-{mode}").model
+    held = [value for module in model.modules() for value in vars(module).values() if isinstance(value, torch.Tensor)]
+    held += list(model.parameters()) + list(model.buffers())
+    assert held, "nothing inspected"
+    shared = [tuple(t.shape) for t in held if t.untyped_storage().data_ptr() in checkpoint]
+    assert shared == []

@@ -239,8 +239,9 @@ class LeanLlama(nn.Module):
         self.layers = nn.ModuleList(_build_layers(decoder.layers, config, linear))
         self.final_norm = decoder.norm.weight.detach().float().clone()  # [H]
         head = hf_model.get_output_embeddings()
+        # [V, H] float, not kept: an untied head's weight is a view of the loaded checkpoint (a memory-mapped file
+        # for a dequantized GGUF), and holding it would keep the whole mapping resident (6.8 GB for the 1.5B)
         head_weight = self.embed if config.tie_word_embeddings else head.weight.detach().float()
-        self.head_weight = head_weight  # [V, H] float: FR-Spec restricts the head from it
         head_bias = None if getattr(head, "bias", None) is None else head.bias.detach().float()
         if head_ids is None:
             self.lm_head = linear(head_weight, head_bias)  # [n, H] -> [n, V]
