@@ -73,7 +73,8 @@ class FixedK(KController):
 
 
 # ---------------------------------------------------------------------------------------------- adaptive K
-SPECULATION_DISABLED_NOTE = "draft disagrees with target: speculation disabled"
+SPECULATION_DISABLED_NOTE = ("the target rejected the proposer's draft tokens: speculation paused (re-probed with a "
+                             "small K later)")
 SPECULATION_UNPROFITABLE_NOTE = (
     "speculation cannot pay with the measured costs (even a perfect draft would be slower than plain "
     "decoding): speculation disabled"
