@@ -4,6 +4,7 @@ waiting and running requests, stop strings stopping the engine, engine failures 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -170,3 +171,27 @@ def test_request_log_line_names_the_hybrid_sides():
     plain_only.record_step(0, 0, 1)
     plain_only.record_hybrid_step("suffix", 0)
     assert _speculation(plain_only) == ", hybrid steps: suffix 0, draft model 0, plain 1"
+
+
+def test_a_request_is_recorded_before_its_client_gets_the_end():
+    """Metrics first, then the response: a client that reads ``/metrics`` as soon as its response ends finds its
+    request counted. The record callback here is slow (0.2 s), so recording after handing the end over shows."""
+    engine, records = gated_engine(), []
+    engine.target.gate.set()
+
+    def slow_record(record) -> None:
+        time.sleep(0.2)
+        records.append(record)
+
+    scheduler = BatchScheduler(engine.core, decode, slow_record, max_waiting=2)
+
+    async def scenario():
+        events = await drain(scheduler.submit(request(1)))
+        return events, len(records)
+
+    try:
+        events, recorded = asyncio.run(scenario())
+    finally:
+        scheduler.shutdown()
+    assert isinstance(events[-1], Finished)
+    assert recorded == 1

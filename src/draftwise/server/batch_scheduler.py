@@ -212,8 +212,8 @@ class BatchScheduler(QueueLifecycle):
             job.post(TextDelta(tail))
         result = running.sequence.result
         reason = "stop" if running.output.stopped else result.finish_reason
+        self._finish(running, reason)  # recorded first: a client reading /metrics after its response finds it
         job.end(Finished(reason, running.output.num_tokens, result.stats))
-        self._finish(running, reason)
 
     def _fail_all(self, error: BaseException) -> None:
         self._engine.abort_all("error")
@@ -223,9 +223,9 @@ class BatchScheduler(QueueLifecycle):
     def _fail(self, running: _Running, error: BaseException) -> None:
         """End a request with :class:`Failed` (its sequence has already left the engine) and record it."""
         logger.error("%s: engine failure: %s: %s", running.job.request.request_id, type(error).__name__, error)
-        running.job.end(Failed(error))
         if running.sequence.seq_id in self._active:
             self._finish(running, "error")
+        running.job.end(Failed(error))
 
     def _end_job(self) -> None:
         with self._wakeup:
