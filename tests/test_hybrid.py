@@ -112,6 +112,8 @@ def test_stories260k_requests_count_their_steps_by_side(stories, stories_draft):
     for _ in plain:
         pass
     assert plain.result.stats.hybrid_steps is None  # speculation off: the hybrid never drafted
+    one_token = engine.generate(stories.encode("Once upon a time"), SamplingParams(max_tokens=1)).stats
+    assert one_token.hybrid_steps == {"suffix": 0, "draft_model": 0, "plain": 0}  # hybrid, no pass to draft
 
 
 def test_plain_steps_are_counted_when_neither_side_pays():

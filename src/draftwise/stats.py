@@ -83,6 +83,12 @@ class SpeculativeStats:
         if num_accepted < num_drafted:
             self.rejected_per_position[num_accepted] += 1
 
+    def start_hybrid_steps(self) -> None:
+        """Count the hybrid's passes from here (every side at 0), so that a hybrid request no pass of which was
+        drafted (a one-token answer) reports zeros, not None (which says another method ran)."""
+        if self.hybrid_steps is None:
+            self.hybrid_steps = dict.fromkeys(HYBRID_SIDES, 0)
+
     def record_hybrid_step(self, side: str, num_drafted: int) -> None:
         """Count one verification pass of the hybrid method by the side that drafted it (``"suffix"`` or
         ``"draft_model"``, as :meth:`record_step` counted its ``num_drafted``); a pass that carried no draft token
@@ -93,8 +99,7 @@ class SpeculativeStats:
         """
         if side not in HYBRID_SIDES:
             raise ValueError(f"unknown hybrid side {side!r}; expected one of {HYBRID_SIDES}")
-        if self.hybrid_steps is None:
-            self.hybrid_steps = dict.fromkeys(HYBRID_SIDES, 0)
+        self.start_hybrid_steps()
         self.hybrid_steps[side if num_drafted else "plain"] += 1
 
     def _grow(self, length: int) -> None:

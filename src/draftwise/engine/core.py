@@ -363,6 +363,8 @@ class EngineCore:
             stats=SpeculativeStats(num_prompt_tokens=len(prompt)),
             arrival_s=time.perf_counter() if arrival_s is None else arrival_s, controller=controller,
             backoff=ProbeBackoff(4, self.max_probe_interval))
+        if max_k and self.proposer is not None and self.proposer.name == "hybrid":
+            sequence.stats.start_hybrid_steps()
         self._next_id += 1
         self._waiting.append(sequence)
         return sequence
