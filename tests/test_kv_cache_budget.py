@@ -22,6 +22,15 @@ def test_a_quarter_of_the_available_memory_capped_at_4_gib(available, expected):
     assert kv_cache_budget(None, available).nbytes == expected
 
 
+def test_the_log_line_says_which_bound_applied():
+    def line(available):
+        return kv_cache_budget(None, available).describe()
+
+    assert line(10 * GIB) == "prefix cache: 2.50 GiB (1/4 of 10.0 GiB available; cap 4.00 GiB)"
+    assert line(16 * GIB) == "prefix cache: 4.00 GiB (1/4 of 16.0 GiB available; cap 4.00 GiB)"
+    assert line(24 * GIB) == "prefix cache: 4.00 GiB (the cap; 1/4 of 24.0 GiB available is more)"
+
+
 def test_unknown_available_memory_gives_the_cap(monkeypatch):
     monkeypatch.setattr(builder, "available_ram", lambda: None)
     assert default_kv_cache_memory() == DEFAULT_KV_CACHE_MEMORY == 4 * GIB

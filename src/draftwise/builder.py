@@ -92,7 +92,8 @@ class KvCacheBudget:
     reason: str
 
     def describe(self) -> str:
-        """``"prefix cache: 2.50 GiB (1/4 of 10.0 GiB available; cap 4.00 GiB)"``; ``"prefix cache: off (...)"``."""
+        """``"prefix cache: 2.50 GiB (1/4 of 10.0 GiB available; cap 4.00 GiB)"``, ``"prefix cache: 4.00 GiB (the cap;
+        1/4 of 22.8 GiB available is more)"``; ``"prefix cache: off (...)"``."""
         return f"prefix cache: {format_bytes(self.nbytes) if self.nbytes else 'off'} ({self.reason})"
 
 
@@ -106,8 +107,11 @@ def kv_cache_budget(requested: int | None, available_bytes: int | None = None) -
     cap = format_bytes(DEFAULT_KV_CACHE_MEMORY)
     if available_bytes is None:
         return KvCacheBudget(DEFAULT_KV_CACHE_MEMORY, f"available memory unknown; cap {cap}")
-    return KvCacheBudget(default_kv_cache_memory(available_bytes), f"1/{KV_CACHE_MEMORY_DIVISOR} of "
-                         f"{format_bytes(available_bytes)} available; cap {cap}")
+    budget = default_kv_cache_memory(available_bytes)
+    share = f"1/{KV_CACHE_MEMORY_DIVISOR} of {format_bytes(available_bytes)} available"
+    if available_bytes // KV_CACHE_MEMORY_DIVISOR > DEFAULT_KV_CACHE_MEMORY:
+        return KvCacheBudget(budget, f"the cap; {share} is more")
+    return KvCacheBudget(budget, f"{share}; cap {cap}")
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,9 @@ def register(subparsers) -> None:
                         help=f"draft model for the draft and hf methods (default {DEMO_DRAFT})")
     add_speculative_backend_arg(parser)
     parser.add_argument("--methods", default="plain,draft",
-                        help=f"comma-separated, from {','.join(METHODS)} (default plain,draft; plain is always run)")
+                        help=f"comma-separated, from {','.join(METHODS)}; with --workload agent from "
+                             f"{','.join(m for m in AGENT_METHODS if m != 'hf')} (default plain,draft; plain is "
+                             "always run)")
     parser.add_argument("--ks", default="4", help="comma-separated fixed K values (default 4)")
     parser.add_argument("--medusa-heads", default=None, help="heads directory for --methods medusa (draftwise train-heads)")
     parser.add_argument("--eagle-heads", default=None, help="heads directory for --methods eagle (draftwise train-heads)")
