@@ -419,6 +419,11 @@ BAD_REQUESTS = [
                           "speculative_config": {"method": "ngram"}}, 400, "speculative_config"),
     ("completions", {"prompt": "hi", "K_Policy": "auto"}, 400, "K_Policy"),
     ("completions", {"prompt": "hi", "draft_model": "x"}, 400, "draft_model"),
+    # the --speculative-config fields without a speculative word in their names were logged and ignored (200)
+    ("completions", {"prompt": "hi", "method": "ngram"}, 400, "method"),
+    ("completions", {"prompt": "hi", "catch_up": "deferred"}, 400, "catch_up"),
+    ("completions", {"prompt": "hi", "backend": "llama.cpp"}, 400, "backend"),
+    ("completions", {"prompt": "hi", "suffix_decoding_min_token_prob": 0.5}, 400, "suffix_decoding_min_token_prob"),
     # vLLM extras that change the output were ignored (200): min_p 0.99 changed nothing
     ("completions", {"prompt": "hi", "min_p": 0.5}, 400, "min_p"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}}, 400,

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftwise.config import SamplingParams
+from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.models.loading import LoadedModel
 from draftwise.server.errors import APIError
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -435,7 +435,9 @@ def _reject(condition: bool, message: str, param: str) -> None:
 # a request that sends one would otherwise believe it took effect. The per-request one is num_speculative_tokens.
 # Matched on whole words of the name ("draft_model", not "drafts_enabled"; "k_policy", not "fallback_policy").
 _SERVER_SETTING_WORDS = frozenset({"speculative", "speculation", "draft", "proposer"})
-_SERVER_SETTING_NAMES = frozenset({"k_policy", "kpolicy", "tree_width", "tree_budget", "draft_window"})
+# Every --speculative-config field (one list: the config's own), less the OpenAI "model" and the per-request K.
+_SERVER_SETTING_NAMES = frozenset({"kpolicy"} | {field.name for field in dataclasses.fields(SpeculativeConfig)}
+                                  - {"model", "num_speculative_tokens"})
 # vLLM's extra sampling fields that change the output, which this server does not implement: a 400, never ignored
 _UNSUPPORTED_VLLM_FIELDS = ("min_p", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
                             "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
