@@ -229,6 +229,14 @@ def test_an_output_directory_is_refused_before_anything_runs(stories_path, promp
     assert f"--output {tmp_path}: is a directory; name the JSON file to write" in err and "Traceback" not in err
 
 
+def test_the_prompts_workload_refuses_a_prefix_cache_budget(stories_path, prompts_file, capsys):
+    """Found by a new-user test: ``--kv-cache-memory`` with the prompts workload (no prefix reuse) was ignored."""
+    code = main(["bench", "--model", str(stories_path), "--prompts", str(prompts_file), "--methods", "plain",
+                 "--max-tokens", "4", "--no-calibrate", "--kv-cache-memory", "2GiB"])
+    assert code == 2
+    assert "--kv-cache-memory applies to --workload agent" in capsys.readouterr().err
+
+
 def test_only_draftwise_runs_that_differ_count_as_mismatches():
     """transformers' own generate (the hf anchors) runs other numerics, so its differences are reported apart
     and do not make `bench` fail; a draftwise method that differs does."""

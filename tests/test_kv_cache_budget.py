@@ -22,6 +22,14 @@ def test_a_quarter_of_the_available_memory_capped_at_4_gib(available, expected):
     assert kv_cache_budget(None, available).nbytes == expected
 
 
+def test_a_budget_above_the_available_memory_is_used_with_a_warning(caplog):
+    caplog.set_level("WARNING", logger="draftwise.builder")
+    assert kv_cache_budget(64 * GIB, available_bytes=8 * GIB).nbytes == 64 * GIB
+    assert "more than the 8.00 GiB of memory available now" in caplog.text
+    caplog.clear()
+    assert kv_cache_budget(GIB, available_bytes=8 * GIB).nbytes == GIB and not caplog.text
+
+
 def test_the_log_line_says_which_bound_applied():
     def line(available):
         return kv_cache_budget(None, available).describe()
@@ -94,4 +102,4 @@ def test_bench_resolves_the_budget_once_for_every_method(monkeypatch):
     assert opened() == ([2 * GIB, 0, 2 * GIB], 2 * GIB)
     assert len(reads) == 1
     assert opened("--kv-cache-memory", "1GiB") == ([GIB, 0, GIB], GIB)
-    assert len(reads) == 1
+    assert len(reads) == 2  # once per run: a value given is checked against the available memory

@@ -100,10 +100,14 @@ class KvCacheBudget:
 def kv_cache_budget(requested: int | None, available_bytes: int | None = None) -> KvCacheBudget:
     """Resolve ``--kv-cache-memory`` (bytes; None: not given): a value given is used as is, else
     :func:`default_kv_cache_memory` of ``available_bytes`` (None: read now, once)."""
-    if requested is not None:
-        return KvCacheBudget(requested, "--kv-cache-memory")
     if available_bytes is None:
         available_bytes = available_ram()
+    if requested is not None:
+        if available_bytes is not None and requested > available_bytes:
+            logger.warning("--kv-cache-memory %s is more than the %s of memory available now: a long-running server "
+                           "may be killed for memory before its prefix cache is full", format_bytes(requested),
+                           format_bytes(available_bytes))
+        return KvCacheBudget(requested, "--kv-cache-memory")
     cap = format_bytes(DEFAULT_KV_CACHE_MEMORY)
     if available_bytes is None:
         return KvCacheBudget(DEFAULT_KV_CACHE_MEMORY, f"available memory unknown; cap {cap}")

@@ -314,6 +314,9 @@ def run(args: argparse.Namespace) -> int:
     args.speculative_backend = default_speculative_backend(args)
     if args.workload == "agent":
         return run_agent(args)
+    if args.kv_cache_memory is not None:
+        raise CliError("--kv-cache-memory applies to --workload agent (the prompts workload sends each prompt fresh, "
+                       "as Spec-Bench does: no prefix reuse)")
     console = Console()
     params = sampling_params_from_args(args)
     ks = parse_ks(args.ks)
