@@ -35,6 +35,20 @@ class _Lane:
 
 
 @dataclass
+class _KeptHybrid:
+    """What a finished sequence leaves in the prefix cache: the draft model's KV state (None: not kept) and the
+    suffix side's request index (:class:`~draftwise.proposers.suffix.KeptSuffixIndex`)."""
+
+    draft: Any
+    suffix: Any
+
+    @property
+    def nbytes(self) -> int:
+        """The draft model's state's bytes (the suffix index is not counted, as for ``suffix`` alone)."""
+        return int(getattr(self.draft, "nbytes", 0))
+
+
+@dataclass
 class _Candidate:
     """A sequence's step before its side is chosen."""
 
@@ -95,12 +109,17 @@ class BatchedHybrid(BatchProposer):
             lane.suffix.finish()
         self.draft.close(sequence)
 
-    def export_state(self, sequence: BatchSequence) -> Any:
-        """The draft model's kept state (the suffix side keeps its own index)."""
-        return self.draft.export_state(sequence)
+    def export_state(self, sequence: BatchSequence) -> _KeptHybrid:
+        """Both sides' kept states: the draft model's KV state and the suffix side's request index."""
+        lane = self._lanes.get(sequence.seq_id)
+        return _KeptHybrid(self.draft.export_state(sequence), None if lane is None else lane.suffix.export_state())
 
     def import_state(self, sequence: BatchSequence, state: Any, length: int) -> None:
-        self.draft.import_state(sequence, state, length)
+        kept = state if isinstance(state, _KeptHybrid) else _KeptHybrid(None, None)
+        self.draft.import_state(sequence, kept.draft, length)
+        lane = self._lanes.get(sequence.seq_id)
+        if lane is not None:
+            lane.suffix.import_state(kept.suffix)
 
     def propose(self, requests: Sequence[tuple[BatchSequence, int]],
                 pricing: StepPricing | None = None) -> list[DraftProposal]:
