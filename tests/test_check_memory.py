@@ -30,6 +30,14 @@ def test_parse_bytes_rejects(text):
         parse_bytes(text)
 
 
+@pytest.mark.parametrize("text", ["0.5", "0.9B", "0.0001KB"])
+def test_parse_bytes_rejects_a_size_under_one_byte(text):
+    """Found by a new-user test: ``--kv-cache-memory 0.5`` turned the prefix cache off without a word."""
+    with pytest.raises(ValueError, match="less than one byte"):
+        parse_bytes(text)
+    assert parse_bytes("0.0") == 0
+
+
 def test_format_bytes():
     assert [format_bytes(v) for v in (512, 48 * 1024, int(1.5 * GIB), None)] == ["512 B", "48.0 KiB", "1.50 GiB", "-"]
 

@@ -55,15 +55,34 @@ def _no_sysconf(name):
 
 
 def test_available_memory_reads_meminfo_and_never_raises(tmp_path, monkeypatch):
-    meminfo = tmp_path / "meminfo"
+    meminfo, no_group = tmp_path / "meminfo", tmp_path / "no-cgroup"
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   10485760 kB\n")
-    assert available_ram(str(meminfo)) == 10 * GIB
+    assert available_ram(meminfo, no_group) == 10 * GIB
     monkeypatch.setattr(os, "sysconf", _no_sysconf)  # no free-pages fallback either
-    assert available_ram(str(tmp_path / "missing")) is None
+    assert available_ram(tmp_path / "missing", no_group) is None
     meminfo.write_text("MemAvailable:   lots kB\n")
-    assert available_ram(str(meminfo)) is None
+    assert available_ram(meminfo, no_group) is None
     meminfo.write_text("MemTotal:       24000000 kB\n")  # a kernel before 3.14
-    assert available_ram(str(meminfo)) is None
+    assert available_ram(meminfo, no_group) is None
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_a_container_memory_limit_bounds_the_available_memory(tmp_path, version):
+    """In a memory-limited container MemAvailable is the host's: the group's limit less its usage counts too."""
+    meminfo, group = tmp_path / "meminfo", tmp_path / "cgroup"
+    meminfo.write_text("MemAvailable:   10485760 kB\n")  # 10 GiB on the host
+    limit, usage = (group / "memory.max", group / "memory.current") if version == "v2" else \
+        (group / "memory" / "memory.limit_in_bytes", group / "memory" / "memory.usage_in_bytes")
+    limit.parent.mkdir(parents=True)
+    limit.write_text(f"{4 * GIB}\n")
+    usage.write_text(f"{GIB}\n")
+    assert available_ram(meminfo, group) == 3 * GIB
+    limit.write_text("max\n" if version == "v2" else "9223372036854771712\n")  # no limit: the host's figure
+    assert available_ram(meminfo, group) == 10 * GIB
+    limit.write_text(f"{64 * GIB}\n")  # a limit above the host's free memory
+    assert available_ram(meminfo, group) == 10 * GIB
+    usage.write_text("garbled\n")
+    assert available_ram(meminfo, group) == 10 * GIB
 
 
 def test_bench_resolves_the_budget_once_for_every_method(monkeypatch):

@@ -17,7 +17,7 @@ def parse_bytes(text: str | int) -> int:
     or an int. A unit letter without ``B`` is binary, as in ``free -g``. Returns bytes (>= 0).
 
     Raises:
-        ValueError: not a non-negative size.
+        ValueError: not a non-negative size, or a positive one under one byte (``"0.5"``: a unit left out).
     """
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
@@ -29,7 +29,10 @@ def parse_bytes(text: str | int) -> int:
     number, prefix, binary, byte_suffix = match.groups()
     prefix = prefix.lower()
     base = 1024 if binary or (prefix and not byte_suffix) else 1000
-    return int(float(number) * base ** _POWERS[prefix])
+    value = float(number) * base ** _POWERS[prefix]
+    if 0 < value < 1:
+        raise ValueError(f"a memory size of {text!r} is less than one byte (a unit is missing? e.g. 0.5GiB)")
+    return int(value)
 
 
 def format_bytes(num_bytes: int | float | None) -> str:

@@ -61,13 +61,29 @@ def available_memory(device: str) -> tuple[int, str] | None:
     return None if ram is None else (ram, "available RAM")
 
 
-def available_ram(meminfo: str | Path = "/proc/meminfo") -> int | None:
-    """RAM this machine can give new allocations now without swapping, in bytes; None when unknown.
+def available_ram(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sys/fs/cgroup") -> int | None:
+    """RAM this process can get for new allocations now without swapping or being killed, in bytes; None when
+    unknown.
 
-    Reads ``MemAvailable`` of ``meminfo`` (Linux; free memory plus the page cache the kernel can reclaim, in
-    kiB), else the free physical pages (``os.sysconf``). Never raises: an unreadable or odd ``meminfo`` falls
+    The machine's: ``MemAvailable`` of ``meminfo`` (Linux; free memory plus the page cache the kernel can
+    reclaim, in kiB), else the free physical pages (``os.sysconf``). Within a memory-limited container (cgroup v2
+    ``memory.max`` / ``memory.current``, or v1 ``memory/memory.limit_in_bytes`` / ``memory.usage_in_bytes`` under
+    ``cgroup``), at most the limit less what the group uses. Never raises: an unreadable or odd file falls
     through to the next source.
     """
+    machine = _meminfo_available(meminfo)
+    if machine is None:
+        try:
+            machine = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            machine = None
+    group = _cgroup_headroom(Path(cgroup))
+    if group is None:
+        return machine
+    return group if machine is None else min(machine, group)
+
+
+def _meminfo_available(meminfo: str | Path) -> int | None:
     try:
         with open(meminfo, encoding="ascii") as lines:
             for line in lines:
@@ -75,10 +91,23 @@ def available_ram(meminfo: str | Path = "/proc/meminfo") -> int | None:
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError, UnicodeDecodeError):
         pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return None
+
+
+def _cgroup_headroom(root: Path) -> int | None:
+    """A memory-limited cgroup's limit less its usage (bytes, >= 0); None without a limit (``max``, v1's
+    near-2**63 "unlimited") or when the files cannot be read."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit_text = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if not limit_text.isdigit() or int(limit_text) >= 1 << 60:
+            return None  # the group has no limit
+        return max(0, int(limit_text) - usage)
+    return None
 
 
 @dataclass(frozen=True)
