@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from conftest import tiny_llama
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
-from draftwise.proposers.suffix import SuffixCache, SuffixIndex, SuffixProposer, best_draft, speculate
+from draftwise.proposers.suffix import (
+    SUFFIX_NODE_BYTES,
+    SuffixCache,
+    SuffixIndex,
+    SuffixProposer,
+    best_draft,
+    speculate,
+)
 from fakes import BigramLM, peaked_table, sequence_distribution
 
 GREEDY = SamplingParams()
@@ -444,3 +451,45 @@ def test_suffix_tree_width_is_kept_for_a_tree_capable_target(stories):
 def test_suffix_config_validation(fields, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(method="suffix", **fields)
+
+
+def _count_nodes(node) -> int:
+    children = list((node.children or {}).values())
+    return len(children) + sum(_count_nodes(child) for child in children)
+
+
+def test_num_nodes_follows_appends_pops_and_rebuilds():
+    rng = random.Random(3)
+    index = SuffixIndex(6)
+    seq = index.add_sequence()
+    index.extend(seq, [rng.randrange(5) for _ in range(60)])
+    assert index.num_nodes == _count_nodes(index.root) > 0
+    index.truncate(seq, 50)  # pops
+    assert index.num_nodes == _count_nodes(index.root)
+    index.truncate(seq, 10)  # rebuilt (fewer kept than removed)
+    assert index.num_nodes == _count_nodes(index.root)
+
+
+def test_export_hands_the_request_index_over_and_archives_the_output():
+    """The prefix cache keeps a request's index with its KV state: export archives the output under the scope and
+    leaves the proposer a fresh index (one owner); an adopter takes it, and the entry then holds nothing."""
+    proposer = SuffixProposer()
+    prompt, output = [1, 2, 3, 4, 5, 1, 2, 3], [6, 7, 8]
+    proposer.start(prompt, scope="s")
+    proposer.best_draft(prompt + output, 3)  # indexes what the request has so far
+    kept = proposer.export_state()
+    assert kept.index.sequence(kept.seq) == prompt + output
+    assert kept.nbytes == kept.index.num_nodes * SUFFIX_NODE_BYTES > 0
+    assert proposer.local is not kept.index and proposer.local.num_tokens == 0
+    assert proposer.cache.index("s").num_tokens == len(output)  # archived before the index left
+    adopter = SuffixProposer()
+    adopter.start(prompt + output + [9], scope="s")
+    index = kept.index
+    adopter.import_state(kept)
+    assert adopter.local is index and kept.index is None and kept.nbytes == 0
+    work = index.update_work
+    adopter.best_draft(prompt + output + [9], 3)
+    assert index.update_work - work <= index.max_depth  # only the new token was indexed
+    other = SuffixProposer()
+    other.import_state(kept)  # already taken: keeps its own empty index
+    assert other.local is not index

@@ -44,8 +44,8 @@ class _KeptHybrid:
 
     @property
     def nbytes(self) -> int:
-        """The draft model's state's bytes (the suffix index is not counted, as for ``suffix`` alone)."""
-        return int(getattr(self.draft, "nbytes", 0))
+        """Bytes of both states (the draft model's KV state and the suffix index's estimate)."""
+        return int(getattr(self.draft, "nbytes", 0)) + int(getattr(self.suffix, "nbytes", 0))
 
 
 @dataclass
