@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from draftwise import cost_model
 
-__all__ = ["SpeculativeStats", "HYBRID_SIDES", "total_hybrid_steps", "hybrid_steps_line"]
+__all__ = ["SpeculativeStats", "HYBRID_SIDES", "hybrid_step_side", "total_hybrid_steps", "hybrid_steps_line"]
 
 #: The hybrid method's sides, in report order (:attr:`SpeculativeStats.hybrid_steps` keys).
 HYBRID_SIDES = ("suffix", "draft_model", "plain")
@@ -97,10 +97,8 @@ class SpeculativeStats:
         Raises:
             ValueError: ``side`` is not one of :data:`HYBRID_SIDES`.
         """
-        if side not in HYBRID_SIDES:
-            raise ValueError(f"unknown hybrid side {side!r}; expected one of {HYBRID_SIDES}")
         self.start_hybrid_steps()
-        self.hybrid_steps[side if num_drafted else "plain"] += 1
+        self.hybrid_steps[hybrid_step_side(side, num_drafted)] += 1
 
     def _grow(self, length: int) -> None:
         while len(self.drafted_per_position) < length:
@@ -159,6 +157,18 @@ class SpeculativeStats:
             overhead_time_s=self.overhead_time_s,
         )
         return data
+
+
+def hybrid_step_side(side: str, num_drafted: int) -> str:
+    """Which :data:`HYBRID_SIDES` count a hybrid pass goes to: ``side`` (``"suffix"`` or ``"draft_model"``, the
+    side chosen) when it carried draft tokens, else ``"plain"``.
+
+    Raises:
+        ValueError: ``side`` is not one of :data:`HYBRID_SIDES`.
+    """
+    if side not in HYBRID_SIDES:
+        raise ValueError(f"unknown hybrid side {side!r}; expected one of {HYBRID_SIDES}")
+    return side if num_drafted else "plain"
 
 
 def total_hybrid_steps(per_request: Iterable[Mapping[str, int] | None]) -> dict[str, int] | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from draftwise.engine.draft_slots import BatchedDraftModel
@@ -71,11 +71,9 @@ class BatchedHybrid(BatchProposer):
         clock: seconds (injectable for tests).
 
     Attributes:
-        num_suffix_steps, num_draft_steps: sequence-steps drafted by each side (all sequences together; each
-            sequence's own counts are its statistics' ``hybrid_steps``, counted by the engine from the proposals'
-            ``hybrid_side``).
-        num_plain_steps: sequence-steps without a draft (no suffix match, and the draft model not expected to
-            pay at this load).
+        num_suffix_steps, num_draft_steps, num_plain_steps: sequence-steps by side, all sequences together (the
+            policy's :attr:`~draftwise.proposers.hybrid.HybridPolicy.steps`; each sequence's own are its
+            statistics' ``hybrid_steps``).
     """
 
     name = "hybrid"
@@ -89,13 +87,22 @@ class BatchedHybrid(BatchProposer):
         self.policy = policy
         self.clock = clock
         self._lanes: dict[int, _Lane] = {}
-        self.num_suffix_steps = 0
-        self.num_draft_steps = 0
-        self.num_plain_steps = 0
 
     @property
     def drafting_model(self) -> BatchedDraftModel:
         return self.draft
+
+    @property
+    def num_suffix_steps(self) -> int:
+        return self.policy.steps[SUFFIX]
+
+    @property
+    def num_draft_steps(self) -> int:
+        return self.policy.steps[DRAFT_MODEL]
+
+    @property
+    def num_plain_steps(self) -> int:
+        return self.policy.steps["plain"]
 
     def open(self, sequence: BatchSequence) -> None:
         suffix = self._suffix_factory()
@@ -132,11 +139,7 @@ class BatchedHybrid(BatchProposer):
         model_steps = [i for i, side in enumerate(sides) if side == DRAFT_MODEL]
         for i, (candidate, side) in enumerate(zip(candidates, sides)):
             if side == SUFFIX:
-                if len(candidate.suffix_draft):
-                    self.num_suffix_steps += 1
-                else:
-                    self.num_plain_steps += 1
-                proposals[i] = replace(candidate.suffix_draft.proposal(), hybrid_side=SUFFIX)
+                proposals[i] = self.policy.tag(SUFFIX, candidate.suffix_draft.proposal())
                 self._track(candidate).remember(SUFFIX, len(candidate.sequence.context), proposals[i],
                                                 candidate.suffix_draft.score)
         if model_steps:
@@ -165,13 +168,11 @@ class BatchedHybrid(BatchProposer):
     def _draft_with_model(self, steps: list[_Candidate], indices: list[int], proposals: list[DraftProposal]) -> None:
         """One batched draft call for ``steps``; its seconds per depth teach the shared draft cost when no
         sequence in it caught up on skipped tokens."""
-        self.num_draft_steps += len(steps)
         t0 = self.clock()
         drafted = self.draft.propose([(step.sequence, step.k) for step in steps])
         seconds = self.clock() - t0
         for index, step, proposal in zip(indices, steps, drafted):
-            proposal = replace(proposal, hybrid_side=DRAFT_MODEL)
-            proposals[index] = proposal
+            proposal = proposals[index] = self.policy.tag(DRAFT_MODEL, proposal)
             self._track(step).remember(DRAFT_MODEL, len(step.sequence.context), proposal, 0.0)
         depth = max(proposal.depth for proposal in drafted)
         if depth and all(step.learns_cost for step in steps):

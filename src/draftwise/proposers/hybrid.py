@@ -46,6 +46,7 @@ from draftwise.proposers.suffix import (
     uses_earlier_requests,
 )
 from draftwise.sampling import Sampler
+from draftwise.stats import HYBRID_SIDES, hybrid_step_side
 from draftwise.tree import children_of, node_depths
 
 __all__ = ["HybridPolicy", "HybridProposer", "HybridTrack", "LearnedState", "SideOptions", "StepCosts",
@@ -206,6 +207,8 @@ class HybridPolicy:
 
     Attributes:
         learned: the state learned over requests.
+        steps: passes by side over every request (:data:`draftwise.stats.HYBRID_SIDES`, counted by
+            :meth:`tag` with the rule each request's statistics use, :func:`draftwise.stats.hybrid_step_side`).
     """
 
     def __init__(self, costs: StepCosts, *, max_k: int = 5, suffix_prior: float = 4.0, suffix_decay: float = 0.95,
@@ -219,6 +222,7 @@ class HybridPolicy:
         self.learn_costs = learn_costs
         self.cost_smoothing = cost_smoothing
         self.learned = self.initial_state()
+        self.steps = dict.fromkeys(HYBRID_SIDES, 0)
 
     def initial_state(self) -> LearnedState:
         """The priors: acceptance from :class:`AcceptanceEstimator`'s defaults, the cost model's draft cost."""
@@ -255,6 +259,12 @@ class HybridPolicy:
         state = state or self.learned
         option = self.options(draft, k, nodes, state)
         return assign_sides([option], 1, self.costs.verify_cost, lambda rows: state.draft_seconds_per_token)[0]
+
+    def tag(self, side: str, proposal: DraftProposal) -> DraftProposal:
+        """``proposal`` marked with the side that made it (``hybrid_side``, which the engine counts per request),
+        counted in :attr:`steps`."""
+        self.steps[hybrid_step_side(side, len(proposal))] += 1
+        return replace(proposal, hybrid_side=side)
 
     def learn_outcome(self, track: HybridTrack, context: list[int], state: LearnedState) -> str:
         """Score the request's previous draft against what was committed since; returns its source (``""``
@@ -306,9 +316,8 @@ class HybridProposer(Proposer):
 
     Attributes:
         policy: the choice and what it learned (``learned`` is its state).
-        num_suffix_steps, num_draft_steps: how often each side drafted (over every request; each request's own
-            counts are its statistics' ``hybrid_steps``: the engine counts its proposals' ``hybrid_side``).
-        num_plain_steps: steps without a draft (no suffix match, and the draft model not expected to pay).
+        num_suffix_steps, num_draft_steps, num_plain_steps: passes by side over every request (the policy's
+            :attr:`~HybridPolicy.steps`; each request's own are its statistics' ``hybrid_steps``).
         last_choice: ``"suffix"`` or ``"draft_model"`` (or ``""`` before the first step).
     """
 
@@ -323,15 +332,24 @@ class HybridProposer(Proposer):
         self.draft = draft
         self.clock = clock
         self._track = HybridTrack()
-        self.num_suffix_steps = 0
-        self.num_draft_steps = 0
-        self.num_plain_steps = 0
         self.last_choice = ""
 
     @property
     def learned(self) -> LearnedState:
         """The state learned over requests (the policy's)."""
         return self.policy.learned
+
+    @property
+    def num_suffix_steps(self) -> int:
+        return self.policy.steps[SUFFIX]
+
+    @property
+    def num_draft_steps(self) -> int:
+        return self.policy.steps[DRAFT_MODEL]
+
+    @property
+    def num_plain_steps(self) -> int:
+        return self.policy.steps["plain"]
 
     def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
         self.suffix.start(prompt_ids, scope=scope)
@@ -364,16 +382,11 @@ class HybridProposer(Proposer):
         choice = self.choose(suffix_draft, k, state)
         self.last_choice = choice
         if choice == SUFFIX:
-            if len(suffix_draft):
-                self.num_suffix_steps += 1
-            else:
-                self.num_plain_steps += 1
-            proposal = replace(suffix_draft.proposal(), hybrid_side=SUFFIX)
+            proposal = self.policy.tag(SUFFIX, suffix_draft.proposal())
             predicted = suffix_draft.score
         else:
-            self.num_draft_steps += 1
             t0 = self.clock()
-            proposal = replace(self.draft.propose(context, k, params, sampler), hybrid_side=DRAFT_MODEL)
+            proposal = self.policy.tag(DRAFT_MODEL, self.draft.propose(context, k, params, sampler))
             if shared and previous == DRAFT_MODEL and len(proposal):
                 self.policy.learn_draft_cost(state, (self.clock() - t0) / proposal.depth)
             predicted = 0.0
