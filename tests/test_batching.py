@@ -82,8 +82,8 @@ class LinearCosts:
         return 1.0 + 0.05 * (num_tokens - 1)
 
 
-def batched_hybrid(draft_hf, k: int = 4) -> BatchedHybrid:
-    """Per-sequence suffix proposers over one shared index, and the batched draft model ``draft_hf``."""
+def suffix_factory():
+    """Makes per-sequence suffix proposers sharing one cross-request index (as the builder's)."""
     shared = SuffixCache(24, 100, 100_000)
 
     def suffix() -> SuffixProposer:
@@ -91,8 +91,13 @@ def batched_hybrid(draft_hf, k: int = 4) -> BatchedHybrid:
         proposer.cache = shared
         return proposer
 
+    return suffix
+
+
+def batched_hybrid(draft_hf, k: int = 4) -> BatchedHybrid:
+    """Per-sequence suffix proposers over one shared index, and the batched draft model ``draft_hf``."""
     draft = BatchedDraftModel(build_lean(draft_hf, quantization=MODE, num_slots=SLOTS), 96)
-    return BatchedHybrid(suffix, draft, HybridPolicy(LinearCosts(), max_k=k, learn_costs=False))
+    return BatchedHybrid(suffix_factory(), draft, HybridPolicy(LinearCosts(), max_k=k, learn_costs=False))
 
 
 def run_interleaved(engine: EngineCore, schedule: dict[int, list[list[int]]], params=GREEDY,
@@ -171,14 +176,7 @@ def test_a_next_turn_adopts_the_kept_suffix_index(single, multi, weak_draft_hf, 
     updates per prompt token (70 ms for 1,000 tokens: the batched server's later-turn TTFT, found by a new-user
     test); a second request matching the same entry at the same time builds its own; both stay exact."""
     if method == "suffix":
-        shared = SuffixCache(24, 100, 100_000)
-
-        def make() -> SuffixProposer:
-            proposer = SuffixProposer()
-            proposer.cache = shared
-            return proposer
-
-        proposers = PerSequenceProposers(make, "suffix")
+        proposers = PerSequenceProposers(suffix_factory(), "suffix")
         suffix_of = lambda sequence: proposers._proposers[sequence.seq_id]  # noqa: E731
     else:
         proposers = batched_hybrid(weak_draft_hf, k=3)
