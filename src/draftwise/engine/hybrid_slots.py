@@ -20,7 +20,15 @@ from draftwise.engine.draft_slots import BatchedDraftModel
 from draftwise.engine.proposers import BatchProposer, StepPricing
 from draftwise.engine.sequence import BatchSequence
 from draftwise.proposers.base import DraftProposal
-from draftwise.proposers.hybrid import DRAFT_MODEL, SUFFIX, HybridPolicy, HybridTrack, LearnedState, assign_sides
+from draftwise.proposers.hybrid import (
+    DRAFT_MODEL,
+    SUFFIX,
+    HybridPolicy,
+    HybridStepCounts,
+    HybridTrack,
+    LearnedState,
+    assign_sides,
+)
 from draftwise.proposers.suffix import SuffixDraft, SuffixProposer
 
 __all__ = ["BatchedHybrid"]
@@ -59,7 +67,7 @@ class _Candidate:
     learns_cost: bool  # its previous step drafted with the model too (no catch-up in this call) on shared state
 
 
-class BatchedHybrid(BatchProposer):
+class BatchedHybrid(HybridStepCounts, BatchProposer):
     """Hybrid drafting for every decoding sequence of a batch (SuffixDecoding's per-step choice, Oliaro et al.
     2024, priced by :class:`~draftwise.proposers.hybrid.HybridPolicy`).
 
@@ -91,18 +99,6 @@ class BatchedHybrid(BatchProposer):
     @property
     def drafting_model(self) -> BatchedDraftModel:
         return self.draft
-
-    @property
-    def num_suffix_steps(self) -> int:
-        return self.policy.steps[SUFFIX]
-
-    @property
-    def num_draft_steps(self) -> int:
-        return self.policy.steps[DRAFT_MODEL]
-
-    @property
-    def num_plain_steps(self) -> int:
-        return self.policy.steps["plain"]
 
     def open(self, sequence: BatchSequence) -> None:
         suffix = self._suffix_factory()

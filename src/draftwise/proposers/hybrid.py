@@ -49,8 +49,8 @@ from draftwise.sampling import Sampler
 from draftwise.stats import HYBRID_SIDES, hybrid_step_side
 from draftwise.tree import children_of, node_depths
 
-__all__ = ["HybridPolicy", "HybridProposer", "HybridTrack", "LearnedState", "SideOptions", "StepCosts",
-           "accepted_length", "assign_sides"]
+__all__ = ["HybridPolicy", "HybridProposer", "HybridStepCounts", "HybridTrack", "LearnedState", "SideOptions",
+           "StepCosts", "accepted_length", "assign_sides"]
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +301,26 @@ class HybridTrack:
         self.pending = _Pending(source, context_len, proposal.token_ids, proposal.parents, predicted)
 
 
-class HybridProposer(Proposer):
+class HybridStepCounts:
+    """``num_suffix_steps``, ``num_draft_steps``, ``num_plain_steps`` of a hybrid proposer: its ``policy``'s
+    passes by side over every request (:attr:`HybridPolicy.steps`)."""
+
+    policy: HybridPolicy
+
+    @property
+    def num_suffix_steps(self) -> int:
+        return self.policy.steps[SUFFIX]
+
+    @property
+    def num_draft_steps(self) -> int:
+        return self.policy.steps[DRAFT_MODEL]
+
+    @property
+    def num_plain_steps(self) -> int:
+        return self.policy.steps["plain"]
+
+
+class HybridProposer(HybridStepCounts, Proposer):
     """Suffix decoding or a draft model, chosen per step by a :class:`HybridPolicy` (see the module docstring).
 
     Args:
@@ -338,18 +357,6 @@ class HybridProposer(Proposer):
     def learned(self) -> LearnedState:
         """The state learned over requests (the policy's)."""
         return self.policy.learned
-
-    @property
-    def num_suffix_steps(self) -> int:
-        return self.policy.steps[SUFFIX]
-
-    @property
-    def num_draft_steps(self) -> int:
-        return self.policy.steps[DRAFT_MODEL]
-
-    @property
-    def num_plain_steps(self) -> int:
-        return self.policy.steps["plain"]
 
     def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
         self.suffix.start(prompt_ids, scope=scope)
