@@ -39,6 +39,7 @@ def cycle_table(vocab: int, period: int) -> torch.Tensor:
 def hybrid(target_table, draft_table, k, **options):
     vocab = target_table.shape[0]
     costs = options.pop("costs", FakeCosts())
+    options.setdefault("priced_by_engine", False)  # the scripted costs price every step
     proposer = HybridProposer(SuffixProposer(), DraftModelProposer(BigramLM(draft_table), vocab), costs, max_k=k,
                               **options)
     return BigramLM(target_table), proposer
@@ -63,7 +64,7 @@ def test_bigram_exactness_with_an_imperfect_draft(k, prompt):
 def test_tiny_llama_exactness_over_consecutive_requests(k):
     target, draft = tiny_llama(seed=0), tiny_llama(seed=1)
     proposer = HybridProposer(SuffixProposer(tree_width=2), DraftModelProposer(draft, target.vocab_size), FakeCosts(),
-                              max_k=k)
+                              max_k=k, priced_by_engine=False)
     engine = SpeculativeEngine(target, proposer, k)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     for prompt in ([3, 17, 42, 5] * 6, [9, 9, 9, 9, 9, 9, 9, 9], [11, 12, 13, 14, 15, 16, 11, 12, 13], [3, 17, 42, 5] * 6):
@@ -74,7 +75,7 @@ def test_tiny_llama_exactness_over_consecutive_requests(k):
 def test_stories260k_exactness(stories, stories_draft):
     params = SamplingParams(max_tokens=48)
     proposer = HybridProposer(SuffixProposer(), DraftModelProposer(stories_draft.backend, stories.backend.vocab_size),
-                              FakeCosts(), max_k=4)
+                              FakeCosts(), max_k=4, priced_by_engine=False)
     engine = SpeculativeEngine(stories.backend, proposer, 4, eos_token_ids=stories.eos_token_ids)
     for text in ("Once upon a time",
                  "One two three. One two three. One two three. One two three. One two"):
@@ -96,7 +97,7 @@ def test_stories260k_requests_count_their_steps_by_side(stories, stories_draft):
     passes are its drafts, and every decode pass but a last one clamped to K = 0 was the hybrid's to draft."""
     params = SamplingParams(max_tokens=40)
     proposer = HybridProposer(SuffixProposer(), DraftModelProposer(stories_draft.backend, stories.backend.vocab_size),
-                              FakeCosts(), max_k=4)
+                              FakeCosts(), max_k=4, priced_by_engine=False)
     engine = SpeculativeEngine(stories.backend, proposer, 4, eos_token_ids=stories.eos_token_ids)
     totals = dict.fromkeys(_sides(proposer), 0)
     for text in ("Once upon a time", "One two three. One two three. One two three. One two three. One two"):

@@ -287,7 +287,8 @@ def test_hybrid_warm_turn_reuses_its_draft_state_and_stays_exact(tiny_pair):
     from test_hybrid import FakeCosts
 
     target, draft = tiny_pair
-    hybrid = HybridProposer(SuffixProposer(), DraftModelProposer(draft, target.vocab_size), FakeCosts(), max_k=4)
+    hybrid = HybridProposer(SuffixProposer(), DraftModelProposer(draft, target.vocab_size), FakeCosts(), max_k=4,
+                            priced_by_engine=False)
     engine = SpeculativeEngine(target, hybrid, 4, prefix_cache=PrefixCache(1 << 30))
     first = engine.generate([3, 17, 42, 5], GREEDY)
     kept = engine.prefix_cache.lookup("", [3, 17, 42, 5]).entry

@@ -115,7 +115,7 @@ def hybrid_url(draftwise_home, stories_path):
     target = load_model(str(stories_path), device="cpu")
     draft = derive_layer_draft(target, 2)
     proposer = HybridProposer(SuffixProposer(), DraftModelProposer(draft.backend, target.backend.vocab_size), Costs(),
-                              max_k=3)
+                              max_k=3, priced_by_engine=False)
     engine = SpeculativeEngine(target.backend, proposer, 3, eos_token_ids=target.eos_token_ids)
     config = SpeculativeConfig(method="hybrid", model=draft.name, num_speculative_tokens=3)
     bundle = EngineBundle(target=target, engine=engine, speculative_config=config, draft=draft)

@@ -52,8 +52,10 @@ class KController(ABC):
     def choose_k(self) -> int:
         """K for the next step (0 means a plain decoding step)."""
 
-    def observe(self, num_drafted: int, num_accepted: int, draft_time_s: float, target_time_s: float) -> None:
-        """Record the outcome of one step (tokens, seconds). Default: ignore."""
+    def observe(self, num_drafted: int, num_accepted: int, draft_time_s: float, target_time_s: float, *,
+                overhead_s: float = 0.0) -> None:
+        """Record the outcome of one step (tokens, seconds); ``overhead_s``: the engine's current estimate of its
+        own time per step beyond the passes (:class:`draftwise.cost_model.StepOverhead`). Default: ignore."""
 
     def notes(self) -> list[str]:
         """Human-readable events worth surfacing in the request's statistics (e.g. speculation disabled)."""
@@ -260,6 +262,8 @@ class AutoKMemory:
         draft_moments: running means ``[K, t, K^2, K t]`` of the drafting steps' K and seconds t (None before
             the first), which the two draft costs are fitted to.
         catch_up_seconds_per_token: learned draft prefill time per caught-up token (None: the cost model's).
+        step_overhead_seconds: the engine's own time per step beyond the passes, as it last reported it (None:
+            the cost model's).
         num_requests: requests started.
     """
 
@@ -270,6 +274,7 @@ class AutoKMemory:
     draft_step_seconds: float | None = None
     draft_moments: list[float] | None = None
     catch_up_seconds_per_token: float | None = None
+    step_overhead_seconds: float | None = None
     draft_samples: int = 0
     num_requests: int = 0
 
@@ -323,7 +328,8 @@ class AutoK(KController):
     the verify curve (running average of measured / predicted verify time of passes over that many tokens;
     unmeasured points take the last measured scale, and the curve is kept non-decreasing), the draft time
     per token (from steps whose draft was nearly in sync, or every drafting step of a proposer without
-    catch-up) and a draft model's catch-up time per token (from its drafting steps after a gap).
+    catch-up) and a draft model's catch-up time per token (from its drafting steps after a gap). The engine's own
+    time per step (``overhead_s`` of :meth:`observe`, which a plain step pays too) is priced into every step.
 
     Args:
         cost_model: calibrated or scripted costs (seconds).
@@ -425,6 +431,12 @@ class AutoK(KController):
         return self.cost_model.draft_step_seconds if learned is None else learned
 
     @property
+    def step_overhead_seconds(self) -> float:
+        """The engine's own seconds per step beyond the passes (reported by the engine, else the cost model's)."""
+        reported = self.memory.step_overhead_seconds
+        return self.cost_model.step_overhead_seconds if reported is None else reported
+
+    @property
     def catch_up_seconds_per_token(self) -> float:
         """A draft model's prefill time per caught-up token (learned, else calibrated)."""
         learned = self.memory.catch_up_seconds_per_token
@@ -433,13 +445,14 @@ class AutoK(KController):
     def costs(self) -> CostModel:
         """The cost model with the learned corrections applied."""
         key = (tuple(self.memory.verify_scales), self.draft_seconds_per_token, self.catch_up_seconds_per_token,
-               self.draft_step_seconds)
+               self.draft_step_seconds, self.step_overhead_seconds)
         if self._costs is None or self._costs[0] != key:
             scales = list(key[0]) + [key[0][-1] if key[0] else 1.0] * len(self.cost_model.verify_seconds)
             curve = [v * scale for v, scale in zip(self.cost_model.verify_seconds, scales)]
             model = dataclasses.replace(  # read non-decreasing by its verify curve (PassCostCurve)
                 self.cost_model, verify_seconds=tuple(curve),
-                draft_seconds_per_token=key[1], draft_prefill_seconds_per_token=key[2], draft_step_seconds=key[3])
+                draft_seconds_per_token=key[1], draft_prefill_seconds_per_token=key[2], draft_step_seconds=key[3],
+                step_overhead_seconds=key[4])
             self._costs = (key, model)
         return self._costs[1]
 
@@ -569,8 +582,11 @@ class AutoK(KController):
         best = self.best_k(perfect)
         return best > 0 and self.remaining_gain(best, perfect) > catch_up
 
-    def observe(self, num_drafted: int, num_accepted: int, draft_time_s: float, target_time_s: float) -> None:
+    def observe(self, num_drafted: int, num_accepted: int, draft_time_s: float, target_time_s: float, *,
+                overhead_s: float = 0.0) -> None:
         behind, context_len = self._draft_behind, self._context_len
+        if self.learn_costs and overhead_s > 0:
+            self.memory.step_overhead_seconds = overhead_s
         self.estimator.observe(num_drafted, num_accepted)
         self.memory.estimator.observe(num_drafted, num_accepted)
         if self._probing:

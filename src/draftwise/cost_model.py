@@ -25,7 +25,10 @@ Costs. :class:`CostModel` holds what one step costs in seconds: the target's ver
 to catch up on context it has not seen (the prompt, or tokens committed by plain steps), and how the
 target's and the draft's pass times grow with the context length. Leviathan et al. 2023, Sec. 3.4 /
 Theorem 3.8, with measured costs instead of their linear one: the speed-up of K draft tokens per step over
-plain decoding is ``E(a, K) * verify(1) / (K * draft + verify(K + 1))``.
+plain decoding is ``E(a, K) * verify(1) / (K * draft + verify(K + 1))``. A step also pays the engine's own work
+(verification, sampling, bookkeeping, the caller's per-step work: :class:`StepOverhead`, measured by the engine),
+a plain step as much as a speculative one: ``(verify(1) + o) / (K * draft + verify(K + 1) + o)``, so where passes
+are short (a small model, a GPU) longer steps pay more than the passes alone say.
 
 Batches. When one pass verifies the drafts of several sequences (continuous batching,
 :mod:`draftwise.engine.core`), a step's time is the pass over all rows: :class:`PassCostCurve` holds the measured
@@ -38,12 +41,15 @@ drops.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "CostModel",
     "PassCostCurve",
+    "StepOverhead",
     "acceptance_rate",
     "batch_step_rate",
     "break_even_acceptance",
@@ -194,6 +200,10 @@ class CostModel:
             model's first pass feeds the previous step's last draft token and the bonus token, which on
             llama.cpp costs about 1.4 one-token passes); 0 by default, learned online by
             :class:`draftwise.controller.AutoK`.
+        step_overhead_seconds: the engine's own time per step beyond the model passes (verification, sampling,
+            bookkeeping, the caller's work between steps; :class:`StepOverhead`), paid by a plain step too, so
+            it favours fewer, longer steps; 0 by default, measured by the engine and handed to
+            :class:`draftwise.controller.AutoK`.
 
     Raises:
         ValueError: empty or non-positive verify times, or negative costs.
@@ -207,13 +217,14 @@ class CostModel:
     target_context_growth: float = 0.0
     draft_context_growth: float = 0.0
     draft_step_seconds: float = 0.0
+    step_overhead_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify_seconds", tuple(float(v) for v in self.verify_seconds))
         if not self.verify_seconds or min(self.verify_seconds) <= 0:
             raise ValueError(f"verify_seconds must be non-empty and positive, got {self.verify_seconds}")
         for name in ("draft_seconds_per_token", "draft_prefill_seconds_per_token", "context_len",
-                     "target_context_growth", "draft_context_growth", "draft_step_seconds"):
+                     "target_context_growth", "draft_context_growth", "draft_step_seconds", "step_overhead_seconds"):
             if not (getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -274,8 +285,9 @@ class CostModel:
         return (k * self.draft_seconds_per_token + self.draft_step_seconds) * self.draft_growth(context_len)
 
     def step_cost(self, k: int, context_len: int | None = None) -> float:
-        """Seconds of one step with K draft tokens: ``draft_cost(K) + verify_cost(K + 1)``."""
-        return self.draft_cost(k, context_len) + self.verify_cost(k + 1, context_len)
+        """Seconds of one step with K draft tokens (K = 0: a plain step): ``draft_cost(K) + verify_cost(K + 1)``
+        plus the engine's :attr:`step_overhead_seconds`."""
+        return self.draft_cost(k, context_len) + self.verify_cost(k + 1, context_len) + self.step_overhead_seconds
 
     def catch_up_cost(self, num_tokens: int, context_len: int | None = None) -> float:
         """Seconds a draft model needs to prefill ``num_tokens`` unseen tokens ending at ``context_len``."""
@@ -331,7 +343,8 @@ class CostModel:
         return {"verify_seconds": list(self.verify_seconds), "draft_seconds_per_token": self.draft_seconds_per_token,
                 "source": self.source, "draft_prefill_seconds_per_token": self.draft_prefill_seconds_per_token,
                 "context_len": self.context_len, "target_context_growth": self.target_context_growth,
-                "draft_context_growth": self.draft_context_growth, "draft_step_seconds": self.draft_step_seconds}
+                "draft_context_growth": self.draft_context_growth, "draft_step_seconds": self.draft_step_seconds,
+                "step_overhead_seconds": self.step_overhead_seconds}
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
@@ -343,7 +356,8 @@ class CostModel:
         return cls(tuple(data["verify_seconds"]), float(data.get("draft_seconds_per_token", 0.0)),
                    str(data.get("source", "")), float(data.get("draft_prefill_seconds_per_token", 0.0)),
                    int(data.get("context_len", 0)), float(data.get("target_context_growth", 0.0)),
-                   float(data.get("draft_context_growth", 0.0)), float(data.get("draft_step_seconds", 0.0)))
+                   float(data.get("draft_context_growth", 0.0)), float(data.get("draft_step_seconds", 0.0)),
+                   float(data.get("step_overhead_seconds", 0.0)))
 
 
 # ---------------------------------------------------------------------------------------------- draft stop
@@ -483,6 +497,45 @@ class PassCostCurve:
                 points.append((rows, top))
             self._sorted = points
         return self._sorted
+
+
+class StepOverhead:
+    """The engine's own seconds per step beyond its model passes: verification, sampling, bookkeeping, and what
+    the caller does between two steps while requests run (a server streams each step's text). A plain step pays
+    it as much as a speculative one, so it is worth pricing where passes are short (a small model, a GPU): there
+    it favours fewer, longer steps, which the pass costs alone never show.
+
+    The estimate is the median of the last ``window`` measured steps (a step's wall time less its target pass
+    and drafting, plus the gap since the previous step while the engine was busy), so a caller pausing once
+    (a client reading slowly) does not move it. 0 before any measurement.
+
+    Args:
+        window: steps the median is taken over (>= 1).
+
+    Raises:
+        ValueError: ``window`` < 1.
+    """
+
+    def __init__(self, window: int = 32) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._samples: deque[float] = deque(maxlen=window)
+        self._median: float | None = 0.0
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def observe(self, seconds: float) -> None:
+        """Fold one step's overhead (seconds; a negative value from timer noise counts as 0)."""
+        self._samples.append(max(0.0, float(seconds)))
+        self._median = None
+
+    @property
+    def seconds(self) -> float:
+        """The current estimate (seconds per step)."""
+        if self._median is None:
+            self._median = statistics.median(self._samples)
+        return self._median
 
 
 def batch_step_rate(expected: Sequence[float], pass_seconds: float, draft_seconds: float = 0.0) -> float:

@@ -55,7 +55,7 @@ from draftwise.backends.slots import (
 )
 from draftwise.config import SamplingParams
 from draftwise.controller import AcceptanceEstimator, KController, ProbeBackoff
-from draftwise.cost_model import PassCostCurve, batch_step_rate, expected_tokens, plan_batch_k
+from draftwise.cost_model import PassCostCurve, StepOverhead, batch_step_rate, expected_tokens, plan_batch_k
 from draftwise.engine.proposers import BatchProposer, StepPricing
 from draftwise.engine.sequence import DECODING, PREFILLING, BatchSequence, GenerationResult, commit_tokens
 from draftwise.methods import K_POLICIES
@@ -275,6 +275,8 @@ class EngineCore:
         self._live: dict[int, _LiveSequence] = {}  # slot -> what it still holds (backends without export)
         self._next_id = 0
         self.last_step: StepInfo | None = None
+        self.step_overhead = StepOverhead()  # the engine's own seconds per step, priced with the passes
+        self._busy_since: float | None = None  # end of the last step while sequences ran (None: idle)
         self.pass_costs = pass_costs
         priced = self.proposer is not None and (self.k_policy == "auto" or self.proposer.wants_pricing)
         if priced and (pass_costs is None or not len(pass_costs)):
@@ -414,15 +416,33 @@ class EngineCore:
             one :class:`SequenceOutput` per sequence that took part (decoding ones, prefilling ones whose
             prompt completed, and failed ones with ``error`` set); an empty list when nothing runs.
         """
+        entered = time.perf_counter()
         failed = self._admit()
         if not self._running:
             self.last_step = None
+            self._busy_since = None
             return failed
         running = self.running()
+        self.last_step = None  # set by a step that completes (a failed one has none to report)
+        t0 = time.perf_counter()
         try:
-            return failed + self._step_over(running)
+            outputs = self._step_over(running)
         except Exception as exc:  # noqa: BLE001 - confined below to the sequences that cause it
-            return failed + self._retry_alone(running, exc)
+            outputs = self._retry_alone(running, exc)
+        self._measure_overhead(entered, t0)
+        return failed + outputs
+
+    def _measure_overhead(self, entered: float, start: float) -> None:
+        """Fold the step (called at ``entered``, begun after admission at ``start``) into :attr:`step_overhead`:
+        its wall time less its target pass and drafting, plus the gap since the previous step when sequences
+        were running across it (the caller's own work per step: a server streaming each step's text). Admission
+        (prefix-cache imports) is not a per-step cost and stays out; a retried step is not measured."""
+        now = time.perf_counter()
+        step = self.last_step
+        if step is not None:
+            gap = entered - self._busy_since if self._busy_since is not None else 0.0
+            self.step_overhead.observe(gap + (now - start) - step.pass_s - step.draft_s)
+        self._busy_since = now if self._running else None
 
     def _retry_alone(self, running: list[BatchSequence], exc: BaseException) -> list[SequenceOutput]:
         """The shared part of a step over ``running`` raised ``exc``: retry it one sequence at a time (see
@@ -667,8 +687,9 @@ class EngineCore:
 
     def _pricing(self, base_rows: int, sequences: int) -> StepPricing | None:
         """The step's measured costs (None before any measurement): the target pass over ``sequences``
-        sequences, and a draft model's passes (None for a lookup, whose drafting costs nothing worth counting).
-        The load-aware K plans on them; a proposer that ``wants_pricing`` gets them."""
+        sequences with the engine's own time per step (:attr:`step_overhead`), and a draft model's passes (None
+        for a lookup, whose drafting costs nothing worth counting). The load-aware K plans on them; a proposer
+        that ``wants_pricing`` gets them."""
         if self.pass_costs is None or not len(self.pass_costs):
             return None
         drafting = self.proposer.drafting_model
@@ -678,8 +699,10 @@ class EngineCore:
             def draft_pass_seconds(rows: int) -> float:  # one row per drafting sequence
                 return draft_curve.pass_seconds(rows, rows)
 
-        def pass_seconds(rows: int) -> float:
-            return self.pass_costs.pass_seconds(rows, sequences)
+        overhead = self.step_overhead.seconds
+
+        def pass_seconds(rows: int) -> float:  # a step's time: the pass and the engine's own work
+            return self.pass_costs.pass_seconds(rows, sequences) + overhead
 
         return StepPricing(base_rows, pass_seconds, draft_pass_seconds)
 
@@ -806,7 +829,8 @@ class EngineCore:
                pass_s: float) -> None:
         """Report a step's outcome to the sequence's K policy (its controller, or the acceptance estimates)."""
         if sequence.controller is not None:
-            sequence.controller.observe(num_drafted, num_accepted, draft_s, pass_s)
+            sequence.controller.observe(num_drafted, num_accepted, draft_s, pass_s,
+                                        overhead_s=self.step_overhead.seconds)
             return
         if not num_drafted:
             return

@@ -99,21 +99,23 @@ class PerSequenceProposers(BatchProposer):
         name: the method name.
         drafts_first: see :class:`BatchProposer` (True for lookups, False for a model).
         needs_target_hidden: the factory's proposers read the target's hidden states.
+        wants_pricing: the factory's proposers take the step's ``pricing`` (:attr:`Proposer.wants_pricing`).
     """
 
     def __init__(self, factory: Callable[[], Proposer], name: str, *, drafts_first: bool = True,
-                 needs_target_hidden: bool = False) -> None:
+                 needs_target_hidden: bool = False, wants_pricing: bool = False) -> None:
         self._factory = factory
         self.name = name
         self.drafts_first = drafts_first
         self.needs_target_hidden = needs_target_hidden
+        self.wants_pricing = wants_pricing
         self._proposers: dict[int, Proposer] = {}
 
     @classmethod
     def of(cls, proposer: Proposer) -> PerSequenceProposers:
         """One shared instance for every sequence (an engine of one slot runs one sequence at a time)."""
         return cls(lambda: proposer, proposer.name, drafts_first=proposer.name in ("ngram", "suffix"),
-                   needs_target_hidden=proposer.needs_target_hidden)
+                   needs_target_hidden=proposer.needs_target_hidden, wants_pricing=proposer.wants_pricing)
 
     def open(self, sequence: BatchSequence) -> None:
         proposer = self._factory()
@@ -140,8 +142,10 @@ class PerSequenceProposers(BatchProposer):
     def propose(self, requests: Sequence[tuple[BatchSequence, int]],
                 pricing: StepPricing | None = None) -> list[DraftProposal]:
         proposals = []
+        priced = {"pricing": pricing} if self.wants_pricing else {}
         for sequence, k in requests:
-            proposal = self._proposers[sequence.seq_id].propose(sequence.context, k, sequence.params, sequence.sampler)
+            proposal = self._proposers[sequence.seq_id].propose(sequence.context, k, sequence.params, sequence.sampler,
+                                                                **priced)
             check_proposal(proposal, k, self.name)
             proposals.append(proposal)
         return proposals

@@ -95,6 +95,10 @@ class Proposer(ABC):
     #: True for proposers that read the target's own features (Medusa, EAGLE): the engine then asks the
     #: target for hidden states and calls :meth:`observe` after the prefill and after every verification.
     needs_target_hidden: bool = False
+    #: True for proposers that weigh their draft against the step's measured costs (the hybrid): the engine
+    #: then measures its pass costs at start and calls :meth:`propose` with ``pricing=``, its
+    #: :class:`draftwise.engine.proposers.StepPricing` for the step (None before any measurement).
+    wants_pricing: bool = False
 
     def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
         """Begin a new request whose prompt is ``prompt_ids`` (reset per-request state). Default: nothing.

@@ -16,9 +16,11 @@ so a draft model that is not expected to pay is not run. In the batched engine t
 all decoding sequences at once over the step's measured pass costs (:func:`assign_sides`): there a draft row
 lengthens the pass every sequence waits for, and one draft pass serves every sequence drafting at that depth.
 
-``verify(n)`` (seconds of a target pass over n tokens) and the initial ``c_d`` come from a :class:`StepCosts`
-object; :func:`build` passes the cached :func:`draftwise.calibration.calibrate_cost_model` result (its
-``verify_cost`` and ``draft_seconds_per_token``: the only use of that module). Acceptance uses
+``verify(n)`` (seconds of a step whose target pass is over n tokens) is the engine's measured pass plus its own
+time per step (:class:`draftwise.cost_model.StepOverhead`, which favours drafting where passes are short), given
+with each step (``pricing``); before the engine has measured, and for the initial ``c_d``, a :class:`StepCosts`
+object: the builder passes the cached :func:`draftwise.calibration.calibrate_cost_model` result (its
+``verify_cost`` and ``draft_seconds_per_token``). Acceptance uses
 :class:`draftwise.controller.AcceptanceEstimator` and :func:`draftwise.controller.expected_tokens` (the
 project's one definition of those quantities). The suffix lookup's own time is paid either way and left out.
 
@@ -251,14 +253,17 @@ class HybridPolicy:
         model_expected = expected_tokens(state.acceptance.rates(k)) if k > 0 else 1.0
         return SideOptions(suffix_expected, len(draft), model_expected, nodes if k > 0 else 0, k, catch_up)
 
-    def choose(self, draft: SuffixDraft, k: int, nodes: int, state: LearnedState | None = None) -> str:
-        """One request's side for a step (:func:`assign_sides` for one sequence, priced by :attr:`costs` and
-        the learned seconds per draft token; a catch-up after suffix steps is not priced): ``"suffix"`` when its
-        suffix draft (or, when that is empty, a plain step) is expected to commit tokens at least as fast as the
-        draft model, else ``"draft_model"``."""
+    def choose(self, draft: SuffixDraft, k: int, nodes: int, state: LearnedState | None = None,
+               step_seconds: Callable[[int], float] | None = None) -> str:
+        """One request's side for a step (:func:`assign_sides` for one sequence, priced by ``step_seconds`` (rows
+        -> seconds of the step's target pass with the engine's own time per step, as the engine measures it) or,
+        without it, :attr:`costs`' verify times, and the learned seconds per draft token; a catch-up after suffix
+        steps is not priced): ``"suffix"`` when its suffix draft (or, when that is empty, a plain step) is
+        expected to commit tokens at least as fast as the draft model, else ``"draft_model"``."""
         state = state or self.learned
         option = self.options(draft, k, nodes, state)
-        return assign_sides([option], 1, self.costs.verify_cost, lambda rows: state.draft_seconds_per_token)[0]
+        step_seconds = step_seconds or self.costs.verify_cost
+        return assign_sides([option], 1, step_seconds, lambda rows: state.draft_seconds_per_token)[0]
 
     def tag(self, side: str, proposal: DraftProposal) -> DraftProposal:
         """``proposal`` marked with the side that made it (``hybrid_side``, which the engine counts per request),
@@ -329,6 +334,8 @@ class HybridProposer(HybridStepCounts, Proposer):
         costs: target verify costs and the draft model's initial seconds per token (:class:`StepCosts`).
         max_k, suffix_prior, suffix_decay, learn_costs, cost_smoothing: see :class:`HybridPolicy`.
         clock: seconds (injectable for tests).
+        priced_by_engine: take the engine's measured step costs (``wants_pricing``; default) where it has them;
+            False: ``costs`` price every step (scripted costs in tests).
 
     Raises:
         ValueError: on out-of-range arguments.
@@ -344,7 +351,9 @@ class HybridProposer(HybridStepCounts, Proposer):
 
     def __init__(self, suffix: SuffixProposer, draft: DraftModelProposer, costs: StepCosts, *, max_k: int = 5,
                  suffix_prior: float = 4.0, suffix_decay: float = 0.95, learn_costs: bool = True,
-                 cost_smoothing: float = 0.1, clock: Callable[[], float] = time.perf_counter) -> None:
+                 cost_smoothing: float = 0.1, clock: Callable[[], float] = time.perf_counter,
+                 priced_by_engine: bool = True) -> None:
+        self.wants_pricing = priced_by_engine  # the engine's measured step: its passes and its own time per step
         self.policy = HybridPolicy(costs, max_k=max_k, suffix_prior=suffix_prior, suffix_decay=suffix_decay,
                                    learn_costs=learn_costs, cost_smoothing=cost_smoothing)
         self.suffix = suffix
@@ -375,18 +384,22 @@ class HybridProposer(HybridStepCounts, Proposer):
         """See :meth:`HybridPolicy.suffix_correction`."""
         return self.policy.suffix_correction(state)
 
-    def choose(self, draft: SuffixDraft, k: int, state: LearnedState | None = None) -> str:
+    def choose(self, draft: SuffixDraft, k: int, state: LearnedState | None = None,
+               step_seconds: Callable[[int], float] | None = None) -> str:
         """:meth:`HybridPolicy.choose` for this proposer's draft model (a chain or its tree's nodes)."""
-        return self.policy.choose(draft, k, self.draft.tree_nodes(k), state)
+        return self.policy.choose(draft, k, self.draft.tree_nodes(k), state, step_seconds)
 
     def propose(
-        self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler
+        self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler, *, pricing=None
     ) -> DraftProposal:
+        """The suffix draft or the draft model's (or none: a plain step), chosen by :meth:`choose`; ``pricing``:
+        the engine's :class:`~draftwise.engine.proposers.StepPricing` for the step (its ``pass_seconds`` price
+        the choice), or None (the cost model's verify times)."""
         context = context_ids if isinstance(context_ids, list) else list(context_ids)
         state, shared = self.policy.state_for(self._track, params)
         previous = self.policy.learn_outcome(self._track, context, state)
         suffix_draft = self.suffix.best_draft(context, k, use_earlier=shared)
-        choice = self.choose(suffix_draft, k, state)
+        choice = self.choose(suffix_draft, k, state, pricing.pass_seconds if pricing is not None else None)
         self.last_choice = choice
         if choice == SUFFIX:
             proposal = self.policy.tag(SUFFIX, suffix_draft.proposal())
