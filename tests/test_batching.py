@@ -185,13 +185,15 @@ def test_a_next_turn_adopts_the_kept_suffix_index(single, multi, weak_draft_hf, 
                         pass_costs=PassCostCurve(points={1: 1.0, 64: 1.5}))
     first_prompt = prompts([40], seed=6)[0]
     first = engine.generate([first_prompt], GREEDY)[0]
-    state = engine.prefix_cache.lookup("", first_prompt + first.token_ids).entry.proposer_state
-    kept = state if method == "suffix" else state.suffix
+    entry = engine.prefix_cache.lookup("", first_prompt + first.token_ids).entry
+    kept = entry.proposer_state if method == "suffix" else entry.proposer_state.suffix
     index, work_before = kept.index, kept.index.update_work
+    entry_bytes, index_bytes = entry.nbytes, kept.nbytes
     follow_up = first_prompt + first.token_ids + [5, 6, 7]
     second, twin = engine.add(follow_up, GREEDY), engine.add(follow_up, GREEDY)
     engine.step()
     assert kept.index is None  # taken: one owner at a time
+    assert index_bytes > 0 and entry.nbytes == entry_bytes - index_bytes  # no longer counted against the budget
     assert suffix_of(second).local is index and suffix_of(twin).local is not index
     twin_index = suffix_of(twin).local
     while engine.has_work:

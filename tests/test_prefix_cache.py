@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 # ----------------------------------------------------------------------------------------- the store
 def entry(scope: str, tokens, nbytes: int = 10) -> PrefixEntry:
-    return PrefixEntry(scope, tuple(tokens), target_state=None, proposer_state=None, nbytes=nbytes)
+    return PrefixEntry(scope, tuple(tokens), target_state=None, proposer_state=None, target_nbytes=nbytes)
 
 
 def test_parse_bytes():

@@ -38,15 +38,22 @@ class PrefixEntry:
         scope: who may reuse it (API key / user scope string; "" when none is in use).
         tokens: the sequence's token ids whose KV entries the states hold (``len(tokens)`` positions).
         target_state: the target backend's exported KV state (opaque).
-        proposer_state: the proposer's exported state (opaque; None for stateless proposers).
-        nbytes: memory held by both states (bytes).
+        proposer_state: the proposer's exported state (opaque; None for stateless proposers; its ``nbytes``
+            attribute, when present, counts against the budget as it is now: a kept suffix index that a later
+            request adopted counts 0).
+        target_nbytes: memory held by the target's state (bytes).
     """
 
     scope: str
     tokens: tuple[int, ...]
     target_state: Any
     proposer_state: Any
-    nbytes: int
+    target_nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by both states now (bytes)."""
+        return self.target_nbytes + int(getattr(self.proposer_state, "nbytes", 0))
 
 
 @dataclass(frozen=True)

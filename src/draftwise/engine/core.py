@@ -629,9 +629,8 @@ class EngineCore:
             return
         target_state = self.backend.export_slot(sequence.slot, length)
         proposer_state = self.proposer.export_state(sequence) if self._speculates(sequence) else None
-        nbytes = target_state.nbytes + int(getattr(proposer_state, "nbytes", 0))
         self.prefix_cache.insert(PrefixEntry(sequence.scope, tuple(tokens[:length]), target_state, proposer_state,
-                                             nbytes))
+                                             target_state.nbytes))
 
     # ------------------------------------------------------------------ drafting and K
     def _clamp_k(self, sequence: BatchSequence) -> int:

@@ -432,7 +432,7 @@ class KeptSuffixIndex:
     1,000 tokens here). One owner at a time: adopting takes it (``index`` becomes None), so another request
     matching the same entry indexes its prompt itself. Its memory (:attr:`nbytes`: measured 0.7-7.3 KB a token,
     repetitive to novel text, against 57 KB a token of the 1.5B target's KV state) counts against the cache's
-    budget with the KV state it travels with (as of when it was kept).
+    budget with the KV state it travels with, until a request adopts it.
 
     Attributes:
         index: the :class:`SuffixIndex`, or None once adopted.
