@@ -7,11 +7,14 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
+from draftwise.backends.base import ForwardOutput
 from draftwise.config import SamplingParams
 from draftwise.controller import AutoK
 from draftwise.cost_model import CostModel, PassCostCurve, StepOverhead
 from draftwise.engine import EngineCore, PerSequenceProposers, SpeculativeEngine
+from draftwise.proposers.base import DraftProposal, Proposer
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.hybrid import HybridProposer
 from draftwise.proposers.ngram import NgramProposer
@@ -70,25 +73,75 @@ def test_the_engine_counts_the_callers_time_between_busy_steps():
     assert core.step_overhead.seconds >= 0.015
 
 
-def test_idle_time_between_requests_is_not_overhead():
+@pytest.mark.parametrize("leaves", ["finished", "cancelled"])
+def test_idle_time_between_requests_is_not_overhead(leaves):
+    """Also when the last request left by a cancel (a stop string, a client gone) rather than by finishing."""
     core = EngineCore(_target())
     core.step_overhead = StepOverhead(window=1)  # the last step alone
-    core.generate([[1, 2, 3]], GREEDY)
-    time.sleep(0.2)  # idle: nothing runs
+    if leaves == "finished":
+        core.generate([[1, 2, 3]], GREEDY)
+    else:
+        sequence = core.add([1, 2, 3], GREEDY)
+        core.step()
+        core.step()
+        core.cancel(sequence)
+    time.sleep(0.5)  # idle: nothing runs
     core.add([4, 5], GREEDY)
     core.step()
-    assert core.step_overhead.seconds < 0.1
+    assert core.step_overhead.seconds < 0.25
+
+
+class _HiddenBigram(BigramLM):
+    """A bigram target that also returns (zero) hidden states."""
+
+    supports_hidden_states = True
+
+    def forward(self, token_ids, *, num_logits=None, return_hidden=False, hidden_rows=None) -> ForwardOutput:
+        out = super().forward(token_ids, num_logits=num_logits)
+        rows = hidden_rows or out.logits.shape[0]
+        return ForwardOutput(out.logits, torch.zeros(rows, 4) if return_hidden else None)
+
+
+class _SlowObserver(Proposer):
+    """Reads the target's features (as Medusa and EAGLE do), slowly, and never drafts."""
+
+    name = "slow-observer"
+    needs_target_hidden = True
+
+    def observe(self, hidden, next_token_ids) -> None:
+        time.sleep(0.02)
+
+    def propose(self, context_ids, k, params, sampler) -> DraftProposal:
+        return DraftProposal(token_ids=())
+
+
+def test_a_proposer_reading_features_is_draft_time_not_overhead():
+    """Its observe time is the request's draft time (AutoK prices it there); counted as overhead too, it would
+    be priced twice."""
+    engine = SpeculativeEngine(_HiddenBigram(peaked_table(16, seed=3)), _SlowObserver(), 2)
+    result = engine.generate([1, 2, 3], GREEDY)
+    assert result.stats.draft_time_s >= 0.02 * (len(result.token_ids) - 1)  # every step but the last observes
+    assert engine.core.step_overhead.seconds < 0.01
 
 
 def test_the_load_aware_k_prices_the_overhead_into_the_pass():
     curve = PassCostCurve(smoothing=1.0, points={1: 0.010, 2: 0.016})
     core = EngineCore(_target(), PerSequenceProposers(lambda: NgramProposer(1, 3), "ngram"), 2, k_policy="auto",
-                      pass_costs=curve, learn_costs=False)
+                      pass_costs=curve)
     for _ in range(3):
         core.step_overhead.observe(0.03)
     pricing = core._pricing(base_rows=1, sequences=1)
     assert pricing.pass_seconds(1) == pytest.approx(0.010 + 0.03)
     assert pricing.pass_seconds(2) == pytest.approx(0.016 + 0.03)
+
+
+def test_scripted_costs_stay_scripted():
+    """With ``learn_costs=False`` the given pass costs alone price a step (tests script them)."""
+    curve = PassCostCurve(smoothing=1.0, points={1: 0.010, 2: 0.016})
+    core = EngineCore(_target(), PerSequenceProposers(lambda: NgramProposer(1, 3), "ngram"), 2, k_policy="auto",
+                      pass_costs=curve, learn_costs=False)
+    core.step_overhead.observe(0.03)
+    assert core._pricing(base_rows=1, sequences=1).pass_seconds(1) == pytest.approx(0.010)
 
 
 def test_autok_prices_the_overhead_the_engine_reports():
@@ -133,3 +186,30 @@ def test_a_one_request_engine_prices_steps_for_a_proposer_that_wants_it():
     assert result.token_ids == oracle
     assert proposer.pricings and all(p is not None for p in proposer.pricings)  # measured at the engine's start
     assert proposer.pricings[-1].pass_seconds(3) > 0
+
+
+def test_a_rejected_probe_is_charged_its_extra_time_beyond_a_plain_step():
+    """A probe's measured time (draft + target) holds no engine overhead; its extra cost over a plain step is
+    compared with the plain step's passes, or a large overhead would hide a slow probe (a draft catching up) and
+    the re-probes would come as often as if it cost nothing."""
+    controller = AutoK(CostModel((0.010, 0.011), 0.008), 1, probe_budget=0.02)
+    assert controller.choose_k() == 1  # the first probe: a perfect draft would pay, the prior does not
+    controller.observe(1, 0, 0.050, 0.011, overhead_s=0.06)  # rejected; 49 ms more than a plain step's passes
+    assert controller.backoff.interval >= 0.049 / (0.02 * (0.010 + 0.06))  # 35 plain steps, not the doubled 32
+
+
+def test_a_failed_pricing_measurement_leaves_steps_unpriced(monkeypatch, caplog):
+    """The pass costs a pricing proposer wants are an optimisation: a backend that cannot be timed that way builds
+    an engine whose steps go unpriced (the proposer falls back to its own costs), not a failure."""
+    def broken(self):
+        raise RuntimeError("cannot time this backend")
+
+    monkeypatch.setattr(EngineCore, "calibrate", broken)
+    target = _target()
+    oracle = SpeculativeEngine(target).generate([1, 2, 3], GREEDY).token_ids
+    proposer = _PricedProposer(3, oracle, 16)
+    with caplog.at_level("WARNING"):
+        engine = SpeculativeEngine(target, proposer, 2)
+    assert "could not measure the pass costs" in caplog.text and engine.core.pass_costs is None
+    assert engine.generate([1, 2, 3], GREEDY).token_ids == oracle
+    assert proposer.pricings and all(p is None for p in proposer.pricings)

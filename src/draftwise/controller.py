@@ -329,7 +329,8 @@ class AutoK(KController):
     unmeasured points take the last measured scale, and the curve is kept non-decreasing), the draft time
     per token (from steps whose draft was nearly in sync, or every drafting step of a proposer without
     catch-up) and a draft model's catch-up time per token (from its drafting steps after a gap). The engine's own
-    time per step (``overhead_s`` of :meth:`observe`, which a plain step pays too) is priced into every step.
+    time per step (``overhead_s`` of :meth:`observe`, which a plain step pays too) is priced into every step (with
+    ``learn_costs``; otherwise the cost model's).
 
     Args:
         cost_model: calibrated or scripted costs (seconds).
@@ -614,7 +615,8 @@ class AutoK(KController):
             self.backoff.reset()
         else:
             self._next_probe_k = 0
-            self.backoff.rejected(self._budget_interval(probe_time_s - self.step_cost(0)))
+            # the probe's measured time has no engine overhead in it: compare it with a plain step's passes
+            self.backoff.rejected(self._budget_interval(probe_time_s + self.step_overhead_seconds - self.step_cost(0)))
 
     def _budget_interval(self, extra_s: float) -> int:
         """Plain steps needed so that a probe's extra time (seconds beyond a plain step, e.g. a draft model

@@ -27,8 +27,8 @@ target's and the draft's pass times grow with the context length. Leviathan et a
 Theorem 3.8, with measured costs instead of their linear one: the speed-up of K draft tokens per step over
 plain decoding is ``E(a, K) * verify(1) / (K * draft + verify(K + 1))``. A step also pays the engine's own work
 (verification, sampling, bookkeeping, the caller's per-step work: :class:`StepOverhead`, measured by the engine),
-a plain step as much as a speculative one: ``(verify(1) + o) / (K * draft + verify(K + 1) + o)``, so where passes
-are short (a small model, a GPU) longer steps pay more than the passes alone say.
+a plain step as much as a speculative one: ``E(a, K) * (verify(1) + o) / (K * draft + verify(K + 1) + o)``, so
+where passes are short (a small model, a GPU) longer steps pay more than the passes alone say.
 
 Batches. When one pass verifies the drafts of several sequences (continuous batching,
 :mod:`draftwise.engine.core`), a step's time is the pass over all rows: :class:`PassCostCurve` holds the measured
@@ -507,7 +507,8 @@ class StepOverhead:
 
     The estimate is the median of the last ``window`` measured steps (a step's wall time less its target pass
     and drafting, plus the gap since the previous step while the engine was busy), so a caller pausing once
-    (a client reading slowly) does not move it. 0 before any measurement.
+    does not move it (a caller slow at every step is part of every step's cost, and is priced). 0 before any
+    measurement.
 
     Args:
         window: steps the median is taken over (>= 1).

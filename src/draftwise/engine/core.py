@@ -202,9 +202,11 @@ class EngineCore:
         k_policy: ``"fixed"`` or ``"auto"`` (load-aware K for the batch, see :data:`K_POLICIES`).
         controller_factory: makes a per-request :class:`~draftwise.controller.KController` (e.g. AutoK with
             its probe schedule) for requests without their own K; then ``k_policy`` must be ``"fixed"``.
-        pass_costs: the target's pass seconds per row count (``"auto"``); default: measured at construction by
-            :func:`calibrate_pass_costs` (a few passes).
-        learn_costs: refine ``pass_costs`` (and a draft model's) with every pass (``"auto"``).
+        pass_costs: the target's pass seconds per row count (``"auto"``, and a proposer that ``wants_pricing``);
+            default: measured at construction by :func:`calibrate_pass_costs` (a few passes; for a proposer that
+            only wants pricing, a failed measurement is logged and its steps go unpriced).
+        learn_costs: refine ``pass_costs`` (and a draft model's) with every pass, and price the engine's own time
+            per step (:attr:`step_overhead`) into them; False: the given costs alone (scripted).
         prefix_cache: keeps finished sequences' KV states (target and proposer) for later requests sharing a
             prompt prefix in the same scope; None or disabled: every request prefills its whole prompt. Ignored
             for proposers that read the target's hidden states (they need every prompt position's features). A
@@ -277,10 +279,11 @@ class EngineCore:
         self.last_step: StepInfo | None = None
         self.step_overhead = StepOverhead()  # the engine's own seconds per step, priced with the passes
         self._busy_since: float | None = None  # end of the last step while sequences ran (None: idle)
+        self._observe_s = 0.0  # this step's time handing target features to the proposer (its draft time)
         self.pass_costs = pass_costs
         priced = self.proposer is not None and (self.k_policy == "auto" or self.proposer.wants_pricing)
         if priced and (pass_costs is None or not len(pass_costs)):
-            self.pass_costs = self.calibrate()
+            self.pass_costs = self.calibrate() if self.k_policy == "auto" else self._calibrate_for_pricing()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -332,6 +335,20 @@ class EngineCore:
                     ", ".join(f"{n} rows {s * 1e3:.1f} ms" for n, s in sorted(curve.points.items())),
                     curve.per_sequence * 1e3)
         return curve
+
+    def _calibrate_for_pricing(self) -> PassCostCurve | None:
+        """:meth:`calibrate` for a proposer that prices its drafts on the engine's measured step; when the backend
+        cannot be timed that way, its steps go unpriced (the proposer falls back to its own costs) instead of the
+        engine failing to build."""
+        try:
+            return self.calibrate()
+        except Exception as exc:  # noqa: BLE001 - pricing is an optimisation; decoding works without it
+            logger.warning("engine: could not measure the pass costs for %s's pricing (%s: %s); it uses its own costs",
+                           self.proposer.name, type(exc).__name__, exc)
+            for slot in range(self.max_num_seqs):
+                self.backend.set_length(slot, 0)
+            self._live.clear()
+            return None
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, *, scope: str = "",
             num_speculative_tokens: int | None = None, arrival_s: float | None = None) -> BatchSequence:
@@ -416,7 +433,7 @@ class EngineCore:
             one :class:`SequenceOutput` per sequence that took part (decoding ones, prefilling ones whose
             prompt completed, and failed ones with ``error`` set); an empty list when nothing runs.
         """
-        entered = time.perf_counter()
+        entered, was_busy = time.perf_counter(), bool(self._running)
         failed = self._admit()
         if not self._running:
             self.last_step = None
@@ -424,24 +441,27 @@ class EngineCore:
             return failed
         running = self.running()
         self.last_step = None  # set by a step that completes (a failed one has none to report)
+        self._observe_s = 0.0
         t0 = time.perf_counter()
         try:
             outputs = self._step_over(running)
         except Exception as exc:  # noqa: BLE001 - confined below to the sequences that cause it
             outputs = self._retry_alone(running, exc)
-        self._measure_overhead(entered, t0)
+        self._measure_overhead(entered if was_busy else None, t0)
         return failed + outputs
 
-    def _measure_overhead(self, entered: float, start: float) -> None:
-        """Fold the step (called at ``entered``, begun after admission at ``start``) into :attr:`step_overhead`:
-        its wall time less its target pass and drafting, plus the gap since the previous step when sequences
-        were running across it (the caller's own work per step: a server streaming each step's text). Admission
-        (prefix-cache imports) is not a per-step cost and stays out; a retried step is not measured."""
+    def _measure_overhead(self, entered: float | None, start: float) -> None:
+        """Fold the step (begun after admission at ``start``) into :attr:`step_overhead`: its wall time less its
+        target pass and drafting (a proposer observing the target's features included), plus, when sequences ran
+        from the previous step until this one was called (at ``entered``; None: the engine was idle in between),
+        the gap (the caller's own work per step: a server streaming each step's text). Admission (prefix-cache
+        imports) is not a per-step cost and stays out; a finishing sequence's export to the prefix cache, once
+        per request, stays in (the median passes over it); a retried step is not measured."""
         now = time.perf_counter()
         step = self.last_step
         if step is not None:
-            gap = entered - self._busy_since if self._busy_since is not None else 0.0
-            self.step_overhead.observe(gap + (now - start) - step.pass_s - step.draft_s)
+            gap = entered - self._busy_since if entered is not None and self._busy_since is not None else 0.0
+            self.step_overhead.observe(gap + (now - start) - step.pass_s - step.draft_s - self._observe_s)
         self._busy_since = now if self._running else None
 
     def _retry_alone(self, running: list[BatchSequence], exc: BaseException) -> list[SequenceOutput]:
@@ -698,7 +718,7 @@ class EngineCore:
             def draft_pass_seconds(rows: int) -> float:  # one row per drafting sequence
                 return draft_curve.pass_seconds(rows, rows)
 
-        overhead = self.step_overhead.seconds
+        overhead = self.step_overhead.seconds if self.learn_costs else 0.0
 
         def pass_seconds(rows: int) -> float:  # a step's time: the pass and the engine's own work
             return self.pass_costs.pass_seconds(rows, sequences) + overhead
@@ -792,7 +812,9 @@ class EngineCore:
         """Hand the target's features to the proposer; returns the time it took (seconds, draft time)."""
         t0 = time.perf_counter()
         self.proposer.observe(sequence, hidden, next_token_ids)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self._observe_s += seconds
+        return seconds
 
     def _verify(self, sequence: BatchSequence, proposal: DraftProposal, logits: torch.Tensor,
                 hidden: torch.Tensor | None, pass_s: float, draft_s: float) -> SequenceOutput:
