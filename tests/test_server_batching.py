@@ -324,6 +324,7 @@ def test_concurrent_streaming_clients_get_the_sequential_texts(stories_lean, sto
     assert metric(batch_url, "draftwise:batch_size_sum") > before
     assert metric(batch_url, "draftwise:iteration_tokens_total_count") > 0
     assert metric(batch_url, "draftwise:spec_decode_batch_k_count") > 0
+    assert 0 < metric(batch_url, "draftwise:engine_step_overhead_seconds") < 1.0  # measured, priced into K
     text = httpx.get(f"{batch_url}/metrics").text
     assert 'draftwise:batch_size_bucket{engine="0",le="4.0",model_name="stories"}' in text
 

@@ -71,6 +71,7 @@ def test_the_engine_counts_the_callers_time_between_busy_steps():
         core.step()
         time.sleep(0.02)  # the caller's own work per step (a server streaming the step's text)
     assert core.step_overhead.seconds >= 0.015
+    assert core.last_step.overhead_s == core.step_overhead.seconds  # reported with the step (metrics)
 
 
 @pytest.mark.parametrize("leaves", ["finished", "cancelled"])

@@ -38,7 +38,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -109,6 +109,8 @@ class StepInfo:
         committed_tokens: output tokens committed by the step (all sequences).
         pass_s, draft_s: seconds of the target pass and of drafting.
         ks: draft tokens (rows) of every decoding sequence (0: plain step), in slot order.
+        overhead_s: the engine's estimate of its own seconds per step after this one (the median over recent
+            steps, :attr:`EngineCore.step_overhead`; 0 until the step is measured).
     """
 
     rows: int
@@ -120,6 +122,7 @@ class StepInfo:
     pass_s: float
     draft_s: float
     ks: tuple[int, ...]
+    overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -462,6 +465,7 @@ class EngineCore:
         if step is not None:
             gap = entered - self._busy_since if entered is not None and self._busy_since is not None else 0.0
             self.step_overhead.observe(gap + (now - start) - step.pass_s - step.draft_s - self._observe_s)
+            self.last_step = replace(step, overhead_s=self.step_overhead.seconds)
         self._busy_since = now if self._running else None
 
     def _retry_alone(self, running: list[BatchSequence], exc: BaseException) -> list[SequenceOutput]:

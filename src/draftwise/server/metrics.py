@@ -72,6 +72,10 @@ class ServerMetrics:
                               "--max-num-seqs with continuous batching).", names, registry=self.registry)
         self._waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests queued for the engine.", names,
                               registry=self.registry)
+        self._step_overhead = Gauge(f"{PREFIX}engine_step_overhead_seconds", "The engine's own time per step "
+                                    "beyond its model passes (verification, sampling, streaming between steps; "
+                                    "median of recent steps), priced into every choice of K.", names,
+                                    registry=self.registry)
         self._make_counters(names)
         self._make_histograms(names)
 
@@ -146,6 +150,7 @@ class ServerMetrics:
         self.batch_size.labels(**labels).observe(step.num_sequences)
         self.iteration_tokens.labels(**labels).observe(step.rows)
         self.step_generated_tokens.labels(**labels).observe(step.committed_tokens)
+        self._step_overhead.labels(**labels).set(step.overhead_s)
         for k in step.ks:
             self.step_k.labels(**labels).observe(k)
 
