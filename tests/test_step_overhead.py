@@ -214,3 +214,20 @@ def test_a_failed_pricing_measurement_leaves_steps_unpriced(monkeypatch, caplog)
     assert "could not measure the pass costs" in caplog.text and engine.core.pass_costs is None
     assert engine.generate([1, 2, 3], GREEDY).token_ids == oracle
     assert proposer.pricings and all(p is None for p in proposer.pricings)
+
+
+def test_keeping_a_finished_sequence_is_not_overhead(monkeypatch):
+    """A finishing sequence's export to the prefix cache is paid once per request, not per step."""
+    from draftwise.prefix_cache import PrefixCache
+
+    keep = EngineCore._keep
+
+    def slow_keep(self, sequence):
+        time.sleep(0.1)
+        keep(self, sequence)
+
+    monkeypatch.setattr(EngineCore, "_keep", slow_keep)
+    core = EngineCore(_target(), prefix_cache=PrefixCache(1 << 20))
+    core.step_overhead = StepOverhead(window=1)  # the last step alone: the one that finished the request
+    core.generate([[1, 2, 3]], GREEDY)
+    assert core.step_overhead.seconds < 0.05

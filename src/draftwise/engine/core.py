@@ -282,7 +282,8 @@ class EngineCore:
         self.last_step: StepInfo | None = None
         self.step_overhead = StepOverhead()  # the engine's own seconds per step, priced with the passes
         self._busy_since: float | None = None  # end of the last step while sequences ran (None: idle)
-        self._observe_s = 0.0  # this step's time handing target features to the proposer (its draft time)
+        self._unpriced_s = 0.0  # this step's time that is no per-step cost: a proposer observing the target's
+        # features (its draft time) and a finishing sequence's export to the prefix cache (once per request)
         self.pass_costs = pass_costs
         priced = self.proposer is not None and (self.k_policy == "auto" or self.proposer.wants_pricing)
         if priced and (pass_costs is None or not len(pass_costs)):
@@ -444,7 +445,7 @@ class EngineCore:
             return failed
         running = self.running()
         self.last_step = None  # set by a step that completes (a failed one has none to report)
-        self._observe_s = 0.0
+        self._unpriced_s = 0.0
         t0 = time.perf_counter()
         try:
             outputs = self._step_over(running)
@@ -458,13 +459,13 @@ class EngineCore:
         target pass and drafting (a proposer observing the target's features included), plus, when sequences ran
         from the previous step until this one was called (at ``entered``; None: the engine was idle in between),
         the gap (the caller's own work per step: a server streaming each step's text). Admission (prefix-cache
-        imports) is not a per-step cost and stays out; a finishing sequence's export to the prefix cache, once
-        per request, stays in (the median passes over it); a retried step is not measured."""
+        imports) and a finishing sequence's export to the prefix cache are once per request, not per step, and
+        stay out; a retried step is not measured."""
         now = time.perf_counter()
         step = self.last_step
         if step is not None:
             gap = entered - self._busy_since if entered is not None and self._busy_since is not None else 0.0
-            self.step_overhead.observe(gap + (now - start) - step.pass_s - step.draft_s - self._observe_s)
+            self.step_overhead.observe(gap + (now - start) - step.pass_s - step.draft_s - self._unpriced_s)
             self.last_step = replace(step, overhead_s=self.step_overhead.seconds)
         self._busy_since = now if self._running else None
 
@@ -817,7 +818,7 @@ class EngineCore:
         t0 = time.perf_counter()
         self.proposer.observe(sequence, hidden, next_token_ids)
         seconds = time.perf_counter() - t0
-        self._observe_s += seconds
+        self._unpriced_s += seconds
         return seconds
 
     def _verify(self, sequence: BatchSequence, proposal: DraftProposal, logits: torch.Tensor,
@@ -883,7 +884,9 @@ class EngineCore:
         if sequence.slot >= 0:
             slot = sequence.slot
             if keep and self.prefix_cache is not None and self.prefix_cache.enabled:
+                t0 = time.perf_counter()
                 self._keep(sequence)
+                self._unpriced_s += time.perf_counter() - t0
             if self._speculates(sequence):
                 self.proposer.close(sequence)
             if slot not in self._live:
