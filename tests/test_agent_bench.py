@@ -440,3 +440,21 @@ def test_bad_agent_flags_are_cli_errors(argv, match, sessions_file, capsys):
     code = main(["bench", "--workload", "agent", "--sessions", str(sessions_file), *argv])
     assert code == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_agent_methods_take_the_catch_up_modes_of_the_auto_policy():
+    """``--catch-up eager,deferred`` runs the auto-K draft (and hybrid) once per mode, as the prompts workload
+    does; fixed K and the lookups are not multiplied."""
+    from draftwise.commands.bench import agent_method_plan
+
+    plan = agent_method_plan(["draft", "suffix", "hybrid"], [8], ["fixed", "auto"], [1], {}, "d",
+                             catch_ups=["eager", "deferred"])
+    labels = {label: config.catch_up for label, _, _, config in plan if config is not None}
+    assert labels == {"draft K=8": "eager", "draft auto(K<=8)": "eager", "draft auto(K<=8) deferred": "deferred",
+                      "suffix K=8": "eager", "suffix auto(K<=8)": "eager", "hybrid K=8": "eager",
+                      "hybrid auto(K<=8)": "eager", "hybrid auto(K<=8) deferred": "deferred"}
+
+
+def test_agent_catch_up_needs_the_auto_policy(capsys):
+    assert main(["bench", "--workload", "agent", "--methods", "draft", "--catch-up", "deferred"]) == 2
+    assert "--catch-up is a choice of the auto K policy" in capsys.readouterr().err

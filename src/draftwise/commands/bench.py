@@ -106,7 +106,8 @@ def register(subparsers) -> None:
                              "verify cost; draft_confidence_threshold, docs/draft_trees.md)")
     parser.add_argument("--k-policies", default="fixed", help="fixed, auto or fixed,auto (auto: K_max = max(ks))")
     parser.add_argument("--catch-up", default="eager",
-                        help="draft with --k-policies auto: eager, deferred or eager,deferred: price the draft's "
+                        help="draft (and, with --workload agent, hybrid) with --k-policies auto: eager, deferred or "
+                        "eager,deferred: price the draft's "
                         "catch-up prefill against the remaining max_tokens (eager) or the tokens generated so far "
                         "(deferred, ski rental); see docs/draft_trees.md")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
@@ -629,9 +630,6 @@ def run_agent(args: argparse.Namespace) -> int:
     greedy output differs from the baseline's."""
     from draftwise.agent_bench import AgentBenchError, agent_doubts, session_totals, summarize_agent
 
-    if args.catch_up != "eager":
-        raise CliError("--catch-up applies to --workload prompts (the agent replay builds its engines with the "
-                       "default eager catch-up)")
     console = Console()
     params = sampling_params_from_args(args)
     if args.resume:
@@ -704,11 +702,15 @@ def _agent_methods(args: argparse.Namespace, params):
     if "hf" in methods:
         raise CliError("--methods hf (transformers' generate) is not available with --workload agent")
     _head_subset(args)  # a bad size is a CLI error before any model loads
-    plan = agent_method_plan(methods, parse_ks(args.ks), _csv(args.k_policies, K_POLICIES, "--k-policies"),
+    policies = _csv(args.k_policies, K_POLICIES, "--k-policies")
+    catch_ups = _csv(args.catch_up, CATCH_UP_MODES, "--catch-up")
+    if "auto" not in policies and catch_ups != ["eager"]:
+        raise CliError("--catch-up is a choice of the auto K policy: add --k-policies auto")
+    plan = agent_method_plan(methods, parse_ks(args.ks), policies,
                              _tree_widths(args.tree_widths), _heads_dirs(args, methods), args.draft,
                              draft_vocab={"draft_vocab_size": args.draft_vocab_size, "token_map": args.token_map},
                              draft_backend=args.speculative_backend, windows=draft_windows(args.draft_windows),
-                             confidences=draft_confidences(args.draft_confidence))
+                             confidences=draft_confidences(args.draft_confidence), catch_ups=catch_ups)
     chat_template = _chat_template(args.chat_template)
     kv_cache = kv_cache_budget(args.kv_cache_memory)  # once: every method gets the same budget
     logger.info("%s", kv_cache.describe())
@@ -724,12 +726,14 @@ def _agent_methods(args: argparse.Namespace, params):
 def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tree_widths: list[int],
                       heads: dict[str, str | None], draft: str | None, draft_vocab: dict | None = None, *,
                       draft_backend: str | None = None, windows: list[int | None] = (None,),
-                      confidences: list[float | str] = (DEFAULT_CONFIDENCE,)) -> list[tuple]:
+                      confidences: list[float | str] = (DEFAULT_CONFIDENCE,),
+                      catch_ups: list[str] = ("eager",)) -> list[tuple]:
     """``(label, kind, k, SpeculativeConfig | None)`` per in-process method, plain first, in the order and with
     the labels of the prompts workload (draft and ngram per policy and K; Medusa / EAGLE per K and tree width).
     ``draft_vocab`` (``draft_vocab_size`` / ``token_map``) and ``draft_backend`` (the draft model's own backend,
     ``--speculative-backend``), ``windows`` (``draft_window`` values, None: the whole context) and ``confidences``
-    (``draft_confidence_threshold`` values) go to the methods that run the draft model.
+    (``draft_confidence_threshold`` values) go to the methods that run the draft model, and ``catch_ups``
+    (``catch_up``) to those with the auto K policy.
 
     Raises:
         CliError: an invalid configuration (e.g. an unknown ``draft_backend``).
@@ -747,19 +751,21 @@ def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tr
             for k in (ks if policy == "fixed" else [max(ks)]):
                 shapes = itertools.product(sorted(set(tree_widths)) if with_draft else [1],
                                            windows if with_draft else [None])
-                for width, window, confidence in [(w, win, c) for w, win in shapes
-                                                  for c in (chain_confidences(confidences, w) if with_draft
-                                                            else [DEFAULT_CONFIDENCE])]:
+                modes = catch_ups if with_draft and policy == "auto" else ["eager"]
+                for width, window, confidence, catch_up in [
+                        (w, win, c, mode) for w, win in shapes
+                        for c in (chain_confidences(confidences, w) if with_draft else [DEFAULT_CONFIDENCE])
+                        for mode in modes]:
                     try:
                         config = SpeculativeConfig(method=method, model=draft if with_draft else None,
                                                    num_speculative_tokens=k, k_policy=policy, tree_width=width,
-                                                   backend=draft_backend if with_draft else None,
+                                                   backend=draft_backend if with_draft else None, catch_up=catch_up,
                                                    **({**(draft_vocab or {}), "draft_window": window,
                                                        "draft_confidence_threshold": confidence}
                                                       if with_draft else {}))
                     except ValueError as exc:
                         raise CliError(str(exc)) from exc
-                    plan.append((method_label(kind, k, policy, width, window, confidence=confidence), kind, k,
+                    plan.append((method_label(kind, k, policy, width, window, catch_up, confidence), kind, k,
                                  config))
     for kind in ("medusa", "eagle"):
         if kind in methods:
