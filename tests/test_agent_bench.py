@@ -458,3 +458,9 @@ def test_agent_methods_take_the_catch_up_modes_of_the_auto_policy():
 def test_agent_catch_up_needs_the_auto_policy(capsys):
     assert main(["bench", "--workload", "agent", "--methods", "draft", "--catch-up", "deferred"]) == 2
     assert "--catch-up is a choice of the auto K policy" in capsys.readouterr().err
+
+
+def test_agent_catch_up_is_refused_for_url_servers(capsys):
+    """A server's catch-up is set where it is served; the flag would be ignored silently otherwise."""
+    assert main(["bench", "--workload", "agent", "--url", "http://127.0.0.1:9", "--catch-up", "deferred"]) == 2
+    assert "--catch-up applies to in-process methods" in capsys.readouterr().err

@@ -296,6 +296,15 @@ def _head_methods(target: LoadedModel, kind: str, heads_dir: str, ks: list[int],
     return specs
 
 
+def _catch_up_modes(args: argparse.Namespace, policies: list[str]) -> list[str]:
+    """``--catch-up``'s modes (both workloads). Raises CliError: an unknown mode, or a non-eager one without the
+    auto K policy, whose choice it is."""
+    catch_ups = _csv(args.catch_up, CATCH_UP_MODES, "--catch-up")
+    if "auto" not in policies and catch_ups != ["eager"]:
+        raise CliError("--catch-up is a choice of the auto K policy: add --k-policies auto")
+    return catch_ups
+
+
 def _controller_factory(policy, k, kind, target, draft, proposer, calibrated, catch_up="eager"):
     from draftwise.calibration import calibrate_cost_model
     from draftwise.controller import MODEL_PRIOR_STRENGTH, k_controller_factory
@@ -323,9 +332,7 @@ def run(args: argparse.Namespace) -> int:
     ks = parse_ks(args.ks)
     methods = _csv(args.methods, METHODS, "--methods")
     policies = _csv(args.k_policies, K_POLICIES, "--k-policies")
-    catch_ups = _csv(args.catch_up, CATCH_UP_MODES, "--catch-up")
-    if "auto" not in policies and catch_ups != ["eager"]:
-        raise CliError("--catch-up is a choice of the auto K policy: add --k-policies auto")
+    catch_ups = _catch_up_modes(args, policies)
     done: list[PromptRun] = []
     output = _output_file(args.resume or args.output or f"bench_results/bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     if args.resume:
@@ -694,6 +701,9 @@ def _agent_sessions(args: argparse.Namespace):
 def _agent_methods(args: argparse.Namespace, params):
     """The methods (baseline first) and the run's configuration dict. Raises CliError on bad flags."""
     if args.url:
+        if args.catch_up != "eager":
+            raise CliError("--catch-up applies to in-process methods; a --url server's catch-up is its own "
+                           "(serve --speculative-config '{\"catch_up\": \"deferred\", ...}')")
         labelled = _parse_urls(args.url)
         config = {"mode": "http", "urls": dict(labelled), "methods": [label for label, _ in labelled],
                   "model_name": args.model_name}
@@ -703,9 +713,7 @@ def _agent_methods(args: argparse.Namespace, params):
         raise CliError("--methods hf (transformers' generate) is not available with --workload agent")
     _head_subset(args)  # a bad size is a CLI error before any model loads
     policies = _csv(args.k_policies, K_POLICIES, "--k-policies")
-    catch_ups = _csv(args.catch_up, CATCH_UP_MODES, "--catch-up")
-    if "auto" not in policies and catch_ups != ["eager"]:
-        raise CliError("--catch-up is a choice of the auto K policy: add --k-policies auto")
+    catch_ups = _catch_up_modes(args, policies)
     plan = agent_method_plan(methods, parse_ks(args.ks), policies,
                              _tree_widths(args.tree_widths), _heads_dirs(args, methods), args.draft,
                              draft_vocab={"draft_vocab_size": args.draft_vocab_size, "token_map": args.token_map},
