@@ -443,24 +443,24 @@ def test_bad_agent_flags_are_cli_errors(argv, match, sessions_file, capsys):
 
 
 def test_agent_methods_take_the_catch_up_modes_of_the_auto_policy():
-    """``--catch-up eager,deferred`` runs the auto-K draft (and hybrid) once per mode, as the prompts workload
-    does; fixed K and the lookups are not multiplied."""
+    """``--catch-up deferred,eager`` runs the auto-K draft (and hybrid) once per mode, as the prompts workload
+    does; fixed K and the lookups are not multiplied. The default (deferred) gets no suffix in the label."""
     from draftwise.commands.bench import agent_method_plan
 
     plan = agent_method_plan(["draft", "suffix", "hybrid"], [8], ["fixed", "auto"], [1], {}, "d",
-                             catch_ups=["eager", "deferred"])
+                             catch_ups=["deferred", "eager"])
     labels = {label: config.catch_up for label, _, _, config in plan if config is not None}
-    assert labels == {"draft K=8": "eager", "draft auto(K<=8)": "eager", "draft auto(K<=8) deferred": "deferred",
-                      "suffix K=8": "eager", "suffix auto(K<=8)": "eager", "hybrid K=8": "eager",
-                      "hybrid auto(K<=8)": "eager", "hybrid auto(K<=8) deferred": "deferred"}
+    assert labels == {"draft K=8": "deferred", "draft auto(K<=8)": "deferred", "draft auto(K<=8) eager": "eager",
+                      "suffix K=8": "deferred", "suffix auto(K<=8)": "deferred", "hybrid K=8": "deferred",
+                      "hybrid auto(K<=8)": "deferred", "hybrid auto(K<=8) eager": "eager"}
 
 
 def test_agent_catch_up_needs_the_auto_policy(capsys):
-    assert main(["bench", "--workload", "agent", "--methods", "draft", "--catch-up", "deferred"]) == 2
+    assert main(["bench", "--workload", "agent", "--methods", "draft", "--catch-up", "eager"]) == 2
     assert "--catch-up is a choice of the auto K policy" in capsys.readouterr().err
 
 
 def test_agent_catch_up_is_refused_for_url_servers(capsys):
     """A server's catch-up is set where it is served; the flag would be ignored silently otherwise."""
-    assert main(["bench", "--workload", "agent", "--url", "http://127.0.0.1:9", "--catch-up", "deferred"]) == 2
+    assert main(["bench", "--workload", "agent", "--url", "http://127.0.0.1:9", "--catch-up", "eager"]) == 2
     assert "--catch-up applies to in-process methods" in capsys.readouterr().err

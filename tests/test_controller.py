@@ -346,13 +346,22 @@ def test_long_prompt_with_few_new_tokens_never_pays_the_catch_up():
         controller = AutoK(costs, 4, memory=memory)
         assert simulate(controller, costs, right_tokens(500, 1.0), prompt_tokens, max_tokens) == pytest.approx(plain)
         assert set(controller.history) == {0} and CATCH_UP_NOTE in controller.notes()
-    # the same draft on a short prompt, or with enough new tokens to earn the catch-up back, is switched on
-    short = AutoK(costs, 4, memory=memory)
-    simulate(short, costs, right_tokens(500, 1.0), 50, max_tokens)
-    assert short.history[0] > 0
-    long_output = AutoK(costs, 4, memory=memory)
-    simulate(long_output, costs, right_tokens(3000, 1.0), prompt_tokens, 2000)
-    assert long_output.history[0] > 0
+    # the same draft on a short prompt, or with enough new tokens to earn the catch-up back, is switched on at once
+    # when the catch-up is priced against the remaining max_tokens (eager)
+    for prompt, new_tokens in ((50, max_tokens), (prompt_tokens, 2000)):
+        eager = AutoK(costs, 4, memory=memory, catch_up="eager")
+        simulate(eager, costs, right_tokens(3000, 1.0), prompt, new_tokens)
+        assert eager.history[0] > 0
+    # the default (deferred, ski rental) drafts on the short prompt once the tokens generated so far would have
+    # repaid its catch-up; the 2,000 tokens after 3,100 would repay it only after 1,350, when fewer remain: plain
+    # throughout, at most one catch-up (21.7 s) behind eager
+    deferred = AutoK(costs, 4, memory=memory)
+    simulate(deferred, costs, right_tokens(3000, 1.0), 50, max_tokens)
+    assert deferred.history[0] == 0 and max(deferred.history) > 0
+    eager_s = simulate(AutoK(costs, 4, memory=memory, catch_up="eager"), costs, right_tokens(3000, 1.0),
+                       prompt_tokens, 2000)
+    deferred_s = simulate(AutoK(costs, 4, memory=memory), costs, right_tokens(3000, 1.0), prompt_tokens, 2000)
+    assert eager_s < deferred_s <= eager_s + costs.catch_up_cost(prompt_tokens, prompt_tokens + 1)
 
 
 def test_catch_up_is_learned_from_the_measured_draft_times():

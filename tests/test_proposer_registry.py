@@ -39,7 +39,7 @@ def test_each_method_accepts_its_defaults_and_refuses_foreign_fields(method, mod
     for other in METHODS.values():
         for name in set(other.fields) - set(spec.fields):
             value = {"tree": [[0]], "tree_budget": 3, "draft_vocab_size": 64, "token_map": "map.npy",
-                     "backend": "llama.cpp", "draft_window": 256, "catch_up": "deferred",
+                     "backend": "llama.cpp", "draft_window": 256, "catch_up": "eager",
                      "draft_confidence_threshold": 0.25}.get(name)
             if value is None:
                 default = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}[name]
@@ -60,10 +60,13 @@ def test_model_and_k_policy_rules_come_from_the_registry():
 
 
 def test_catch_up_is_a_choice_of_the_auto_k_policy():
-    config = SpeculativeConfig(method="draft_model", model="d", k_policy="auto", catch_up="deferred")
-    assert config.catch_up == "deferred"
-    with pytest.raises(ValueError, match="catch_up 'deferred' is a choice of k_policy 'auto'"):
-        SpeculativeConfig(method="draft_model", model="d", catch_up="deferred")
+    """Deferred is the default (ski rental); the other mode is AutoK's choice only."""
+    assert SpeculativeConfig(method="draft_model", model="d", k_policy="auto").catch_up == "deferred"
+    assert SpeculativeConfig(method="draft_model", model="d").catch_up == "deferred"  # the default, unused
+    config = SpeculativeConfig(method="draft_model", model="d", k_policy="auto", catch_up="eager")
+    assert config.catch_up == "eager"
+    with pytest.raises(ValueError, match="catch_up 'eager' is a choice of k_policy 'auto'"):
+        SpeculativeConfig(method="draft_model", model="d", catch_up="eager")
     with pytest.raises(ValueError, match="catch_up must be one of 'eager', 'deferred', got 'lazy'"):
         SpeculativeConfig(method="hybrid", model="d", k_policy="auto", catch_up="lazy")
 

@@ -33,7 +33,7 @@ from draftwise.engine import (
     PerSequenceProposers,
     SpeculativeEngine,
 )
-from draftwise.methods import FIXED_DRAFT_CONFIDENCE, METHODS, get_method
+from draftwise.methods import DEFAULT_CATCH_UP, FIXED_DRAFT_CONFIDENCE, METHODS, get_method
 from draftwise.models.loading import LoadedModel, check_model_source, load_model
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import Proposer
@@ -629,7 +629,7 @@ def build_engine(
                               quantization=quantization, backend=backend, threads=threads, runtime=target_runtime,
                               num_slots=max_num_seqs if batch else 1)
     if batch:
-        if speculative_config is not None and speculative_config.catch_up != "eager":
+        if speculative_config is not None and speculative_config.catch_up != DEFAULT_CATCH_UP:
             logger.warning("catch_up %r is AutoK's, which runs one request at a time; the batched engine's "
                            "load-aware K ignores it", speculative_config.catch_up)
         if isinstance(target_model.backend, LeanCausalLM):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from draftwise.methods import BACKENDS, DEFAULT_DRAFT_CONFIDENCE, validate_config
+from draftwise.methods import BACKENDS, DEFAULT_CATCH_UP, DEFAULT_DRAFT_CONFIDENCE, validate_config
 
 __all__ = ["SamplingParams", "SpeculativeConfig", "GREEDY_TEMPERATURE", "SAMPLING_RULES", "BACKENDS",
            "MAX_SPECULATIVE_TOKENS", "DEFAULT_DRAFT_CONFIDENCE"]
@@ -118,11 +118,11 @@ class SpeculativeConfig:
             prompt; the output is unchanged (the target verifies), acceptance may fall where the draft needs the
             cut part (summarization). None (default): the whole context. Not a vLLM field.
         catch_up: ``draft_model`` / ``hybrid`` with ``k_policy`` ``"auto"``: how the draft model's catch-up
-            prefill of the prompt is priced: ``"eager"`` (default) against the remaining ``max_tokens`` (a long
-            answer repays it at once; a short answer after a long prompt loses it), ``"deferred"`` against the
-            tokens generated so far (ski rental: plain decoding until the saving given up would have paid the
-            catch-up; a short answer never pays it, a long one loses at most one catch-up's worth). Where a
-            per-request K controller runs (not the batched server's load-aware K). Not a vLLM field.
+            prefill of the prompt is priced: ``"deferred"`` (default, :data:`DEFAULT_CATCH_UP`) against the tokens
+            generated so far (ski rental: plain decoding until the saving given up would have paid the catch-up; a
+            short answer never pays it, a long one loses at most one catch-up's worth), ``"eager"`` against the
+            remaining ``max_tokens`` (a long answer repays it at once; a short answer after a long prompt loses
+            it). Where a per-request K controller runs (not the batched server's load-aware K). Not a vLLM field.
         draft_confidence_threshold: ``draft_model`` / ``hybrid``: a draft chain stops growing once the draft's
             probability of its whole path falls below a threshold (the token that crossed it is still proposed),
             so K is the longest chain, drawn only as deep as the draft is confident (EAGLE-2's reading of draft
@@ -183,7 +183,7 @@ class SpeculativeConfig:
     tree_width: int = 1
     tree_budget: int | None = None
     draft_window: int | None = None
-    catch_up: str = "eager"
+    catch_up: str = DEFAULT_CATCH_UP
     draft_confidence_threshold: float | str = DEFAULT_DRAFT_CONFIDENCE
     tree: tuple[tuple[int, ...], ...] | None = None
     suffix_decoding_max_tree_depth: int = 24

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from draftwise.cost_model import CostModel, expected_tokens, expected_tokens_per_step
-from draftwise.methods import CATCH_UP_MODES
+from draftwise.methods import CATCH_UP_MODES, DEFAULT_CATCH_UP
 
 __all__ = [
     "KController",
@@ -303,13 +303,13 @@ class AutoK(KController):
     speculates only when the time the chosen K saves over the request's remaining ``max_tokens`` exceeds that
     catch-up (:data:`CATCH_UP_NOTE` otherwise), so a request with a long prompt and few new tokens decodes
     plainly and never pays the draft's prefill. Needs :meth:`start` (the engine calls it); without it the
-    horizon is unbounded. The answer's length is not known, only its bound: with ``catch_up="eager"`` (the
-    default) the horizon is the remaining ``max_tokens``, so a draft catches up at once when a full-length answer
-    would repay it, and a short answer after a long prompt loses the catch-up. With ``"deferred"`` the horizon
-    is the tokens generated so far (at least :data:`DEFERRED_HORIZON_FLOOR`, at most the remaining
-    ``max_tokens``): the ski-rental rule (Karlin et al. 1988), which decodes plainly until the saving given up
-    would have paid the catch-up, never pays a catch-up for an answer that ends before that, and loses at most
-    one catch-up's worth on a long answer (docs/draft_trees.md).
+    horizon is unbounded. The answer's length is not known, only its bound: with ``catch_up="eager"`` the
+    horizon is the remaining ``max_tokens``, so a draft catches up at once when a full-length answer
+    would repay it, and a short answer after a long prompt loses the catch-up. With ``"deferred"`` (the default,
+    :data:`~draftwise.methods.DEFAULT_CATCH_UP`) the horizon is the tokens generated so far (at least
+    :data:`DEFERRED_HORIZON_FLOOR`, at most the remaining ``max_tokens``): the ski-rental rule (Karlin et al.
+    1988), which decodes plainly until the saving given up would have paid the catch-up, never pays a catch-up for
+    an answer that ends before that, and loses at most one catch-up's worth on a long answer (docs/draft_trees.md).
 
     Probing: when the best K is 0 although a perfect draft would pay, the controller probes with ``probe_k``
     (at once before any evidence, and then also when the prior's best K would not repay the draft's catch-up but
@@ -372,7 +372,7 @@ class AutoK(KController):
         catch_up_smoothing: float = 0.5,
         memory_strength: float = 8.0,
         optimism: float = 0.75,
-        catch_up: str = "eager",
+        catch_up: str = DEFAULT_CATCH_UP,
     ) -> None:
         if catch_up not in CATCH_UP_MODES:
             raise ValueError(f"catch_up must be one of {', '.join(CATCH_UP_MODES)}, got {catch_up!r}")

@@ -65,7 +65,7 @@ from draftwise.commands.common import (
 )
 from draftwise.config import DEFAULT_DRAFT_CONFIDENCE as DEFAULT_CONFIDENCE
 from draftwise.config import MAX_SPECULATIVE_TOKENS
-from draftwise.methods import CATCH_UP_MODES, K_POLICIES, MIN_DRAFT_WINDOW, is_confidence_threshold
+from draftwise.methods import CATCH_UP_MODES, DEFAULT_CATCH_UP, K_POLICIES, MIN_DRAFT_WINDOW, is_confidence_threshold
 from draftwise.models.loading import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -105,11 +105,11 @@ def register(subparsers) -> None:
                              f"{DEFAULT_CONFIDENCE}, the rows without conf=; chains only: draft trees are sized by the "
                              "verify cost; draft_confidence_threshold, docs/draft_trees.md)")
     parser.add_argument("--k-policies", default="fixed", help="fixed, auto or fixed,auto (auto: K_max = max(ks))")
-    parser.add_argument("--catch-up", default="eager",
-                        help="draft (and, with --workload agent, hybrid) with --k-policies auto: eager, deferred or "
-                        "eager,deferred: price the draft's "
-                        "catch-up prefill against the remaining max_tokens (eager) or the tokens generated so far "
-                        "(deferred, ski rental); see docs/draft_trees.md")
+    parser.add_argument("--catch-up", default=DEFAULT_CATCH_UP,
+                        help="draft (and, with --workload agent, hybrid) with --k-policies auto: deferred, eager or "
+                        "deferred,eager: price the draft's catch-up prefill against the tokens generated so far "
+                        f"(deferred, ski rental) or the remaining max_tokens (eager); default {DEFAULT_CATCH_UP}, "
+                        "the rows without a catch-up in their name; see docs/draft_trees.md")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
                         help="FR-Spec: the draft's LM head over the N most frequent tokens only (docs/frspec.md)")
     parser.add_argument("--token-map", default=None, help="FR-Spec: ranked token map file for --draft-vocab-size")
@@ -203,21 +203,21 @@ def parse_ks(text: str) -> list[int]:
 
 
 def method_label(kind: str, k: int, policy: str = "fixed", tree_width: int = 1, window: int | None = None,
-                 catch_up: str = "eager", confidence: float | str = DEFAULT_CONFIDENCE) -> str:
+                 catch_up: str = DEFAULT_CATCH_UP, confidence: float | str = DEFAULT_CONFIDENCE) -> str:
     """A method's name in tables and JSON: ``"draft K=4"``, ``"ngram auto(K<=4)"``, ``"eagle K=4 w=2"``,
-    ``"draft K=4 win=256"`` (a draft window), ``"draft auto(K<=4) deferred"`` (a deferred catch-up),
+    ``"draft K=4 win=256"`` (a draft window), ``"draft auto(K<=4) eager"`` (a catch-up other than the default),
     ``"draft K=8 conf=0.4"`` (a draft confidence threshold other than the default, written exactly: two thresholds
     never share a label)."""
     label = f"{kind} K={k}" if policy == "fixed" else f"{kind} auto(K<={k})"
     return (label + (f" w={tree_width}" if tree_width > 1 else "") + (f" win={window}" if window else "")
-            + (f" {catch_up}" if catch_up != "eager" else "")
+            + (f" {catch_up}" if catch_up != DEFAULT_CATCH_UP else "")
             + (f" conf={confidence!r}" if confidence != DEFAULT_CONFIDENCE else ""))  # repr: distinct values, labels
 
 
 def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[str], ks: list[int],
                   policies: list[str], calibrated: dict, heads: dict[str, str] | None = None,
                   tree_widths: list[int] = (1,), anchors: tuple | None = None,
-                  windows: list[int | None] = (None,), catch_ups: list[str] = ("eager",),
+                  windows: list[int | None] = (None,), catch_ups: list[str] = (DEFAULT_CATCH_UP,),
                   confidences: list[float | str] = (DEFAULT_CONFIDENCE,)) -> list[MethodSpec]:
     """Plain first, then each requested method x policy x K (x tree width x draft window x confidence threshold for
     the draft model, and x ``catch_ups`` for its auto policy; x tree width for Medusa / EAGLE at fixed K only),
@@ -245,7 +245,7 @@ def build_methods(target: LoadedModel, draft: LoadedModel | None, methods: list[
     for kind, width, window, confidence, proposer in proposers:
         for policy in policies:
             for k in (ks if policy == "fixed" else [max(ks)]):
-                for catch_up in (catch_ups if policy == "auto" and kind == "draft" else ["eager"]):
+                for catch_up in (catch_ups if policy == "auto" and kind == "draft" else [DEFAULT_CATCH_UP]):
                     label = method_label(kind, k, policy, width, window, catch_up, confidence)
                     factory = _controller_factory(policy, k, kind, target, draft, proposer, calibrated, catch_up)
                     engine = assemble_engine(target, proposer, k, controller_factory=factory)
@@ -300,12 +300,12 @@ def _catch_up_modes(args: argparse.Namespace, policies: list[str]) -> list[str]:
     """``--catch-up``'s modes (both workloads). Raises CliError: an unknown mode, or a non-eager one without the
     auto K policy, whose choice it is."""
     catch_ups = _csv(args.catch_up, CATCH_UP_MODES, "--catch-up")
-    if "auto" not in policies and catch_ups != ["eager"]:
+    if "auto" not in policies and catch_ups != [DEFAULT_CATCH_UP]:
         raise CliError("--catch-up is a choice of the auto K policy: add --k-policies auto")
     return catch_ups
 
 
-def _controller_factory(policy, k, kind, target, draft, proposer, calibrated, catch_up="eager"):
+def _controller_factory(policy, k, kind, target, draft, proposer, calibrated, catch_up=DEFAULT_CATCH_UP):
     from draftwise.calibration import calibrate_cost_model
     from draftwise.controller import MODEL_PRIOR_STRENGTH, k_controller_factory
 
@@ -701,7 +701,7 @@ def _agent_sessions(args: argparse.Namespace):
 def _agent_methods(args: argparse.Namespace, params):
     """The methods (baseline first) and the run's configuration dict. Raises CliError on bad flags."""
     if args.url:
-        if args.catch_up != "eager":
+        if args.catch_up != DEFAULT_CATCH_UP:
             raise CliError("--catch-up applies to in-process methods; a --url server's catch-up is its own "
                            "(serve --speculative-config '{\"catch_up\": \"deferred\", ...}')")
         labelled = _parse_urls(args.url)
@@ -735,7 +735,7 @@ def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tr
                       heads: dict[str, str | None], draft: str | None, draft_vocab: dict | None = None, *,
                       draft_backend: str | None = None, windows: list[int | None] = (None,),
                       confidences: list[float | str] = (DEFAULT_CONFIDENCE,),
-                      catch_ups: list[str] = ("eager",)) -> list[tuple]:
+                      catch_ups: list[str] = (DEFAULT_CATCH_UP,)) -> list[tuple]:
     """``(label, kind, k, SpeculativeConfig | None)`` per in-process method, plain first, in the order and with
     the labels of the prompts workload (draft and ngram per policy and K; Medusa / EAGLE per K and tree width).
     ``draft_vocab`` (``draft_vocab_size`` / ``token_map``) and ``draft_backend`` (the draft model's own backend,
@@ -759,7 +759,7 @@ def agent_method_plan(methods: list[str], ks: list[int], policies: list[str], tr
             for k in (ks if policy == "fixed" else [max(ks)]):
                 shapes = itertools.product(sorted(set(tree_widths)) if with_draft else [1],
                                            windows if with_draft else [None])
-                modes = catch_ups if with_draft and policy == "auto" else ["eager"]
+                modes = catch_ups if with_draft and policy == "auto" else [DEFAULT_CATCH_UP]
                 for width, window, confidence, catch_up in [
                         (w, win, c, mode) for w, win in shapes
                         for c in (chain_confidences(confidences, w) if with_draft else [DEFAULT_CONFIDENCE])
