@@ -82,8 +82,8 @@ SPECULATION_UNPROFITABLE_NOTE = (
     "decoding): speculation disabled"
 )
 CATCH_UP_NOTE = (
-    "the draft's catch-up prefill of the context would cost more than speculating can gain over the "
-    "remaining tokens: decoded plainly"
+    "the draft's catch-up prefill of the context would cost more than speculating can gain (over the "
+    "remaining tokens with catch_up 'eager', over the tokens generated so far with 'deferred'): decoded plainly"
 )
 
 
@@ -300,9 +300,9 @@ class AutoK(KController):
 
     Catch-up: a draft model that has not seen the context (the prompt at the start of a request, tokens
     committed by plain steps) must prefill it before it drafts (``CostModel.catch_up_cost``). The controller
-    speculates only when the time the chosen K saves over the request's remaining ``max_tokens`` exceeds that
-    catch-up (:data:`CATCH_UP_NOTE` otherwise), so a request with a long prompt and few new tokens decodes
-    plainly and never pays the draft's prefill. Needs :meth:`start` (the engine calls it); without it the
+    speculates only when the time the chosen K saves over the catch-up's horizon (below) exceeds that catch-up
+    (:data:`CATCH_UP_NOTE` otherwise), so a request with a long prompt and few new tokens decodes plainly and
+    never pays the draft's prefill. Needs :meth:`start` (the engine calls it); without it the
     horizon is unbounded. The answer's length is not known, only its bound: with ``catch_up="eager"`` the
     horizon is the remaining ``max_tokens``, so a draft catches up at once when a full-length answer
     would repay it, and a short answer after a long prompt loses the catch-up. With ``"deferred"`` (the default,

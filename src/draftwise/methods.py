@@ -177,9 +177,10 @@ DRAFT_FIELDS = ("backend", "tree_width", "tree_budget", "draft_window", "catch_u
 #: How AutoK prices a draft model's catch-up (``catch_up``; draftwise.controller.AutoK): against the remaining
 #: ``max_tokens`` ("eager") or the tokens generated so far ("deferred", ski rental).
 CATCH_UP_MODES = ("eager", "deferred")
-#: ``catch_up``'s default: "deferred". Measured on the Qwen2.5-Coder pair (docs/draft_trees.md, 2026-12-05): only
-#: deferred keeps every Spec-Bench category at >= 0.99x plain (eager: rag, short answers after long prompts,
-#: 0.87x), 13 categories x 5 1.34x vs eager's 1.32x, and agent sessions the same (63.1 vs 63.0 s in one run).
+#: ``catch_up``'s default: "deferred". Measured on the Qwen2.5-Coder pair (docs/draft_trees.md, 2026-12-05): in one
+#: 13 x 5 run deferred kept every Spec-Bench category at >= 0.98x plain (eager: rag, short answers after long
+#: prompts, 0.96x; 0.87x in another run), 1.39x vs eager's 1.38x over all, and agent sessions the same (63.1 vs
+#: 63.0 s in one run).
 DEFAULT_CATCH_UP = "deferred"
 #: The suffix-decoding fields (method ``suffix``, and ``hybrid``'s suffix side).
 SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",

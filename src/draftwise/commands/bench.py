@@ -297,7 +297,7 @@ def _head_methods(target: LoadedModel, kind: str, heads_dir: str, ks: list[int],
 
 
 def _catch_up_modes(args: argparse.Namespace, policies: list[str]) -> list[str]:
-    """``--catch-up``'s modes (both workloads). Raises CliError: an unknown mode, or a non-eager one without the
+    """``--catch-up``'s modes (both workloads). Raises CliError: an unknown mode, or a non-default one without the
     auto K policy, whose choice it is."""
     catch_ups = _csv(args.catch_up, CATCH_UP_MODES, "--catch-up")
     if "auto" not in policies and catch_ups != [DEFAULT_CATCH_UP]:
@@ -703,7 +703,7 @@ def _agent_methods(args: argparse.Namespace, params):
     if args.url:
         if args.catch_up != DEFAULT_CATCH_UP:
             raise CliError("--catch-up applies to in-process methods; a --url server's catch-up is its own "
-                           "(serve --speculative-config '{\"catch_up\": \"deferred\", ...}')")
+                           "(serve --speculative-config '{\"k_policy\": \"auto\", \"catch_up\": \"eager\", ...}')")
         labelled = _parse_urls(args.url)
         config = {"mode": "http", "urls": dict(labelled), "methods": [label for label, _ in labelled],
                   "model_name": args.model_name}
