@@ -196,6 +196,38 @@ def test_summary_predicts_from_the_chains_actually_drafted():
         predicted_speedup_of_steps(0.8, [], 0.1, costs.relative)
 
 
+def test_summary_prices_the_drafts_catch_up_of_each_prompt():
+    """With the draft's prefill rate calibrated, a fixed-K row's prediction adds each run's catch-up of its
+    uncached prompt tokens (in one-token target passes) to the steps' cost: a long prompt's catch-up lowers the
+    prediction; without the rate the prediction is as before."""
+    from draftwise.calibration import ForwardCosts
+    from draftwise.cost_model import catch_up_passes, predicted_speedup_of_steps
+
+    costs = ForwardCosts({k: 0.1 * (1 + 0.1 * (k - 1)) for k in range(1, 10)}, context_len=200)
+    plain = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_target_passes": 99}
+    draft = {"num_draft_tokens": 400, "num_accepted_tokens": 320, "num_target_passes": 100,
+             "drafted_per_position": [100] * 4, "accepted_per_position": [90, 80, 80, 70],
+             "rejected_per_position": [10, 10, 0, 10], "k_history": [4] * 25, "num_cached_prompt_tokens": 0}
+    runs = [_run("plain", "plain", None, plain), _run("draft K=4", "draft", 4, draft, 0.5)]
+    before = summarize(runs, costs, 0.01)[1]
+    after = summarize(runs, costs, 0.01, draft_prefill_s=0.002)[1]
+    a = after["token_acceptance"]
+    catch_up = catch_up_passes(10, 0.002, 0.1)  # _run's prompt: 10 tokens
+    assert catch_up == pytest.approx(0.2)
+    assert after["catch_up_passes"] == pytest.approx(catch_up)
+    assert after["predicted_speedup"] == pytest.approx(predicted_speedup_of_steps(a, [4] * 25, 0.1, costs.relative,
+                                                                                  catch_up))
+    assert after["predicted_speedup"] < before["predicted_speedup"]
+    assert "catch_up_passes" not in before
+    cached = summarize([runs[0], _run("draft K=4", "draft", 4, {**draft, "num_cached_prompt_tokens": 10}, 0.5)],
+                       costs, 0.01, draft_prefill_s=0.002)[1]
+    assert cached["predicted_speedup"] == pytest.approx(before["predicted_speedup"])  # nothing to catch up
+    with pytest.raises(ValueError):
+        predicted_speedup_of_steps(a, [4], 0.1, costs.relative, -1.0)
+    with pytest.raises(ValueError):
+        catch_up_passes(10, 0.002, 0.0)
+
+
 def test_summary_and_report_show_the_hybrid_steps_by_side(tmp_path):
     """A hybrid row sums its runs' passes by side, a report prints them under the table; other rows have none."""
     import dataclasses

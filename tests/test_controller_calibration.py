@@ -31,9 +31,9 @@ def timer(monkeypatch):
     which backends were timed for which ks."""
     calls = []
 
-    def fake(backend, ks, *, context_len, repeats, warmup):
+    def fake(backend, ks, *, context_len, repeats, warmup, num_logits=None):
         ks = sorted(set(ks) | {1})
-        calls.append((backend.name, ks, context_len))
+        calls.append((backend.name, ks, context_len) + ((num_logits,) if num_logits is not None else ()))
         growth = 1 + 0.001 * max(0, context_len - 200)  # passes 0.1% slower per context token beyond 200
         return {k: [0.1 * (1 + 0.2 * (k - 1)) * (0.5 if k == 3 else 1.0) * growth] * repeats for k in ks}
 
@@ -133,11 +133,12 @@ def test_calibrate_cost_model_for_draft_model_and_ngram(home, timer):
     target, draft = bigram("target"), bigram("draft")
     with_draft = calibrate_cost_model(target, 4, draft=draft, repeats=1)
     assert with_draft.max_k == 4 and with_draft.source == "measured"
-    # the verify curve, the draft's one-token and 64-token (prefill) passes, then both again at a long context
-    assert timer == [("target", [1, 2, 3, 4, 5], 200), ("draft", [1, 64], 200), ("draft", [1], 510),
+    # the verify curve, the draft's one-token and 256-token (prefill: the last row's logits only, as a catch-up
+    # asks) passes, then both again at a long context
+    assert timer == [("target", [1, 2, 3, 4, 5], 200), ("draft", [1, 256], 200, 1), ("draft", [1], 510),
                      ("target", [1], 510)]
     assert with_draft.draft_seconds_per_token == pytest.approx(0.1)
-    assert with_draft.draft_prefill_seconds_per_token == pytest.approx(0.1 * (1 + 0.2 * 63) / 64)
+    assert with_draft.draft_prefill_seconds_per_token == pytest.approx(0.1 * (1 + 0.2 * 255) / 256)
     assert with_draft.context_len == 200
     assert with_draft.target_context_growth == pytest.approx(0.001)
     assert with_draft.draft_context_growth == pytest.approx(0.001)
@@ -192,3 +193,26 @@ def test_cache_key_holds_the_backends_timing_settings(home, timer):
     cached_forward_costs(model, [1, 2], repeats=1)
     assert len(timer) == 5  # same settings again: from the cache
     assert len(list((home / "calibration").glob("*.json"))) == 5
+
+
+def test_prefill_timing_asks_for_the_last_rows_logits_only(home):
+    """A draft's catch-up asks for its last row's logits; timing the prefill pass with every row's logits (an LM
+    head over each row, k x vocab floats copied out) measured it about twice as slow on llama.cpp. The passes get
+    ``num_logits`` as given, and the cache keeps such timings apart from full-logit (verification) ones."""
+    asked = []
+
+    class Recording(BigramLM):
+        def forward(self, token_ids, *, num_logits=None, **kwargs):
+            if len(token_ids) > 1 or num_logits is not None:
+                asked.append((len(token_ids), num_logits))
+            return super().forward(token_ids, num_logits=num_logits, **kwargs)
+
+    model = Recording(peaked_table(16, seed=0), max_context=512, name="recording")
+    calibration.forward_pass_samples(model, [1, 8], context_len=20, repeats=1, warmup=0, num_logits=1)
+    assert (8, 1) in asked and (20, 1) in asked  # the timed 8-token pass, and the context's prefill
+    asked.clear()
+    calibration.forward_pass_samples(model, [1, 8], context_len=20, repeats=1, warmup=0)
+    assert (8, None) in asked  # verification passes: every row's logits
+    cached_forward_costs(model, [1, 8], context_len=20, repeats=1, num_logits=1)
+    cached_forward_costs(model, [1, 8], context_len=20, repeats=1)
+    assert len(list((home / "calibration").glob("*.json"))) == 2

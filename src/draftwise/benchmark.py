@@ -399,12 +399,15 @@ def summarize(
     draft_cost_s: float | None = None,
     *,
     by_category: bool = False,
+    draft_prefill_s: float | None = None,
 ) -> list[dict]:
     """Per method (and per category when asked): tokens/s, speed-up over plain (total, median, min, max),
     alpha, tau, acceptance by position, mean K, identical outputs, engine overhead share, peak memory; for
     fixed-K draft-model rows with calibration: c, v_(K+1) and the Leviathan-predicted speed-up (from the
     per-token acceptance and the tokens each step drafted, which a confidence stop makes fewer than K:
-    :func:`draftwise.cost_model.predicted_speedup_of_steps`).
+    :func:`draftwise.cost_model.predicted_speedup_of_steps`), with the draft's catch-up of each prompt's
+    uncached tokens priced in when ``draft_prefill_s`` (the draft's calibrated prefill seconds per token) is
+    given (``catch_up_passes``: in one-token target passes, summed over the row's runs).
 
     Speed-ups are over the mean of the plain passes (the first method and its repeats): ``baseline_pass_s``
     lists each pass's total seconds and ``baseline_spread`` their relative spread. ``measurement`` is the
@@ -431,9 +434,15 @@ def summarize(
                        or [k] * int(_sum(mine, "num_target_passes")))
             if drafted:
                 c = draft_cost_s / target_costs.seconds[1]
+                catch_up = 0.0
+                if draft_prefill_s is not None:
+                    catch_up = sum(cost_model.catch_up_passes(
+                        max(0, r.num_prompt_tokens - (r.stats.get("num_cached_prompt_tokens") or 0)),
+                        draft_prefill_s, target_costs.seconds[1]) for r in mine)
+                    row.update(catch_up_passes=catch_up)
                 row.update(cost_ratio=c, verify_cost=target_costs.relative(k + 1),
                            predicted_speedup=cost_model.predicted_speedup_of_steps(
-                               row["token_acceptance"], drafted, c, target_costs.relative))
+                               row["token_acceptance"], drafted, c, target_costs.relative, catch_up))
         combined = measurement.combine(_measurements(mine))
         row.update(baseline_pass_s=pass_seconds, baseline_spread=measurement.relative_spread(pass_seconds),
                    measurement=combined.to_dict() if combined else {},

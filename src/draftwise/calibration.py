@@ -51,6 +51,7 @@ __all__ = [
     "machine_identity",
     "measure_proposer_seconds_per_token",
     "monotone_fit",
+    "prefill_chunk",
 ]
 
 logger = logging.getLogger(__name__)
@@ -88,23 +89,28 @@ class ForwardCosts:
 
 
 def measure_forward_costs(
-    backend: CausalLM, ks: Iterable[int], *, context_len: int = 200, repeats: int = 5, warmup: int = 1
+    backend: CausalLM, ks: Iterable[int], *, context_len: int = 200, repeats: int = 5, warmup: int = 1,
+    num_logits: int | None = None,
 ) -> ForwardCosts:
     """Time forward passes of k new tokens on top of a ``context_len``-token cache, median of ``repeats``.
 
     Token ids are arbitrary but valid; the cache is rolled back between passes and reset at the end. The ks
     are timed round-robin (k = 1, 2, ..., 1, 2, ...), so a burst of load on the machine affects all of them
-    alike rather than one k.
+    alike rather than one k. ``num_logits``: the rows each pass returns logits for (None: all k, as a
+    verification needs; 1: the last, as a draft's catch-up prefill asks, whose LM head over every row and the
+    copy of k x vocab logits would otherwise double its measured time).
 
     Raises:
         ContextOverflowError: if ``context_len + max(ks)`` exceeds the model's context.
     """
-    samples = forward_pass_samples(backend, ks, context_len=context_len, repeats=repeats, warmup=warmup)
+    samples = forward_pass_samples(backend, ks, context_len=context_len, repeats=repeats, warmup=warmup,
+                                   num_logits=num_logits)
     return ForwardCosts.from_samples(samples, context_len)
 
 
 def forward_pass_samples(
-    backend: CausalLM, ks: Iterable[int], *, context_len: int = 200, repeats: int = 5, warmup: int = 1
+    backend: CausalLM, ks: Iterable[int], *, context_len: int = 200, repeats: int = 5, warmup: int = 1,
+    num_logits: int | None = None,
 ) -> dict[int, list[float]]:
     """``{k: [seconds of each timed pass]}``, the timings :func:`measure_forward_costs` takes the medians of
     (1 always included): for callers that judge their spread (:func:`draftwise.measurement.noisy_timings`).
@@ -112,11 +118,13 @@ def forward_pass_samples(
     Raises:
         ContextOverflowError: if ``context_len + max(ks)`` exceeds the model's context.
     """
-    return _time_forward_passes(backend, ks, context_len=context_len, repeats=repeats, warmup=warmup)
+    return _time_forward_passes(backend, ks, context_len=context_len, repeats=repeats, warmup=warmup,
+                                num_logits=num_logits)
 
 
 def _time_forward_passes(
-    backend: CausalLM, ks: Iterable[int], *, context_len: int, repeats: int, warmup: int
+    backend: CausalLM, ks: Iterable[int], *, context_len: int, repeats: int, warmup: int,
+    num_logits: int | None = None,
 ) -> dict[int, list[float]]:
     """``{k: [seconds of each timed pass]}`` (see :func:`measure_forward_costs`)."""
     ks = sorted(set(ks) | {1})
@@ -131,7 +139,7 @@ def _time_forward_passes(
         for k in ks:
             new = [(11 + 17 * i) % vocab for i in range(k)]
             t0 = time.perf_counter()
-            backend.forward(new)
+            backend.forward(new, num_logits=num_logits)
             elapsed = time.perf_counter() - t0
             backend.rollback(context_len)
             if rep >= warmup:
@@ -215,6 +223,7 @@ def cached_forward_costs(
     cache_dir: Path | None = None,
     refresh: bool = False,
     max_spread: float = 1.0,
+    num_logits: int | None = None,
 ) -> ForwardCosts:
     """:func:`measure_forward_costs`, cached as JSON per (model, dtype, device, machine, context length).
 
@@ -232,6 +241,7 @@ def cached_forward_costs(
         refresh: measure even when a cached entry fits.
         max_spread: a measurement whose repeated timings of one k differ by more than this fraction of
             their median ((max - min) / median) is returned but not cached (a busy machine).
+        num_logits: logit rows per pass (see :func:`measure_forward_costs`); part of the cache key when set.
 
     Raises:
         ValueError: if the model's context cannot hold one token plus the largest k.
@@ -243,13 +253,16 @@ def cached_forward_costs(
     model_id = backend_identity(backend, dtype=dtype, device=device)
     key = {"schema": CACHE_SCHEMA, "model": model_id, "machine": machine_identity(model_id["device"]),
            "context_len": context_len}
+    if num_logits is not None:
+        key["num_logits"] = num_logits
     path = _cache_path(key, cache_dir or calibration_dir())
     cached = None if refresh else _read_cached(path, key, ks)
     if cached is not None:
         logger.debug("calibration of %s read from %s", backend.name, path)
         return cached
     logger.info("calibrating %s: forward passes of k = %s tokens (once per model and machine)", backend.name, ks)
-    samples = _time_forward_passes(backend, ks, context_len=context_len, repeats=repeats, warmup=1)
+    samples = _time_forward_passes(backend, ks, context_len=context_len, repeats=repeats, warmup=1,
+                                   num_logits=num_logits)
     costs = ForwardCosts.from_samples(samples, context_len)
     spread = _max_relative_spread(samples)
     if spread > max_spread:
@@ -303,8 +316,11 @@ def monotone_fit(values: Sequence[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
-#: Tokens in the draft pass timed for its catch-up prefill rate.
-PREFILL_CHUNK_TOKENS = 64
+#: Tokens in the draft pass timed for its catch-up prefill rate. A catch-up is a whole prompt (Spec-Bench's are
+#: 40-800 tokens) and the rate grows with the pass: the Qwen2.5-Coder 0.5B draft on llama.cpp (Q4_0, AMD EPYC Zen4,
+#: 2 threads) prefilled 206 tokens/s in 64-token passes, 337 in 256-token ones, and caught up on 200-740-token
+#: prompts at 285-310 tokens/s inside requests (2026-12-05; 64 before that day).
+PREFILL_CHUNK_TOKENS = 256
 #: Context (tokens) of the second, longer timing that measures how pass times grow with the context.
 LONG_CONTEXT_TOKENS = 1024
 
@@ -329,7 +345,8 @@ def calibrate_cost_model(
       non-decreasing in j (:func:`monotone_fit`: a pass over more tokens never costs less; dips are noise);
     - draft cost per token: a draft model's one-token forward time (cached like the target's), else the
       model-free ``proposer``'s measured time per drafted token, else 0;
-    - a draft model's catch-up (prefill) time per token: its :data:`PREFILL_CHUNK_TOKENS`-token pass / that;
+    - a draft model's catch-up (prefill) time per token: its :func:`prefill_chunk`-token pass (logits of the
+      last row only, as a catch-up asks) / that;
     - context growth: the one-token pass times of the target (and the draft model) again at
       ``long_context_len`` tokens (capped by the context length; skipped when not longer than
       ``context_len``), as relative growth per context token.
@@ -351,8 +368,8 @@ def calibrate_cost_model(
     verify = cached_forward_costs(target, range(1, max_k + 2), context_len=context_len, **options)
     draft_cost = prefill_cost = draft_growth = 0.0
     if draft is not None:
-        chunk = min(PREFILL_CHUNK_TOKENS, max(1, draft.max_context - verify.context_len - 1))
-        timed = cached_forward_costs(draft, [1, chunk], context_len=verify.context_len, **options)
+        chunk = prefill_chunk(draft, verify.context_len)
+        timed = cached_forward_costs(draft, [1, chunk], context_len=verify.context_len, num_logits=1, **options)
         draft_cost, prefill_cost = timed.seconds[1], timed.seconds[chunk] / chunk
         draft_growth = _context_growth(draft, timed, long_context_len, options)
     elif proposer is not None:
@@ -367,6 +384,12 @@ def calibrate_cost_model(
                 ", ".join(f"{v:.4f}" for v in model.verify_seconds), draft_cost, prefill_cost, target_growth,
                 draft_growth)
     return model
+
+
+def prefill_chunk(draft: CausalLM, context_len: int) -> int:
+    """Tokens of the pass that times ``draft``'s prefill rate on top of ``context_len`` cached ones:
+    :data:`PREFILL_CHUNK_TOKENS`, fewer where the model's context cannot hold them (at least 1)."""
+    return min(PREFILL_CHUNK_TOKENS, max(1, draft.max_context - context_len - 1))
 
 
 def _context_growth(backend: CausalLM, short: ForwardCosts, long_context_len: int, options: dict) -> float:

@@ -53,6 +53,7 @@ __all__ = [
     "acceptance_rate",
     "batch_step_rate",
     "break_even_acceptance",
+    "catch_up_passes",
     "conditional_acceptance",
     "draft_stop_thresholds",
     "expected_tokens",
@@ -142,23 +143,42 @@ def predicted_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: floa
 
 
 def predicted_speedup_of_steps(alpha: float, drafted: Sequence[int], cost_ratio: float,
-                               verify_cost: Callable[[int], float]) -> float:
+                               verify_cost: Callable[[int], float], catch_up: float = 0.0) -> float:
     """:func:`predicted_speedup` over the steps a run actually took: step s drafted ``drafted[s]`` tokens (a
     confidence stop or the end of the answer cuts chains short of K; 0 is a plain step), is worth
     ``(1 - a^(d+1)) / (1 - a)`` tokens and costs ``d c + v_(d+1)`` one-token passes; the speed-up is the sum of
-    the first over the sum of the second. With every step K deep it is :func:`predicted_speedup`.
+    the first over the sum of the second plus ``catch_up``. With every step K deep and no catch-up it is
+    :func:`predicted_speedup`.
 
     Args:
         alpha: per-token acceptance probability in [0, 1]; drafted: tokens drafted per step (non-empty);
         cost_ratio: c; verify_cost: ``n -> v_n`` (a pass over n tokens / a one-token pass).
+        catch_up: a draft model's prefill of the prompt before its first draft, in one-token target passes
+            (prompt tokens x the draft's prefill seconds per token / the target's one-token seconds; see
+            :func:`catch_up_passes`); 0 for proposers without one.
 
     Raises:
-        ValueError: no steps, or ``alpha`` outside [0, 1].
+        ValueError: no steps, ``alpha`` outside [0, 1], or a negative ``catch_up``.
     """
     if not drafted:
         raise ValueError("need at least one step")
+    if catch_up < 0:
+        raise ValueError(f"catch_up must be >= 0 one-token passes, got {catch_up}")
     tokens = sum(expected_tokens_per_step(alpha, d) for d in drafted)
-    return tokens / sum(d * cost_ratio + verify_cost(d + 1) for d in drafted)
+    return tokens / (sum(d * cost_ratio + verify_cost(d + 1) for d in drafted) + catch_up)
+
+
+def catch_up_passes(tokens: int, draft_prefill_seconds_per_token: float, target_one_token_seconds: float) -> float:
+    """A draft model's catch-up of ``tokens`` context tokens in one-token target passes (the unit of
+    :func:`predicted_speedup_of_steps`): ``tokens x prefill seconds per token / one target token's seconds``.
+
+    Raises:
+        ValueError: negative ``tokens`` or prefill time, or a one-token time <= 0.
+    """
+    if tokens < 0 or draft_prefill_seconds_per_token < 0 or target_one_token_seconds <= 0:
+        raise ValueError("catch_up_passes needs tokens >= 0, a prefill time >= 0 and a one-token time > 0, got "
+                         f"{tokens}, {draft_prefill_seconds_per_token}, {target_one_token_seconds}")
+    return tokens * draft_prefill_seconds_per_token / target_one_token_seconds
 
 
 def break_even_acceptance(k: int, cost_ratio: float, verify_cost: float) -> float | None:

@@ -44,6 +44,15 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> lis
     return [line(columns), "|" + "---|" * len(columns)] + [line(row) for row in rows]
 
 
+def _prefill_note(calibration: dict) -> str:
+    """The draft's calibrated prefill rate, which the predicted column prices each prompt's catch-up with (older
+    reports have none: their predictions leave the catch-up out)."""
+    seconds = calibration.get("draft_prefill_token_s")
+    if not seconds:
+        return ""
+    return f"; draft prefill: {1 / seconds:.0f} tokens/s (the predicted column prices each prompt's catch-up at it)"
+
+
 def write_markdown(path: Path, config: dict, summary: list[dict], by_category: list[dict], calibration: dict,
                    runs: Sequence[PromptRun]) -> Path:
     """Write the benchmark summary (overall and per category) and any exactness failures as Markdown."""
@@ -69,7 +78,7 @@ def write_markdown(path: Path, config: dict, summary: list[dict], by_category: l
         lines += ["", "## Calibration", "",
                   f"target one-token forward: {calibration['target']['seconds']['1'] * 1000:.0f} ms; "
                   f"draft one-token forward: {calibration.get('draft_1_token_s', 0) * 1000:.0f} ms; "
-                  f"c = {_fmt(calibration.get('cost_ratio_c'))}",
+                  f"c = {_fmt(calibration.get('cost_ratio_c'))}" + _prefill_note(calibration),
                   "", "verify cost v_k (k-token pass / one-token pass): "
                   + ", ".join(f"v{k} = {float(v):.2f}" for k, v in rel.items())]
     failures = [r for r in runs if not r.identical_to_plain]

@@ -49,7 +49,7 @@ from draftwise.builder import (
     kv_cache_budget,
     load_draft_model,
 )
-from draftwise.calibration import ForwardCosts, forward_pass_samples
+from draftwise.calibration import ForwardCosts, forward_pass_samples, prefill_chunk
 from draftwise.commands.common import (
     CliError,
     add_backend_arg,
@@ -363,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
     draft = _load_draft(args, target, options) if needs_draft else None
     anchors = _anchor_models(args, methods, target, draft, options)
     calibration, target_costs, draft_cost = _calibrate(console, args, target, draft, ks)
+    prefill_s = calibration.get("draft_prefill_token_s")
     specs = build_methods(target, draft, methods, ks, policies, {}, heads, tree_widths, anchors=anchors,
                           windows=windows, catch_ups=catch_ups, confidences=confidences)
     if args.baseline_repeat:
@@ -377,14 +378,15 @@ def run(args: argparse.Namespace) -> int:
               "temperature": params.temperature, "draft_vocab_size": args.draft_vocab_size, "token_map": args.token_map}
 
     def save(runs: list[PromptRun], complete: bool = False) -> None:
-        write_json(output, config, runs, summarize(runs, target_costs, draft_cost), calibration, complete=complete)
+        write_json(output, config, runs, summarize(runs, target_costs, draft_cost, draft_prefill_s=prefill_s),
+                   calibration, complete=complete)
 
     runs = _run_with_progress(console, target, specs, prompts, params, args, done, save)
     if not runs:
         raise CliError(f"no selected prompt fits the context of {target.backend.max_context} tokens "
                        "(see the warnings above; raise --max-model-len or pick other prompts)")
-    summary = summarize(runs, target_costs, draft_cost)
-    by_category = summarize(runs, target_costs, draft_cost, by_category=True)
+    summary = summarize(runs, target_costs, draft_cost, draft_prefill_s=prefill_s)
+    by_category = summarize(runs, target_costs, draft_cost, by_category=True, draft_prefill_s=prefill_s)
     save(runs, complete=True)
     _print_tables(console, summary, by_category, calibration)
     _print_measurements(console, summary, runs, calibration)
@@ -514,22 +516,27 @@ def _tree_widths(text: str) -> list[int]:
 
 
 def _calibrate(console, args, target, draft, ks) -> tuple[dict, ForwardCosts | None, float | None]:
-    """The forward-cost calibration for the predictions: the target's verify curve and the draft's one-token
-    pass, with their measurement and doubts (machine busy, noisy repeated timings) under ``"measurement"`` and
-    ``"warnings"``."""
+    """The forward-cost calibration for the predictions: the target's verify curve, the draft's one-token pass
+    and its prefill rate (a :func:`~draftwise.calibration.prefill_chunk`-token pass, seconds per token under
+    ``"draft_prefill_token_s"``: the predictions price each prompt's catch-up with it), with their measurement
+    and doubts (machine busy, noisy repeated timings) under ``"measurement"`` and ``"warnings"``."""
     if args.no_calibrate:
         return {}, None, None
-    console.print("calibrating forward costs (target k = 1..K+1" + (", draft k = 1)" if draft else ")") + " ...")
+    chunk = prefill_chunk(draft.backend, CALIBRATION_CONTEXT) if draft is not None else 0
+    console.print("calibrating forward costs (target k = 1..K+1" + (f", draft k = 1 and {chunk})" if draft else ")")
+                  + " ...")
     with measurement.measure(measurement.backend_threads(target.backend)) as measured:
         target_samples = forward_pass_samples(target.backend, range(1, max(ks) + 2), context_len=CALIBRATION_CONTEXT)
-        draft_samples = (forward_pass_samples(draft.backend, [1], context_len=CALIBRATION_CONTEXT)
+        draft_samples = (forward_pass_samples(draft.backend, [1, chunk], context_len=CALIBRATION_CONTEXT, num_logits=1)
                          if draft is not None else None)
     target_costs = ForwardCosts.from_samples(target_samples, CALIBRATION_CONTEXT)
     calibration = {"target": target_costs.to_dict()}
     draft_cost = None
     if draft_samples is not None:
-        draft_cost = ForwardCosts.from_samples(draft_samples, CALIBRATION_CONTEXT).seconds[1]
-        calibration.update(draft_1_token_s=draft_cost, cost_ratio_c=draft_cost / target_costs.seconds[1])
+        draft_costs = ForwardCosts.from_samples(draft_samples, CALIBRATION_CONTEXT)
+        draft_cost = draft_costs.seconds[1]
+        calibration.update(draft_1_token_s=draft_cost, cost_ratio_c=draft_cost / target_costs.seconds[1],
+                           draft_prefill_token_s=draft_costs.seconds[chunk] / chunk)
     doubts = [measurement.machine_busy(measured.result, "calibration")]
     doubts += [measurement.noisy_timings(t, f"target {k}-token pass") for k, t in sorted(target_samples.items())]
     if draft_samples is not None:
@@ -592,6 +599,8 @@ def _print_tables(console: Console, summary: list[dict], by_category: list[dict]
         curve = ", ".join(f"v{k}={float(v):.2f}" for k, v in rel.items())
         draft_part = (f"draft 1 token {calibration['draft_1_token_s'] * 1000:.0f} ms; c={calibration['cost_ratio_c']:.2f}; "
                       if "draft_1_token_s" in calibration else "")
+        if calibration.get("draft_prefill_token_s"):
+            draft_part += f"draft prefill {1 / calibration['draft_prefill_token_s']:.0f} tokens/s; "
         console.print(f"calibration: target 1 token {calibration['target']['seconds']['1'] * 1000:.0f} ms; "
                       f"{draft_part}{curve}")
 
