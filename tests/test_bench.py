@@ -197,35 +197,63 @@ def test_summary_predicts_from_the_chains_actually_drafted():
 
 
 def test_summary_prices_the_drafts_catch_up_of_each_prompt():
-    """With the draft's prefill rate calibrated, a fixed-K row's prediction adds each run's catch-up of its
-    uncached prompt tokens (in one-token target passes) to the steps' cost: a long prompt's catch-up lowers the
-    prediction; without the rate the prediction is as before."""
+    """With the draft's prefill rate calibrated, a fixed-K row's prediction adds every run's catch-up of its
+    uncached prompt tokens (in one-token target passes) to the steps' cost. Hand-computed: a = 0.5 per token,
+    K = 4 every step, c = 0.1, v_5 = 1.4: a step is worth 1 + .5 + .25 + .125 + .0625 = 1.9375 tokens and costs
+    1.8 passes; two runs of 10 steps; prompts of 10 and 30 tokens (5 of them cached) at 2 ms a token against a
+    100 ms target pass: 0.2 + 0.5 passes."""
     from draftwise.calibration import ForwardCosts
     from draftwise.cost_model import catch_up_passes, predicted_speedup_of_steps
 
     costs = ForwardCosts({k: 0.1 * (1 + 0.1 * (k - 1)) for k in range(1, 10)}, context_len=200)
     plain = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_target_passes": 99}
-    draft = {"num_draft_tokens": 400, "num_accepted_tokens": 320, "num_target_passes": 100,
-             "drafted_per_position": [100] * 4, "accepted_per_position": [90, 80, 80, 70],
-             "rejected_per_position": [10, 10, 0, 10], "k_history": [4] * 25, "num_cached_prompt_tokens": 0}
-    runs = [_run("plain", "plain", None, plain), _run("draft K=4", "draft", 4, draft, 0.5)]
-    before = summarize(runs, costs, 0.01)[1]
-    after = summarize(runs, costs, 0.01, draft_prefill_s=0.002)[1]
-    a = after["token_acceptance"]
-    catch_up = catch_up_passes(10, 0.002, 0.1)  # _run's prompt: 10 tokens
-    assert catch_up == pytest.approx(0.2)
-    assert after["catch_up_passes"] == pytest.approx(catch_up)
-    assert after["predicted_speedup"] == pytest.approx(predicted_speedup_of_steps(a, [4] * 25, 0.1, costs.relative,
-                                                                                  catch_up))
-    assert after["predicted_speedup"] < before["predicted_speedup"]
+    draft = {"num_draft_tokens": 40, "num_accepted_tokens": 15, "num_target_passes": 10,
+             "drafted_per_position": [10, 6, 4, 2], "accepted_per_position": [5, 3, 2, 1],
+             "rejected_per_position": [5, 3, 2, 1], "k_history": [4] * 10, "num_cached_prompt_tokens": 0}
+    second = _run("draft K=4", "draft", 4, {**draft, "num_cached_prompt_tokens": 5}, 0.5)
+    second.num_prompt_tokens = 30
+    runs = [_run("plain", "plain", None, plain), _run("plain", "plain", None, plain),
+            _run("draft K=4", "draft", 4, draft, 0.5), second]
+    before = {r["method"]: r for r in summarize(runs, costs, 0.01)}["draft K=4"]
+    after = {r["method"]: r for r in summarize(runs, costs, 0.01, draft_prefill_s=0.002)}["draft K=4"]
+    assert after["token_acceptance"] == pytest.approx(0.5)
+    assert after["catch_up_passes"] == pytest.approx(0.2 + 0.5)
+    assert before["predicted_speedup"] == pytest.approx(20 * 1.9375 / (20 * 1.8))
+    assert after["predicted_speedup"] == pytest.approx(20 * 1.9375 / (20 * 1.8 + 0.7))
     assert "catch_up_passes" not in before
-    cached = summarize([runs[0], _run("draft K=4", "draft", 4, {**draft, "num_cached_prompt_tokens": 10}, 0.5)],
-                       costs, 0.01, draft_prefill_s=0.002)[1]
-    assert cached["predicted_speedup"] == pytest.approx(before["predicted_speedup"])  # nothing to catch up
+    assert catch_up_passes(30, 0.002, 0.1) == pytest.approx(0.6)
+    assert predicted_speedup_of_steps(0.5, [4], 0.1, costs.relative, 1.0) == pytest.approx(1.9375 / 2.8)
     with pytest.raises(ValueError):
-        predicted_speedup_of_steps(a, [4], 0.1, costs.relative, -1.0)
+        predicted_speedup_of_steps(0.5, [4], 0.1, costs.relative, -1.0)
     with pytest.raises(ValueError):
         catch_up_passes(10, 0.002, 0.0)
+
+
+def test_bench_calibrates_the_drafts_prefill_as_a_catch_up_asks(monkeypatch):
+    """``bench``'s calibration times the draft's one-token pass and a prompt-sized prefill pass that asks for one
+    logit row, and reports seconds per prefill token (the chunk's median / its tokens)."""
+    import argparse
+    import types
+
+    from draftwise.calibration import PREFILL_CHUNK_TOKENS
+    from draftwise.commands import bench
+    from fakes import BigramLM, peaked_table
+    from rich.console import Console
+
+    calls = []
+
+    def fake(backend, ks, *, context_len, num_logits=None, **_):
+        calls.append((backend.name, sorted(ks), context_len, num_logits))
+        return {k: [0.01 * k, 0.01 * k, 0.02 * k] for k in sorted(set(ks) | {1})}
+
+    monkeypatch.setattr(bench, "forward_pass_samples", fake)
+    target = types.SimpleNamespace(backend=BigramLM(peaked_table(16, seed=0), max_context=1024, name="target"))
+    draft = types.SimpleNamespace(backend=BigramLM(peaked_table(16, seed=1), max_context=1024, name="draft"))
+    calibration, _, draft_cost = bench._calibrate(Console(quiet=True), argparse.Namespace(no_calibrate=False),
+                                                  target, draft, [4])
+    assert calls == [("target", [1, 2, 3, 4, 5], 200, None), ("draft", [1, PREFILL_CHUNK_TOKENS], 200, 1)]
+    assert draft_cost == pytest.approx(0.01)
+    assert calibration["draft_prefill_token_s"] == pytest.approx(0.01)  # 0.01 * chunk / chunk
 
 
 def test_summary_and_report_show_the_hybrid_steps_by_side(tmp_path):

@@ -413,8 +413,9 @@ def summarize(
     lists each pass's total seconds and ``baseline_spread`` their relative spread. ``measurement`` is the
     row's runs' :func:`draftwise.measurement.combine` d measurement, and ``warnings`` its doubts
     (:mod:`draftwise.measurement`): baseline moved, machine busy during the row's runs or the plain passes it
-    is compared with, and a decode speed-up (the like-for-like figure: the prediction leaves prefill out) far
-    from its prediction."""
+    is compared with, and a decode speed-up (the like-for-like figure: the prediction leaves the target's prefill
+    out, as the decode time does, and counts the draft's catch-up, which falls in the decode time) far from its
+    prediction."""
     groups: dict[tuple[str, str], list[PromptRun]] = {}
     for run in runs:
         groups.setdefault((run.category if by_category else "all", run.method), []).append(run)

@@ -130,7 +130,11 @@ def _time_forward_passes(
     ks = sorted(set(ks) | {1})
     vocab = backend.vocab_size
     context = [(7 + 31 * i) % vocab for i in range(context_len)]
-    stage = f"calibrating verify cost k={ks[0]}" + (f"..{ks[-1]}" if len(ks) > 1 else "") + f" ({context_len} cached)"
+    if num_logits is None:  # verification passes: every row's logits
+        stage = f"calibrating verify cost k={ks[0]}" + (f"..{ks[-1]}" if len(ks) > 1 else "")
+    else:  # e.g. a draft's one-token pass and its catch-up prefill
+        stage = f"calibrating forward passes of k={','.join(map(str, ks))} (logits of the last {num_logits} row(s))"
+    stage += f" ({context_len} cached)"
     progress.report(stage, model=backend.name, done=0, total=warmup + repeats, unit="rounds")
     backend.reset()
     backend.forward(context, num_logits=1)

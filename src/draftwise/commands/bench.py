@@ -541,6 +541,7 @@ def _calibrate(console, args, target, draft, ks) -> tuple[dict, ForwardCosts | N
     doubts += [measurement.noisy_timings(t, f"target {k}-token pass") for k, t in sorted(target_samples.items())]
     if draft_samples is not None:
         doubts.append(measurement.noisy_timings(draft_samples[1], "draft 1-token pass"))
+        doubts.append(measurement.noisy_timings(draft_samples[chunk], f"draft {chunk}-token prefill pass"))
     calibration.update(measurement=measured.result.to_dict(), warnings=[d.to_dict() for d in doubts if d])
     return calibration, target_costs, draft_cost
 
