@@ -216,3 +216,16 @@ def test_prefill_timing_asks_for_the_last_rows_logits_only(home):
     cached_forward_costs(model, [1, 8], context_len=20, repeats=1, num_logits=1)
     cached_forward_costs(model, [1, 8], context_len=20, repeats=1)
     assert len(list((home / "calibration").glob("*.json"))) == 2
+
+
+def test_draft_passes_and_seconds_give_the_one_token_cost_and_the_catch_up_rate():
+    """A draft is timed on one token and a prefill chunk (fewer tokens where its context cannot hold them); the
+    chunk's time per token is the catch-up rate, the one-token pass the drafting cost."""
+    from draftwise.calibration import PREFILL_CHUNK_TOKENS, ForwardCosts, draft_passes, draft_seconds
+
+    roomy = BigramLM(peaked_table(16, seed=0), max_context=4096, name="roomy")
+    tight = BigramLM(peaked_table(16, seed=0), max_context=300, name="tight")
+    assert draft_passes(roomy, 200) == [1, PREFILL_CHUNK_TOKENS]
+    assert draft_passes(tight, 200) == [1, 99]  # 300 - 200 - 1 tokens fit above the context
+    one, per_token = draft_seconds(ForwardCosts({1: 0.02, 99: 0.495}, context_len=200))
+    assert one == pytest.approx(0.02) and per_token == pytest.approx(0.005)

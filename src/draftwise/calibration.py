@@ -51,6 +51,8 @@ __all__ = [
     "machine_identity",
     "measure_proposer_seconds_per_token",
     "monotone_fit",
+    "draft_passes",
+    "draft_seconds",
     "prefill_chunk",
 ]
 
@@ -372,9 +374,9 @@ def calibrate_cost_model(
     verify = cached_forward_costs(target, range(1, max_k + 2), context_len=context_len, **options)
     draft_cost = prefill_cost = draft_growth = 0.0
     if draft is not None:
-        chunk = prefill_chunk(draft, verify.context_len)
-        timed = cached_forward_costs(draft, [1, chunk], context_len=verify.context_len, num_logits=1, **options)
-        draft_cost, prefill_cost = timed.seconds[1], timed.seconds[chunk] / chunk
+        timed = cached_forward_costs(draft, draft_passes(draft, verify.context_len), context_len=verify.context_len,
+                                     num_logits=1, **options)
+        draft_cost, prefill_cost = draft_seconds(timed)
         draft_growth = _context_growth(draft, timed, long_context_len, options)
     elif proposer is not None:
         draft_cost = measure_proposer_seconds_per_token(proposer, target.vocab_size, k=max_k)
@@ -388,6 +390,25 @@ def calibrate_cost_model(
                 ", ".join(f"{v:.4f}" for v in model.verify_seconds), draft_cost, prefill_cost, target_growth,
                 draft_growth)
     return model
+
+
+def draft_passes(draft: CausalLM, context_len: int) -> list[int]:
+    """The passes (tokens each) a draft model is timed on above ``context_len`` cached tokens, with the logits of
+    the last row only (as drafting and catch-up ask for them): one token (its drafting cost) and a
+    :func:`prefill_chunk` (its catch-up rate). :func:`draft_seconds` reads the costs from their timings; both
+    :func:`calibrate_cost_model` and ``draftwise bench``'s calibration time a draft this way."""
+    return [1, prefill_chunk(draft, context_len)]
+
+
+def draft_seconds(timed: ForwardCosts) -> tuple[float, float]:
+    """``(one-token pass seconds, catch-up seconds per prompt token)`` from a draft's timing of
+    :func:`draft_passes` (the prefill pass is the longest one timed).
+
+    Raises:
+        KeyError: ``timed`` has no one-token pass.
+    """
+    chunk = max(timed.seconds)
+    return timed.seconds[1], timed.seconds[chunk] / chunk
 
 
 def prefill_chunk(draft: CausalLM, context_len: int) -> int:

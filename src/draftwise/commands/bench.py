@@ -49,7 +49,7 @@ from draftwise.builder import (
     kv_cache_budget,
     load_draft_model,
 )
-from draftwise.calibration import ForwardCosts, forward_pass_samples, prefill_chunk
+from draftwise.calibration import ForwardCosts, draft_passes, draft_seconds, forward_pass_samples
 from draftwise.commands.common import (
     CliError,
     add_backend_arg,
@@ -517,31 +517,31 @@ def _tree_widths(text: str) -> list[int]:
 
 def _calibrate(console, args, target, draft, ks) -> tuple[dict, ForwardCosts | None, float | None]:
     """The forward-cost calibration for the predictions: the target's verify curve, the draft's one-token pass
-    and its prefill rate (a :func:`~draftwise.calibration.prefill_chunk`-token pass, seconds per token under
-    ``"draft_prefill_token_s"``: the predictions price each prompt's catch-up with it), with their measurement
-    and doubts (machine busy, noisy repeated timings) under ``"measurement"`` and ``"warnings"``."""
+    and its prefill rate (the passes of :func:`~draftwise.calibration.draft_passes`, timed as the cost model
+    times them; seconds per token under ``"draft_prefill_token_s"``: the predictions price each prompt's
+    catch-up with it), with their measurement and doubts (machine busy, noisy repeated timings) under
+    ``"measurement"`` and ``"warnings"``."""
     if args.no_calibrate:
         return {}, None, None
-    chunk = prefill_chunk(draft.backend, CALIBRATION_CONTEXT) if draft is not None else 0
-    console.print("calibrating forward costs (target k = 1..K+1" + (f", draft k = 1 and {chunk})" if draft else ")")
-                  + " ...")
+    passes = draft_passes(draft.backend, CALIBRATION_CONTEXT) if draft is not None else []
+    console.print("calibrating forward costs (target k = 1..K+1"
+                  + (f", draft k = {' and '.join(map(str, passes))})" if draft else ")") + " ...")
     with measurement.measure(measurement.backend_threads(target.backend)) as measured:
         target_samples = forward_pass_samples(target.backend, range(1, max(ks) + 2), context_len=CALIBRATION_CONTEXT)
-        draft_samples = (forward_pass_samples(draft.backend, [1, chunk], context_len=CALIBRATION_CONTEXT, num_logits=1)
+        draft_samples = (forward_pass_samples(draft.backend, passes, context_len=CALIBRATION_CONTEXT, num_logits=1)
                          if draft is not None else None)
     target_costs = ForwardCosts.from_samples(target_samples, CALIBRATION_CONTEXT)
     calibration = {"target": target_costs.to_dict()}
     draft_cost = None
     if draft_samples is not None:
-        draft_costs = ForwardCosts.from_samples(draft_samples, CALIBRATION_CONTEXT)
-        draft_cost = draft_costs.seconds[1]
+        draft_cost, prefill_cost = draft_seconds(ForwardCosts.from_samples(draft_samples, CALIBRATION_CONTEXT))
         calibration.update(draft_1_token_s=draft_cost, cost_ratio_c=draft_cost / target_costs.seconds[1],
-                           draft_prefill_token_s=draft_costs.seconds[chunk] / chunk)
+                           draft_prefill_token_s=prefill_cost)
     doubts = [measurement.machine_busy(measured.result, "calibration")]
     doubts += [measurement.noisy_timings(t, f"target {k}-token pass") for k, t in sorted(target_samples.items())]
     if draft_samples is not None:
-        doubts.append(measurement.noisy_timings(draft_samples[1], "draft 1-token pass"))
-        doubts.append(measurement.noisy_timings(draft_samples[chunk], f"draft {chunk}-token prefill pass"))
+        doubts.append(measurement.noisy_timings(draft_samples[passes[0]], "draft 1-token pass"))
+        doubts.append(measurement.noisy_timings(draft_samples[passes[-1]], f"draft {passes[-1]}-token prefill pass"))
     calibration.update(measurement=measured.result.to_dict(), warnings=[d.to_dict() for d in doubts if d])
     return calibration, target_costs, draft_cost
 

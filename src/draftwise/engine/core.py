@@ -846,17 +846,18 @@ class EngineCore:
             stats.record_hybrid_step(proposal.hybrid_side, num_drafted)
         stats.step_end_s.append(time.perf_counter() - sequence.admitted_s)
         if not reason:  # the last step (perhaps cut by a stop) tells nothing about later ones
-            self._learn(sequence, num_drafted, num_accepted, draft_s, pass_s)
+            self._learn(sequence, num_drafted, num_accepted, draft_s, pass_s, proposal.hybrid_side != "suffix")
         if num_drafted:
             sequence.plain_streak = 0
         return self._output(sequence, chunk, reason)
 
     def _learn(self, sequence: BatchSequence, num_drafted: int, num_accepted: int, draft_s: float,
-               pass_s: float) -> None:
-        """Report a step's outcome to the sequence's K policy (its controller, or the acceptance estimates)."""
+               pass_s: float, model_drafted: bool = True) -> None:
+        """Report a step's outcome to the sequence's K policy (its controller, or the acceptance estimates);
+        ``model_drafted``: False for a ``hybrid`` step the suffix side drafted (its draft model fell behind)."""
         if sequence.controller is not None:
             sequence.controller.observe(num_drafted, num_accepted, draft_s, pass_s,
-                                        overhead_s=self.step_overhead.seconds)
+                                        overhead_s=self.step_overhead.seconds, model_drafted=model_drafted)
             return
         if not num_drafted:
             return
