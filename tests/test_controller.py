@@ -509,23 +509,6 @@ def test_a_deferred_catch_up_never_pays_for_a_short_answer_and_bounds_the_loss_o
         AutoK(CPU_QWEN, 4, catch_up="lazy")
 
 
-def test_with_a_confidence_stop_a_speculating_step_asks_for_max_k_and_plain_stays_plain():
-    """``depth_by_stop``: where the model would speculate a short chain (a middling draft on CPU-like costs), the
-    controller asks for ``max_k`` and leaves the depth to the draft's stop; where it would decode plainly (an
-    always-wrong draft) it still does, with the same small probes."""
-    costs = CostModel(verify_seconds=(1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7), draft_seconds_per_token=0.3)
-    middling = lambda step, k: min(k, 1 + step % 2)  # noqa: E731 - one or two tokens of each draft accepted
-    plain_model = run_scripted(AutoK(costs, 8, learn_costs=False), 60, middling)
-    assert 0 < max(plain_model[-20:]) < 8  # the model alone picks a short chain here
-    stopped = run_scripted(AutoK(costs, 8, learn_costs=False, depth_by_stop=True), 60, middling)
-    assert stopped[-20:] == [8] * 20
-    wrong = AutoK(costs, 8, learn_costs=False, depth_by_stop=True)
-    history = run_scripted(wrong, 200, lambda step, k: 0)
-    first_off = history.index(0)
-    assert sum(1 for k in history[first_off:] if k > 0) <= 6 and max(history[first_off:]) == 1
-    assert wrong.notes() == [SPECULATION_DISABLED_NOTE]
-
-
 def test_hybrid_suffix_steps_leave_the_draft_model_behind_and_teach_nothing_of_its_costs():
     """``hybrid``: a step its suffix side drafted (``model_drafted=False``) leaves the draft model behind by the
     committed tokens, so the draft model's next step is read as a catch-up, not as a dear draft token (read so, it

@@ -283,29 +283,3 @@ def test_sampled_sequences_keep_the_targets_distribution_when_chains_stop_early(
     assert chisquare(observed, wanted).pvalue > 1e-3
     assert drafted[0.5] < drafted[0.0]
 
-
-def test_auto_k_asks_for_k_and_leaves_the_depth_to_the_stop_with_the_targets_output(target, draft, oracle):
-    """A draft proposer whose chains stop says so (``stops_chains``; never without a threshold nor for trees);
-    AutoK with ``depth_by_stop`` then asks for K whenever it speculates and the stop sets each chain's depth, and
-    the output is still the target's own."""
-    from draftwise.controller import AutoK
-    from draftwise.cost_model import CostModel
-
-    proposer = DraftModelProposer(draft, 96, confidence_threshold=0.3)
-    assert proposer.stops_chains and proposer.slots.stops_chains
-    assert not DraftModelProposer(draft, 96, confidence_threshold=0.0).stops_chains
-    assert not DraftModelProposer(draft, 96, tree_width=2).stops_chains
-    costs = CostModel(verify_seconds=tuple(1.0 + 0.1 * j for j in range(7)), draft_seconds_per_token=0.2)
-    made = []
-
-    def factory():
-        made.append(AutoK(costs, 6, learn_costs=False, depth_by_stop=True))
-        return made[-1]
-
-    engine = SpeculativeEngine(target, proposer, 6, controller_factory=factory)
-    results = [engine.generate(p, GREEDY) for p in PROMPTS]
-    assert [r.token_ids for r in results] == oracle
-    asked = [k for controller in made for k in controller.history]
-    assert 6 in asked and set(asked) - {6} <= {0, 1, 2, 4}  # K, plain steps, or a probe
-    drafted = [k for r in results for k in r.stats.k_history]
-    assert any(0 < k < 6 for k in drafted)  # the stop cut some chains short of K

@@ -659,8 +659,7 @@ def build_engine(
                              controller_factory=k_controller_factory(
                                  speculative_config.k_policy, max_k, cost_model,
                                  prior_strength=_prior_strength(speculative_config),
-                                 catch_up=speculative_config.catch_up,
-                                 depth_by_stop=bool(getattr(proposer, "stops_chains", False))),
+                                 catch_up=speculative_config.catch_up),
                              prefix_cache=PrefixCache(kv_cache_memory))
     return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
 

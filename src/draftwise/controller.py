@@ -350,14 +350,6 @@ class AutoK(KController):
         optimism: standard errors added to each acceptance rate the choice uses (>= 0; 0: the plain estimate).
         catch_up: ``"eager"`` or ``"deferred"``: the horizon a draft model's catch-up is priced against (above;
             :data:`CATCH_UP_MODES`).
-        depth_by_stop: the proposer stops each chain where the draft is unsure (a draft model's
-            ``draft_confidence_threshold``, :attr:`draftwise.proposers.draft_model.DraftModelProposer.stops_chains`).
-            Then a speculating step asks for ``max_k`` tokens and the stop sets the depth, draft by draft: the
-            model above prices a K-token chain as K draft passes and reads its acceptance per position as an
-            average over drafts, so it picks K = 1-2 where acceptance is middling, while the stop drafts deep
-            where the draft is sure and stops early where it is not (measured: auto 1.07x against fixed K=8
-            1.14x on writing, docs/draft_trees.md). The model still decides whether to speculate at all (catch-up,
-            break-even acceptance, probes).
 
     Raises:
         ValueError: on out-of-range arguments.
@@ -383,7 +375,6 @@ class AutoK(KController):
         memory_strength: float = 8.0,
         optimism: float = 0.75,
         catch_up: str = DEFAULT_CATCH_UP,
-        depth_by_stop: bool = False,
     ) -> None:
         if catch_up not in CATCH_UP_MODES:
             raise ValueError(f"catch_up must be one of {', '.join(CATCH_UP_MODES)}, got {catch_up!r}")
@@ -411,7 +402,6 @@ class AutoK(KController):
         self.catch_up_smoothing = catch_up_smoothing
         self.optimism = optimism
         self.catch_up = catch_up
-        self.depth_by_stop = depth_by_stop
         self.history: list[int] = []
         self._notes: list[str] = []
         self._disabled = False
@@ -551,7 +541,7 @@ class AutoK(KController):
             self._disabled = self._unprofitable = False
             self._plain_streak, self._next_probe_k = 0, 0
             self.backoff.reset()
-            return self.max_k if self.depth_by_stop else best
+            return best
         if not self.can_pay():
             self._note(SPECULATION_UNPROFITABLE_NOTE)
             if not self._unprofitable:

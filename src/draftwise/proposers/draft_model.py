@@ -224,12 +224,6 @@ class DraftSlots:
         self._cuts: dict[int, int] = {}  # key -> where its windowed view's recent part starts (window_view)
         self.supports_trees = bool(getattr(self.backend, "supports_expansion", False))
 
-    @property
-    def stops_chains(self) -> bool:
-        """Whether a chain stops growing where the draft is unsure (a ``confidence_threshold`` that can stop it):
-        then K caps a chain's depth and the draft's confidence sets it, step by step."""
-        return bool(self._min_path_scores)
-
     def cached(self, key: int) -> list[int]:
         """The tokens ``key``'s slot holds."""
         return self._cached.setdefault(key, [])
@@ -533,12 +527,6 @@ class DraftModelProposer(Proposer):
     def tree_nodes(self, k: int) -> int:
         """Draft nodes a draft ``k`` tokens deep has at most (:func:`tree_nodes`)."""
         return tree_nodes(k, self.tree_width, self.tree_budget)
-
-    @property
-    def stops_chains(self) -> bool:
-        """Whether this proposer drafts chains that stop where the draft is unsure (:attr:`DraftSlots.stops_chains`;
-        never for trees, which are sized by the verify cost)."""
-        return self.tree_width == 1 and self.slots.stops_chains
 
     def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
         """Nothing to reset: the draft's cache is reconciled with the context at every :meth:`propose`, and the
