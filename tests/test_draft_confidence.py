@@ -282,4 +282,3 @@ def test_sampled_sequences_keep_the_targets_distribution_when_chains_stop_early(
     wanted = [w * draws / sum(wanted) for w in wanted]  # the exact distribution sums to 1 up to rounding
     assert chisquare(observed, wanted).pvalue > 1e-3
     assert drafted[0.5] < drafted[0.0]
-
