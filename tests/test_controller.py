@@ -511,10 +511,10 @@ def test_a_deferred_catch_up_never_pays_for_a_short_answer_and_bounds_the_loss_o
 
 def test_hybrid_suffix_steps_leave_the_draft_model_behind_and_teach_nothing_of_its_costs():
     """``hybrid``: a step its suffix side drafted (``model_drafted=False``) leaves the draft model behind by the
-    committed tokens, so the draft model's next step is read as a catch-up, not as a dear draft token (read so, it
-    once made a 2 s catch-up look like 0.5 s per draft token: "even a perfect draft would be slower than plain",
-    and the engine's memory kept speculation off for every later request); nor is the suffix side's near-free
-    drafting read as the draft model's cost per token."""
+    committed tokens, so the draft model's next step is read as a catch-up, not as a dear draft token (read so, a
+    catch-up of the turn's context once passed for the cost of a few draft tokens: "even a perfect draft would be
+    slower than plain", and the engine's memory kept hybrid plain on the later turns of an agent session); nor is
+    the suffix side's near-free drafting read as the draft model's cost per token."""
     costs = CostModel(verify_seconds=(1.0, 1.1, 1.2, 1.3, 1.4), draft_seconds_per_token=0.1,
                       draft_prefill_seconds_per_token=0.02)
     controller = AutoK(costs, 4)
