@@ -1,5 +1,5 @@
-"""The server's request scheduler with a controllable fake engine: FIFO order, queue limit, cancellation of
-waiting and running requests, stop strings stopping the engine, engine failures reported."""
+"""The server's engine loop (draftwise.server.engine_loop) with a controllable fake engine: FIFO order, queue limit,
+cancellation of waiting and running requests, stop strings stopping the engine, engine failures reported."""
 
 from __future__ import annotations
 
