@@ -524,9 +524,9 @@ def test_hybrid_steps_in_usage_and_metrics(hybrid_url):
 
 def test_ignored_request_fields_are_logged_by_name(caplog):
     from draftwise.server.protocol import CompletionRequest
-    from draftwise.server.requests import _check_extra_fields
+    from draftwise.server.validation import _check_extra_fields
 
-    caplog.set_level("WARNING", logger="draftwise.server.requests")
+    caplog.set_level("WARNING", logger="draftwise.server.validation")
     _check_extra_fields(CompletionRequest(prompt="hi", metadata={"a": 1}, foo=2))
     assert "request fields ignored" in caplog.text and "'foo', 'metadata'" in caplog.text
     caplog.clear()  # a name cannot forge a log line, and thousands of names make one short line

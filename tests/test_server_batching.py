@@ -1,4 +1,4 @@
-"""The server with continuous batching (draftwise.server.batch_scheduler over draftwise.batching): concurrent
+"""The server with continuous batching (draftwise.server.engine_loop over draftwise.batching): concurrent
 streaming clients get exactly what sequential requests get, the queue limit answers 503 ``queue_full``, a
 client that leaves frees its slot at the next step, shutdown fails waiting requests at once and running ones
 after the grace period, a failed pass fails its requests and serving goes on, batching metrics.
@@ -25,9 +25,9 @@ from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
 from draftwise.proposers.ngram import NgramProposer
 from draftwise.server import ServerSettings, create_app
-from draftwise.server.batch_scheduler import BatchScheduler
-from draftwise.server.requests import GenerationRequest
-from draftwise.server.scheduler import Aborted, Failed, Finished, QueueFullError, ServerClosingError, TextDelta
+from draftwise.server.engine_loop import EngineLoop
+from draftwise.server.events import Aborted, Failed, Finished, QueueFullError, ServerClosingError, TextDelta
+from draftwise.server.validation import GenerationRequest
 from test_server import CHAT_TEMPLATE, PROMPTS, live_server, metric, wait_idle
 
 MODE = "int8" if int8_kernels_available() else "none"
@@ -97,7 +97,7 @@ def submit_together(scheduler, requests) -> list:
 
 def scheduler_for(engine, max_waiting: int = 8):
     records, steps = [], []
-    return BatchScheduler(engine, decode, records.append, max_waiting, record_step=steps.append), records, steps
+    return EngineLoop(engine, decode, records.append, max_waiting, record_step=steps.append), records, steps
 
 
 def test_requests_run_together_and_equal_each_alone(tiny_multi, tiny_single):

@@ -30,9 +30,11 @@ from draftwise.models.loading import LoadedModel
 from draftwise.server import ServerSettings, create_app
 from draftwise.server.errors import APIError, error_body
 from draftwise.server.middleware import bearer_token
-from draftwise.server.requests import GenerationRequest, TextCodec, public_model_name
-from draftwise.server.batch_scheduler import BatchScheduler
-from draftwise.server.scheduler import Failed, Finished, QueueFullError, ServerClosingError
+from draftwise.server.engine_loop import EngineLoop
+from draftwise.server.events import Failed, Finished, QueueFullError, ServerClosingError
+from draftwise.server.settings import public_model_name
+from draftwise.server.text import TextCodec
+from draftwise.server.validation import GenerationRequest
 from draftwise.server.serving import make_server
 from fakes import ScriptedLM
 from test_server import _free_port, running
@@ -451,7 +453,7 @@ async def _next(handle, timeout_s: float = 10):
 def test_shutdown_while_a_request_runs_ends_its_handle():
     """The engine is stuck in a step: shutdown still gives the running request a Failed event at once."""
     engine, records = ScriptedEngine(), []
-    scheduler = BatchScheduler(engine.core, CharTokenizer().decode, records.append, max_waiting=4)
+    scheduler = EngineLoop(engine.core, CharTokenizer().decode, records.append, max_waiting=4)
 
     async def scenario():
         running = scheduler.submit(request(1))
@@ -472,7 +474,7 @@ def test_shutdown_while_a_request_runs_ends_its_handle():
 # ---------------------------------------------------------------------- 5. queue limit and cancellation
 def test_cancelled_waiting_requests_do_not_count_toward_the_queue_limit():
     engine, records = ScriptedEngine(), []
-    scheduler = BatchScheduler(engine.core, CharTokenizer().decode, records.append, max_waiting=2)
+    scheduler = EngineLoop(engine.core, CharTokenizer().decode, records.append, max_waiting=2)
 
     async def scenario():
         running = scheduler.submit(request(1))

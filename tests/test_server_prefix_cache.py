@@ -12,7 +12,7 @@ from draftwise.engine import SpeculativeEngine
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.ngram import NgramProposer
 from draftwise.server import ServerSettings, create_app
-from draftwise.server.requests import cache_scope
+from draftwise.server.validation import cache_scope
 from test_server import CHAT_TEMPLATE, live_server, one_torch_thread  # noqa: F401  (fixture)
 
 KEY = "sk-prefix"

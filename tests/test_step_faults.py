@@ -19,7 +19,8 @@ from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.ngram import NgramProposer
 from draftwise.server import ServerSettings, create_app
-from draftwise.server.scheduler import EngineHealth, Failed, Finished
+from draftwise.server.events import Failed, Finished
+from draftwise.server.health import EngineHealth
 from test_server import CHAT_TEMPLATE, live_server
 from test_server_batching import decode, drain, request, scheduler_for, text_of
 
@@ -125,15 +126,16 @@ def test_scheduler_fails_only_the_poisoned_request(tiny_multi):
     assert scheduler.health.consecutive_failures == 0  # the good request's steps succeeded after it
 
 
-def test_engine_health_counts_engine_failures_not_client_errors():
+def test_engine_health_counts_every_engine_failure_whatever_its_type():
+    """Issue 50: a ValueError from inside the engine (``verify``, ``OneSlot.forward``, the llama.cpp slots) is the
+    server's fault too; the client's faults never reach the engine (request validation refuses them)."""
     health = EngineHealth(unhealthy_after=2)
-    health.failed(ValueError("the client's fault"))
     health.failed(RuntimeError("boom"))
     assert health.unhealthy_reason() is None
-    health.failed(RuntimeError("boom again"))
-    assert "2 times in a row" in health.unhealthy_reason() and "boom again" in health.unhealthy_reason()
+    health.failed(ValueError("an internal fault raised as a ValueError"))
+    assert "2 times in a row" in health.unhealthy_reason() and "ValueError: an internal" in health.unhealthy_reason()
     health.succeeded()
-    assert health.unhealthy_reason() is None
+    assert health.unhealthy_reason() is None and health.consecutive_failures == 0
     with pytest.raises(ValueError):
         EngineHealth(0)
 

@@ -347,7 +347,7 @@ class EngineTurnRunner:
     """
 
     def __init__(self, bundle, params: SamplingParams, chat_template: str | None = None) -> None:
-        from draftwise.server.requests import TextCodec
+        from draftwise.server.text import TextCodec
 
         self._engine = bundle.engine
         self._target = bundle.target

@@ -5,12 +5,17 @@
 Build it with :func:`create_app` from an :class:`EngineBundle` (see :func:`draftwise.builder.build_engine`)
 and run it with :func:`draftwise.server.serving.serve` (uvicorn, with the graceful shutdown described in
 ``docs/server.md``), or with any ASGI server. All state lives in the app instance.
+
+A generation request goes: route (here) -> request validation (:mod:`draftwise.server.validation`: the body
+becomes a :class:`GenerationRequest`, or a 4xx :class:`RequestError`) -> the engine loop
+(:mod:`draftwise.server.engine_loop`, which steps the engine core in its thread and posts the request's events,
+:mod:`draftwise.server.events`) -> the response (here, shaped by :mod:`draftwise.server.responses`). Any failure
+after validation is a 5xx.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,12 +29,12 @@ from starlette.concurrency import run_in_threadpool
 from draftwise import __version__
 from draftwise.builder import EngineBundle
 from draftwise.server.body import JSONBodyRoute
+from draftwise.server.engine_loop import EngineLoop
 from draftwise.server.errors import APIError, ErrorBoundaryMiddleware, error_body, install_error_handlers
-from draftwise.server.batch_scheduler import BatchScheduler
+from draftwise.server.events import Failed, Finished, QueueFullError, RequestHandle, ServerClosingError, TextDelta
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, bearer_token
 from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
-from draftwise.server.requests import GenerationRequest, RequestBuilder, TextCodec, cache_scope
 from draftwise.server.responses import (
     SSE_DONE,
     chat_body,
@@ -40,15 +45,9 @@ from draftwise.server.responses import (
     sse,
     usage_chunk,
 )
-from draftwise.server.scheduler import (
-    Failed,
-    Finished,
-    QueueFullError,
-    RequestHandle,
-    ServerClosingError,
-    TextDelta,
-)
 from draftwise.server.settings import ServerSettings
+from draftwise.server.text import TextCodec
+from draftwise.server.validation import EngineLimits, GenerationRequest, RequestValidator
 
 __all__ = ["create_app", "ServerState"]
 
@@ -61,26 +60,26 @@ class ServerState:
 
     bundle: EngineBundle
     settings: ServerSettings
-    builder: RequestBuilder
-    scheduler: BatchScheduler
+    validator: RequestValidator
+    engine_loop: EngineLoop
     metrics: ServerMetrics
     created: int
 
     @property
     def model_name(self) -> str:
         """The primary served model name."""
-        return self.builder.served_names[0]
+        return self.validator.served_names[0]
 
     def begin_shutdown(self) -> None:
         """Start a graceful shutdown (call when the server stops accepting connections, e.g. on SIGTERM):
         new and waiting requests get 503 ``server_closing``; the running one gets ``settings.shutdown_grace_s``
         seconds to finish, then fails with ``server_closing`` too. Idempotent."""
-        self.scheduler.close(self.settings.shutdown_grace_s)
+        self.engine_loop.close(self.settings.shutdown_grace_s)
 
     def usage(self, request: GenerationRequest, finished: Finished) -> Usage:
         """The response's usage object (OpenAI's counts, cached prompt tokens, and the speculative statistics:
         the method and K this request used, ``"plain"`` and 0 when it turned speculation off)."""
-        k = self.bundle.engine.num_speculative_tokens
+        k = self.bundle.core.num_speculative_tokens
         if request.num_speculative_tokens is not None:
             k = request.num_speculative_tokens
         method = self.bundle.method if k > 0 else "plain"
@@ -101,12 +100,13 @@ def create_app(bundle: EngineBundle, settings: ServerSettings | None = None) -> 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.scheduler.start()
-        logger.info("serving %s (%s) as %s%s", bundle.target.name, bundle.method, ", ".join(state.builder.served_names),
+        state.engine_loop.start()
+        logger.info("serving %s (%s) as %s%s", bundle.target.name, bundle.method,
+                    ", ".join(state.validator.served_names),
                     f", up to {bundle.core.max_num_seqs} requests at once (continuous batching)"
                     if bundle.core.max_num_seqs > 1 else ", one request at a time")
         yield
-        await run_in_threadpool(state.scheduler.shutdown)
+        await run_in_threadpool(state.engine_loop.shutdown)
 
     docs = _docs_paths(settings.enable_docs)
     app = FastAPI(title="draftwise", version=__version__, lifespan=lifespan, openapi_url=docs.openapi,
@@ -146,15 +146,14 @@ def _docs_paths(enabled: bool) -> _DocsPaths:
 
 
 def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
-    target = bundle.target
-    codec = TextCodec(target, settings.chat_template, settings.tokenizer_copies)
-    builder = RequestBuilder(codec, target.name, target.backend.max_context, target.backend.vocab_size, settings,
-                             max_k=bundle.engine.num_speculative_tokens)
-    metrics = ServerMetrics(builder.served_names[0])
-    scheduler = BatchScheduler(bundle.core, codec.decode, metrics.record, settings.max_waiting_requests,
-                               record_step=metrics.record_step)
-    metrics.track_queue(lambda: scheduler.num_running, lambda: scheduler.num_waiting)
-    return ServerState(bundle, settings, builder, scheduler, metrics, int(time.time()))
+    core = bundle.core
+    codec = TextCodec(bundle.target, settings.chat_template, settings.tokenizer_copies)
+    validator = RequestValidator(codec, EngineLimits.of(core), settings, bundle.target.name)
+    metrics = ServerMetrics(validator.served_names[0])
+    engine_loop = EngineLoop(core, codec.decode, metrics.record, settings.max_waiting_requests,
+                             record_step=metrics.record_step)
+    metrics.track_queue(lambda: engine_loop.num_running, lambda: engine_loop.num_waiting)
+    return ServerState(bundle, settings, validator, engine_loop, metrics, int(time.time()))
 
 
 # ---------------------------------------------------------------------- routes
@@ -163,12 +162,14 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         """200 ``{"status": "ok"}`` while the engine serves requests, with the queue state and how many requests
         run at once; 503 ``{"status": "unhealthy", "reason": ...}`` when its thread has died or after repeated
-        engine failures (:class:`~draftwise.server.scheduler.EngineHealth`), so a load balancer stops sending."""
+        engine failures (:class:`~draftwise.server.health.EngineHealth`: every failure after validation counts),
+        so a load balancer stops sending."""
+        loop = state.engine_loop
         body = {"status": "ok", "model": state.model_name, "method": state.bundle.method,
-                "requests_running": state.scheduler.num_running, "requests_waiting": state.scheduler.num_waiting,
+                "requests_running": loop.num_running, "requests_waiting": loop.num_waiting,
                 "max_num_seqs": state.bundle.core.max_num_seqs,
-                "consecutive_engine_failures": state.scheduler.health.consecutive_failures}
-        reason = state.scheduler.unhealthy_reason()
+                "consecutive_engine_failures": loop.health.consecutive_failures}
+        reason = loop.unhealthy_reason()
         if reason is None:
             return JSONResponse(body)
         return JSONResponse({**body, "status": "unhealthy", "reason": reason}, status_code=503)
@@ -182,17 +183,17 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def list_models() -> dict:
         """The served model names (all aliases of the one target)."""
-        return ModelList(data=[_model_card(state, name) for name in state.builder.served_names]).model_dump()
+        return ModelList(data=[_model_card(state, name) for name in state.validator.served_names]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
         """One served model, or 404."""
-        return _model_card(state, state.builder.check_model(model_id)).model_dump()
+        return _model_card(state, state.validator.check_model(model_id)).model_dump()
 
 
 def _model_card(state: ServerState, name: str) -> ModelCard:
     target = state.bundle.target
-    return ModelCard(id=name, created=state.created, root=state.builder.target_name,
+    return ModelCard(id=name, created=state.created, root=state.validator.target_name,
                      max_model_len=target.backend.max_context, speculative_method=state.bundle.method)
 
 
@@ -200,16 +201,14 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI text completions, streamed or not."""
-        model = state.builder.check_model(body.model)
-        prepared = _scoped(await run_in_threadpool(state.builder.completion, body), request, body)
-        return await _respond(state, request, prepared, _CompletionFormat(prepared.request_id, model), body)
+        prepared = await run_in_threadpool(state.validator.completion, body, _api_key(request))
+        return await _respond(state, request, prepared, _CompletionFormat(prepared), body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completions, streamed or not."""
-        model = state.builder.check_model(body.model)
-        prepared = _scoped(await run_in_threadpool(state.builder.chat, body), request, body)
-        return await _respond(state, request, prepared, _ChatFormat(prepared.request_id, model), body)
+        prepared = await run_in_threadpool(state.validator.chat, body, _api_key(request))
+        return await _respond(state, request, prepared, _ChatFormat(prepared), body)
 
 
 class _CompletionFormat:
@@ -217,8 +216,8 @@ class _CompletionFormat:
 
     object_name = "text_completion"
 
-    def __init__(self, request_id: str, model: str) -> None:
-        self.request_id, self.model, self.created = request_id, model, int(time.time())
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request_id, self.model, self.created = request.request_id, request.model, int(time.time())
 
     def opening(self, include_usage: bool) -> list[dict]:
         return []
@@ -268,16 +267,15 @@ async def _respond(state: ServerState, request: Request, prepared: GenerationReq
     return JSONResponse(fmt.body(text, finished.finish_reason, usage))
 
 
-def _scoped(prepared: GenerationRequest, request: Request, body) -> GenerationRequest:
-    """The request with its cache scope: the bearer key it sent and its ``user`` field."""
+def _api_key(request: Request) -> str | None:
+    """The bearer token the request sent (its cache scope is kept apart by it), or None."""
     token = bearer_token(request.headers.get("authorization", "").encode("latin-1"))
-    api_key = token.decode("latin-1") if token else None
-    return dataclasses.replace(prepared, scope=cache_scope(api_key, body.user))
+    return token.decode("latin-1") if token else None
 
 
 def _submit(state: ServerState, prepared: GenerationRequest) -> RequestHandle:
     try:
-        return state.scheduler.submit(prepared)
+        return state.engine_loop.submit(prepared)
     except QueueFullError as exc:
         raise APIError(503, f"the server is overloaded: {exc}", code="queue_full") from exc
     except ServerClosingError as exc:
@@ -285,11 +283,11 @@ def _submit(state: ServerState, prepared: GenerationRequest) -> RequestHandle:
 
 
 def _failure(error: BaseException) -> APIError:
-    """An exception from the worker as an API error (ValueError: the request's fault; else the server's)."""
+    """A failure after the request was queued, as an API error: always the server's (a 5xx, whatever the
+    exception's type; the client's faults were refused by validation): 503 ``server_closing`` for a shutdown,
+    else 500."""
     if isinstance(error, ServerClosingError):
         return APIError(503, str(error), code="server_closing")
-    if isinstance(error, ValueError):
-        return APIError(400, str(error))
     return APIError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error")
 
 

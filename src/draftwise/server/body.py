@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from draftwise.server.errors import APIError, RequestBodyError
+from draftwise.server.errors import RequestBodyError, RequestError
 
 __all__ = ["JSONBodyRoute", "parse_json_body", "MAX_JSON_DEPTH"]
 
@@ -48,7 +48,7 @@ def parse_json_body(body: bytes) -> Any:
     """The JSON value of a request body (UTF-8, or the UTF-16/32 that ``json.loads`` detects).
 
     Raises:
-        APIError: 400 naming the problem: bytes that do not decode (with their offset), a syntax error (with
+        RequestError: 400 naming the problem: bytes that do not decode (with their offset), a syntax error (with
             line, column and character), nesting deeper than :data:`MAX_JSON_DEPTH` levels (with where), or
             an integer with more digits than Python converts.
     """
@@ -57,11 +57,11 @@ def parse_json_body(body: bytes) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc.msg} at "
-                       f"{_position(text, exc.pos)}") from None
+        raise RequestError(f"the request body is not valid JSON: {exc.msg} at "
+                           f"{_position(text, exc.pos)}") from None
     except RecursionError:
-        raise APIError(400, "JSON nested too deeply for the parser (this server accepts at most "
-                       f"{MAX_JSON_DEPTH} levels)") from None
+        raise RequestError("JSON nested too deeply for the parser (this server accepts at most "
+                           f"{MAX_JSON_DEPTH} levels)") from None
     except ValueError as exc:
         if "digits" not in str(exc):  # not the int conversion limit: an unexpected parser failure
             raise
@@ -80,8 +80,8 @@ def _decode(body: bytes) -> str:
     except UnicodeDecodeError as exc:
         offset = skipped + exc.start
         name = encoding.upper()
-        raise APIError(400, f"the request body is not valid {name}: byte 0x{body[offset]:02x} at offset "
-                       f"{offset} ({exc.reason}); send JSON encoded as UTF-8") from None
+        raise RequestError(f"the request body is not valid {name}: byte 0x{body[offset]:02x} at offset "
+                           f"{offset} ({exc.reason}); send JSON encoded as UTF-8") from None
 
 
 def _check_nesting(text: str) -> None:
@@ -99,11 +99,11 @@ def _check_nesting(text: str) -> None:
     for match in _STRUCTURE.finditer(text):
         depth += _DEPTH_STEP.get(match.group(), 0)
         if depth > MAX_JSON_DEPTH:
-            raise APIError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels: the request body opens level "
-                           f"{depth} at {_position(text, match.start())}")
+            raise RequestError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels: the request body opens level "
+                               f"{depth} at {_position(text, match.start())}")
 
 
-def _integer_error(text: str) -> APIError:
+def _integer_error(text: str) -> RequestError:
     """The 400 for an integer longer than Python converts, with its length (found by parsing again, each
     integer checked by the parser's int hook: only bodies already refused pay for it)."""
     limit = sys.get_int_max_str_digits()
@@ -114,8 +114,8 @@ def _integer_error(text: str) -> APIError:
         found = f" ({exc.digits} digits)"
     except ValueError:
         pass
-    return APIError(400, f"a number in the request body has more than {limit} digits{found}: no field of this "
-                    "API takes such a number")
+    return RequestError(f"a number in the request body has more than {limit} digits{found}: no field of this "
+                        "API takes such a number")
 
 
 def _bounded_int(literal: str) -> int:
@@ -144,7 +144,7 @@ class _JSONBodyRequest(Request):
         if not hasattr(self, "_draftwise_json"):
             try:
                 self._draftwise_json = parse_json_body(await self.body())
-            except APIError as exc:
+            except RequestError as exc:
                 raise RequestBodyError(exc) from None
         return self._draftwise_json
 

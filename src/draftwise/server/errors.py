@@ -1,5 +1,11 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
 
+Whose fault an error is follows from where it is raised, never from its type: a :class:`RequestError` (a 4xx
+naming the field at fault) is raised only while a request is checked, before it is queued (request validation,
+:mod:`draftwise.server.validation`; the body parser; the API-key and body-size checks), and is the one source
+of 4xx. Anything that fails later, a ``ValueError`` from inside the engine included, is the server's: a 5xx
+(:class:`APIError` 500, or 503 for a full queue or a shutdown), counted by ``/health``.
+
 Every failure the server can meet (bad JSON, wrong types, out-of-range values, unknown routes, an internal
 error) is turned into this body, so clients written for OpenAI report it as they would OpenAI's. The body always
 encodes: characters UTF-8 cannot carry (lone surrogates echoed from the request) are written as ``\\udXXX``
@@ -16,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-__all__ = ["APIError", "RequestBodyError", "error_body", "encodable", "install_error_handlers",
+__all__ = ["APIError", "RequestError", "RequestBodyError", "error_body", "encodable", "install_error_handlers",
            "ErrorBoundaryMiddleware"]
 
 logger = logging.getLogger(__name__)
@@ -57,6 +63,28 @@ class APIError(Exception):
         return JSONResponse(self.to_body(), status_code=self.status, headers=headers or None)
 
 
+class RequestError(APIError):
+    """A request refused as the client's fault: a 4xx naming the field at fault, like OpenAI's ``param``.
+
+    Raised only by the checks a request passes before it is queued (see the module docstring).
+
+    Args:
+        message: what was wrong and what to do.
+        param: the request field at fault (``"prompt"``, ``"messages.0.content"``...), if any.
+        code: machine-readable code (``"context_length_exceeded"``, ``"model_not_found"``...), if any.
+        status: HTTP status, 400 to 499 (default 400).
+
+    Raises:
+        ValueError: a ``status`` outside 400..499.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status: int = 400) -> None:
+        if not 400 <= status <= 499:
+            raise ValueError(f"a RequestError is a 4xx, got status {status}")
+        super().__init__(status, message, param=param, code=code)
+
+
 class RequestBodyError(StarletteHTTPException):
     """A request body refused while FastAPI parses it, carrying the :class:`APIError` to answer with.
 
@@ -84,21 +112,21 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
                       "code": None if code is None else encodable(code)}}
 
 
-def _validation_message(exc: RequestValidationError) -> APIError:
+def _validation_message(exc: RequestValidationError) -> RequestError:
     """The first pydantic error as a 400 naming the field (``messages.0.content``...). Among a union's
     branches, a value error (the input has a branch's shape but a bad value, such as a lone surrogate) is more
     telling than the other branches' type mismatches, so it wins."""
     errors = exc.errors()
     if not errors:
-        return APIError(400, "invalid request body")
+        return RequestError("invalid request body")
     first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
+        return RequestError(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if "[key]" in loc:  # a bad dict key: name the dict (pydantic's copy of the key is not the client's text)
         loc = loc[:max(loc.index("[key]") - 1, 0)]
     if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
-        return APIError(400, "the request body must be a JSON object (send Content-Type: application/json)")
+        return RequestError("the request body must be a JSON object (send Content-Type: application/json)")
     # drop pydantic's union-branch names ("str", "list[int]"...) that follow a field name
     param = ".".join(p for p in loc if not (p[:1].islower() and ("[" in p or p in _TYPE_NAMES))) or None
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
@@ -106,7 +134,7 @@ def _validation_message(exc: RequestValidationError) -> APIError:
         message = f"invalid value for '{param}': {message}"
     else:
         message = f"invalid request body: {message}"
-    return APIError(400, message, param=param)
+    return RequestError(message, param=param)
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}

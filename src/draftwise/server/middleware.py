@@ -1,7 +1,7 @@
 """ASGI middleware that guards the app before any route runs: the API key check and the request body size limit.
 
-Both answer with an OpenAI-style JSON error (:class:`~draftwise.server.errors.APIError`) without touching the
-route, so an unauthenticated or oversized request costs neither JSON parsing nor tokenization.
+Both answer with an OpenAI-style JSON error (a 4xx :class:`~draftwise.server.errors.RequestError`) without
+touching the route, so an unauthenticated or oversized request costs neither JSON parsing nor tokenization.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 
-from draftwise.server.errors import APIError
+from draftwise.server.errors import RequestError
 
 __all__ = ["ApiKeyMiddleware", "BodySizeLimitMiddleware", "bearer_token"]
 
@@ -45,8 +45,8 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self._guarded(scope["path"]) and not self._authorized(scope):
-            error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
+            error = RequestError("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key", status=401)
             await error.to_response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -118,8 +118,8 @@ class BodySizeLimitMiddleware:
 
     async def _refuse(self, scope, receive, send, size: str) -> None:
         logger.info("refused a %s request body to %s (limit %d bytes)", size, scope.get("path"), self.max_bytes)
-        error = APIError(413, f"the request body is too large ({size}): this server accepts at most "
-                         f"{self.max_bytes} bytes (--max-request-bytes)", code="request_too_large")
+        error = RequestError(f"the request body is too large ({size}): this server accepts at most "
+                             f"{self.max_bytes} bytes (--max-request-bytes)", code="request_too_large", status=413)
         await error.to_response(headers={"Connection": "close"})(scope, receive, send)
 
 

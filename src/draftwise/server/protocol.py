@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string where a number belongs is a 400, not a silent conversion); fields
 this server does not know are accepted and ignored, as vLLM does. Fields it knows but cannot honour (``n``
-> 1, logprobs, tools, penalties...) are rejected with a 400 by :mod:`draftwise.server.requests`.
+> 1, logprobs, tools, penalties...) are rejected with a 400 by :mod:`draftwise.server.validation`.
 
 vLLM's extra sampling fields ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted too (pass them
 with the OpenAI client's ``extra_body``), and draftwise's ``sampling`` (``"coupled"`` or ``"rejection"``).
@@ -72,7 +72,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
-    # draftwise extra: "coupled" or "rejection" (unset: coupled with a seed); validated in requests.py
+    # draftwise extra: "coupled" or "rejection" (unset: coupled with a seed); validated in validation.py
     sampling: str | None = None
     # draftwise extra: this request's K, 0..the server's K (0: plain decoding); unset: the server's policy
     num_speculative_tokens: int | None = None

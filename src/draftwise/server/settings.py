@@ -1,17 +1,38 @@
-"""Server settings (what ``draftwise serve`` flags control besides the models)."""
+"""Server settings (what ``draftwise serve`` flags control besides the models) and the served model's public
+name (:func:`public_model_name`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["ServerSettings", "DEFAULT_MAX_TOKENS", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_SHUTDOWN_GRACE_S",
-           "DEFAULT_TOKENIZER_COPIES"]
+__all__ = ["ServerSettings", "public_model_name", "DEFAULT_MAX_TOKENS", "DEFAULT_MAX_REQUEST_BYTES",
+           "DEFAULT_SHUTDOWN_GRACE_S", "DEFAULT_TOKENIZER_COPIES"]
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # 8 MiB: far above any context's worth of text or token ids
 DEFAULT_SHUTDOWN_GRACE_S = 10.0
 DEFAULT_TOKENIZER_COPIES = 4
+
+
+def public_model_name(spec: str) -> str:
+    """The name a server reports for a target given as ``spec`` when no served name is set: never a path.
+
+    A local file or directory (an existing path, an absolute or ``~``/``.`` path, or any name ending in
+    ``.gguf``) gives its base name without the ``.gguf`` extension (``/models/qwen/q.Q4_K_M.gguf`` ->
+    ``q.Q4_K_M``; ``./llama/`` -> ``llama``); a registry name or hub id (``qwen2.5-coder-1.5b``,
+    ``Qwen/Qwen2.5-0.5B``) is kept as given.
+    """
+    path = Path(spec).expanduser()
+    looks_local = (spec.startswith(("/", "~", ".")) or path.is_absolute() or spec.lower().endswith(".gguf")
+                   or path.exists())
+    if not looks_local:
+        return spec
+    name = path.name
+    if name.lower().endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return name or "model"
 
 
 @dataclass(frozen=True)
@@ -20,7 +41,7 @@ class ServerSettings:
 
     Attributes:
         served_model_names: names clients may put in ``model``; the first is reported in responses. Empty:
-            the target's public name (:func:`draftwise.server.requests.public_model_name`: a local file's or
+            the target's public name (:func:`public_model_name`: a local file's or
             directory's base name, never a path).
         api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` (scheme matched
             case-insensitively, else 401). Must not be empty or blank.

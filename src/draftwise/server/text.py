@@ -1,16 +1,138 @@
-"""Token ids to streamed text: incremental detokenization and OpenAI-exact stop strings.
+"""The server's text codec: text to token ids (:class:`TextCodec`, a pool of tokenizer copies for prompts and
+chat templates) and token ids to streamed text (:class:`OutputText`: incremental detokenization and OpenAI-exact
+stop strings).
 
-Both classes are fed one token (or one text delta) at a time, so the text a request produces does not depend
-on how many tokens each speculative step commits: a streamed response, a non-streamed response, plain
+The decoding classes are fed one token (or one text delta) at a time, so the text a request produces does not
+depend on how many tokens each speculative step commits: a streamed response, a non-streamed response, plain
 decoding and speculative decoding all go through the same per-token path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
-__all__ = ["IncrementalDetokenizer", "StopStringMatcher", "OutputText", "PROMPT_CONTEXT_TOKENS"]
+from draftwise.models.loading import LoadedModel
 
+__all__ = ["TextCodec", "IncrementalDetokenizer", "StopStringMatcher", "OutputText", "PROMPT_CONTEXT_TOKENS"]
+
+
+# ---------------------------------------------------------------------- text -> ids
+class TextCodec:
+    """Tokenization for one model, safe to use from many threads at once.
+
+    Request handlers encode in worker threads while the engine thread decodes, and a tokenizer object must not
+    be shared between threads: a ``transformers`` fast tokenizer reconfigures its Rust backend during calls,
+    and a concurrent call then fails with ``RuntimeError: Already borrowed`` (huggingface/tokenizers#537;
+    vLLM's fix, vllm-project/vllm#41181, is the same pool of copies). So the engine thread decodes with a
+    private copy and never waits for an encoding, however long (a multi-megabyte prompt takes seconds), and
+    encodings borrow one of up to ``copies`` private copies, so they run in parallel and a long one holds up
+    no other request unless ``copies`` long ones run at once. Tokenizers that are not ``transformers``
+    tokenizers (llama.cpp's, whose calls only read the vocabulary, as llama-server's HTTP threads do) are
+    shared, not copied.
+
+    Args:
+        model: the target model (tokenizer and chat template).
+        chat_template: a Jinja template that replaces the tokenizer's, or None.
+        copies: the most tokenizer copies used for encoding at the same time (>= 1).
+
+    Raises:
+        ValueError: ``copies`` < 1.
+    """
+
+    def __init__(self, model: LoadedModel, chat_template: str | None = None, copies: int = 4) -> None:
+        if copies < 1:
+            raise ValueError(f"copies must be >= 1, got {copies}")
+        self._model = model
+        self._chat_template = chat_template
+        self._decoder = _private_copy(model)
+        self._encoders = _ModelPool(model, copies)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True when chat requests can be served."""
+        return bool(self._chat_template) or self._model.has_chat_template
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text -> ids (with the tokenizer's usual BOS handling)."""
+        with self._encoders.borrow() as model:
+            return model.encode(text)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Messages -> ids through the chat template, with the assistant generation prompt.
+
+        Raises:
+            ValueError: no chat template; also whatever the template raises for bad message orders.
+        """
+        with self._encoders.borrow() as model:
+            if not self._chat_template:
+                return model.encode_chat(messages)
+            ids = model.tokenizer.apply_chat_template(
+                messages, chat_template=self._chat_template, add_generation_prompt=True, tokenize=True
+            )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Ids -> text, special tokens skipped. For the engine thread only (it owns the decoding copy)."""
+        return self._decoder.decode(token_ids)
+
+
+def _copyable(model: LoadedModel) -> bool:
+    """True for ``transformers`` tokenizers (copied per thread); others are shared (see :class:`TextCodec`)."""
+    from transformers import PreTrainedTokenizerBase
+
+    return isinstance(model.tokenizer, PreTrainedTokenizerBase)
+
+
+def _private_copy(model: LoadedModel) -> LoadedModel:
+    """The model with its own deep copy of the tokenizer (the backend is shared), or the model itself."""
+    if not _copyable(model):
+        return model
+    return dataclasses.replace(model, tokenizer=copy.deepcopy(model.tokenizer))
+
+
+class _ModelPool:
+    """Up to ``size`` private tokenizer copies, created on first need and lent to one thread at a time."""
+
+    def __init__(self, model: LoadedModel, size: int) -> None:
+        self._model = model
+        self._shared = not _copyable(model)
+        self._size = size
+        self._free: queue.LifoQueue[LoadedModel] = queue.LifoQueue()
+        self._created = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def borrow(self) -> Iterator[LoadedModel]:
+        """Lend a copy for the duration of the ``with`` block (waits only when all ``size`` copies are lent)."""
+        if self._shared:
+            yield self._model
+            return
+        model = self._take()
+        try:
+            yield model
+        finally:
+            self._free.put(model)
+
+    def _take(self) -> LoadedModel:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            create = self._created < self._size
+            if create:
+                self._created += 1
+        return _private_copy(self._model) if create else self._free.get()
+
+
+# ---------------------------------------------------------------------- ids -> text
 # Prompt tokens decoded together with the first generated tokens, so a leading space that SentencePiece-style
 # decoders strip from the first token of a sequence is kept ("Once upon a" + "▁time" -> " time").
 PROMPT_CONTEXT_TOKENS = 6

@@ -1,5 +1,5 @@
-"""The server's request scheduler with a controllable fake engine: FIFO order, queue limit, cancellation of
-waiting and running requests, stop strings stopping the engine, engine failures reported."""
+"""The server's engine loop (draftwise.server.engine_loop) with a controllable fake engine: FIFO order, queue limit,
+cancellation of waiting and running requests, stop strings stopping the engine, engine failures reported."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
 from draftwise.machine import torch_threads
-from draftwise.server.batch_scheduler import BatchScheduler
-from draftwise.server.requests import GenerationRequest
-from draftwise.server.scheduler import Aborted, Failed, Finished, QueueFullError, TextDelta
+from draftwise.server.engine_loop import EngineLoop
+from draftwise.server.events import Aborted, Failed, Finished, QueueFullError, TextDelta
+from draftwise.server.validation import GenerationRequest
 from fakes import ScriptedLM
 
 
@@ -26,8 +26,8 @@ def failing_engine() -> SpeculativeEngine:
     return SpeculativeEngine(ScriptedLM(lambda prompt: (0, False, True), vocab_size=32))
 
 
-def scheduler_for(engine: SpeculativeEngine, records, max_waiting: int) -> BatchScheduler:
-    return BatchScheduler(engine.core, decode, records.append, max_waiting=max_waiting)
+def scheduler_for(engine: SpeculativeEngine, records, max_waiting: int) -> EngineLoop:
+    return EngineLoop(engine.core, decode, records.append, max_waiting=max_waiting)
 
 
 def decode(ids: list[int]) -> str:
@@ -120,7 +120,7 @@ def test_engine_failure_is_reported_and_the_worker_survives():
 def test_the_engine_thread_starts_after_the_loading_thread_releases_its_openmp_workers(monkeypatch):
     """Start releases the caller's OpenMP pool first (kept beside the engine thread's, it made libgomp stop
     spinning: every parallel region of the engine then woke its workers through the kernel)."""
-    import draftwise.server.scheduler as scheduler_module
+    import draftwise.server.engine_loop as scheduler_module
 
     calls = []
     monkeypatch.setattr(scheduler_module, "release_openmp_threads", lambda: calls.append("released") or True)
@@ -158,7 +158,7 @@ def test_releasing_openmp_workers_keeps_torch_working_on_every_thread():
 def test_request_log_line_names_the_hybrid_sides():
     """The batched server's per-request INFO line: acceptance and tau when anything was drafted, the hybrid's
     steps by side when it ran (also when every step was plain), nothing for plain decoding."""
-    from draftwise.server.batch_scheduler import _speculation
+    from draftwise.server.engine_loop import _speculation
     from draftwise.stats import SpeculativeStats
 
     assert _speculation(None) == "" and _speculation(SpeculativeStats()) == ""
@@ -183,7 +183,7 @@ def test_a_request_is_recorded_before_its_client_gets_the_end():
         time.sleep(0.2)
         records.append(record)
 
-    scheduler = BatchScheduler(engine.core, decode, slow_record, max_waiting=2)
+    scheduler = EngineLoop(engine.core, decode, slow_record, max_waiting=2)
 
     async def scenario():
         events = await drain(scheduler.submit(request(1)))

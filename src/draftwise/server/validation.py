@@ -1,33 +1,38 @@
-"""From a validated OpenAI request to what the engine needs: prompt token ids, sampling parameters, stop
-strings. Every user error becomes an :class:`APIError` (4xx) here, before the request is queued.
+"""Request validation: an OpenAI request becomes what the engine needs (:class:`GenerationRequest`: prompt token
+ids, :class:`~draftwise.config.SamplingParams`, stop strings, the request's K and cache scope), or is refused
+with a :class:`~draftwise.server.errors.RequestError` (a 4xx naming the field).
+
+This is where a request is refused as the client's fault, before it is queued. Besides the API's own rules it
+refuses everything :meth:`draftwise.engine.core.EngineCore.add` would (an empty prompt, token ids outside the
+vocabulary, a prompt that leaves no room in the context, a K out of range: :class:`EngineLimits`), so anything
+that fails once a request is queued is the server's fault, a 5xx that ``/health`` counts.
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import dataclasses
+import hashlib
 import logging
 import math
-import queue
 import re
-import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from draftwise.config import SamplingParams, SpeculativeConfig
-from draftwise.models.loading import LoadedModel
-from draftwise.server.errors import APIError
+from draftwise.server.errors import RequestError
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from draftwise.server.settings import ServerSettings
+from draftwise.server.settings import ServerSettings, public_model_name
+from draftwise.server.text import TextCodec
+
+if TYPE_CHECKING:
+    from draftwise.engine import EngineCore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerationRequest", "TextCodec", "RequestBuilder", "public_model_name", "cache_scope"]
+__all__ = ["EngineLimits", "GenerationRequest", "RequestValidator", "cache_scope"]
 
 
 @dataclass(frozen=True)
@@ -36,12 +41,13 @@ class GenerationRequest:
 
     Attributes:
         request_id: ``cmpl-...`` or ``chatcmpl-...``.
-        prompt_ids: prompt token ids (1 <= len < context length).
+        prompt_ids: prompt token ids (1 <= len < context length, each in ``[0, vocab_size)``).
         params: sampling parameters (``max_tokens`` already clamped to the context).
         stops: stop strings (cut from the output, OpenAI style).
         arrival_s: ``time.perf_counter()`` when the request arrived (for latency metrics).
         scope: who may share cached state with this request (see :func:`cache_scope`).
         num_speculative_tokens: the request's own K (0: plain decoding), or None for the server's policy.
+        model: the served model name its response reports.
     """
 
     request_id: str
@@ -51,6 +57,27 @@ class GenerationRequest:
     arrival_s: float = 0.0
     scope: str = ""
     num_speculative_tokens: int | None = None
+    model: str = ""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engine core accepts of a request (:meth:`EngineCore.add` refuses anything else).
+
+    Attributes:
+        max_context: the context length in tokens (a prompt must be shorter).
+        vocab_size: the width of the target's logits (valid token ids are below it).
+        max_k: the engine's K (a request's ``num_speculative_tokens`` must be in 0..max_k; 0: plain decoding).
+    """
+
+    max_context: int
+    vocab_size: int
+    max_k: int = 0
+
+    @classmethod
+    def of(cls, core: EngineCore) -> EngineLimits:
+        """The limits :meth:`EngineCore.add` checks, read from the core and its slot backend."""
+        return cls(core.backend.max_context, core.backend.vocab_size, core.num_speculative_tokens)
 
 
 def cache_scope(api_key: str | None, user: str | None) -> str:
@@ -65,152 +92,23 @@ def cache_scope(api_key: str | None, user: str | None) -> str:
     return f"{key}|{user or ''}"
 
 
-class TextCodec:
-    """Tokenization for one model, safe to use from many threads at once.
-
-    Request handlers encode in worker threads while the engine thread decodes, and a tokenizer object must not
-    be shared between threads: a ``transformers`` fast tokenizer reconfigures its Rust backend during calls,
-    and a concurrent call then fails with ``RuntimeError: Already borrowed`` (huggingface/tokenizers#537;
-    vLLM's fix, vllm-project/vllm#41181, is the same pool of copies). So the engine thread decodes with a
-    private copy and never waits for an encoding, however long (a multi-megabyte prompt takes seconds), and
-    encodings borrow one of up to ``copies`` private copies, so they run in parallel and a long one holds up
-    no other request unless ``copies`` long ones run at once. Tokenizers that are not ``transformers``
-    tokenizers (llama.cpp's, whose calls only read the vocabulary, as llama-server's HTTP threads do) are
-    shared, not copied.
-
-    Args:
-        model: the target model (tokenizer and chat template).
-        chat_template: a Jinja template that replaces the tokenizer's, or None.
-        copies: the most tokenizer copies used for encoding at the same time (>= 1).
-    """
-
-    def __init__(self, model: LoadedModel, chat_template: str | None = None, copies: int = 4) -> None:
-        if copies < 1:
-            raise ValueError(f"copies must be >= 1, got {copies}")
-        self._model = model
-        self._chat_template = chat_template
-        self._decoder = _private_copy(model)
-        self._encoders = _ModelPool(model, copies)
-
-    @property
-    def has_chat_template(self) -> bool:
-        """True when chat requests can be served."""
-        return bool(self._chat_template) or self._model.has_chat_template
-
-    def encode(self, text: str) -> list[int]:
-        """Plain text -> ids (with the tokenizer's usual BOS handling)."""
-        with self._encoders.borrow() as model:
-            return model.encode(text)
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Messages -> ids through the chat template, with the assistant generation prompt.
-
-        Raises:
-            ValueError: no chat template; also whatever the template raises for bad message orders.
-        """
-        with self._encoders.borrow() as model:
-            if not self._chat_template:
-                return model.encode_chat(messages)
-            ids = model.tokenizer.apply_chat_template(
-                messages, chat_template=self._chat_template, add_generation_prompt=True, tokenize=True
-            )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-
-    def decode(self, token_ids: list[int]) -> str:
-        """Ids -> text, special tokens skipped. For the engine thread only (it owns the decoding copy)."""
-        return self._decoder.decode(token_ids)
-
-
-def _copyable(model: LoadedModel) -> bool:
-    """True for ``transformers`` tokenizers (copied per thread); others are shared (see :class:`TextCodec`)."""
-    from transformers import PreTrainedTokenizerBase
-
-    return isinstance(model.tokenizer, PreTrainedTokenizerBase)
-
-
-def _private_copy(model: LoadedModel) -> LoadedModel:
-    """The model with its own deep copy of the tokenizer (the backend is shared), or the model itself."""
-    if not _copyable(model):
-        return model
-    return dataclasses.replace(model, tokenizer=copy.deepcopy(model.tokenizer))
-
-
-class _ModelPool:
-    """Up to ``size`` private tokenizer copies, created on first need and lent to one thread at a time."""
-
-    def __init__(self, model: LoadedModel, size: int) -> None:
-        self._model = model
-        self._shared = not _copyable(model)
-        self._size = size
-        self._free: queue.LifoQueue[LoadedModel] = queue.LifoQueue()
-        self._created = 0
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def borrow(self) -> Iterator[LoadedModel]:
-        """Lend a copy for the duration of the ``with`` block (waits only when all ``size`` copies are lent)."""
-        if self._shared:
-            yield self._model
-            return
-        model = self._take()
-        try:
-            yield model
-        finally:
-            self._free.put(model)
-
-    def _take(self) -> LoadedModel:
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            pass
-        with self._lock:
-            create = self._created < self._size
-            if create:
-                self._created += 1
-        return _private_copy(self._model) if create else self._free.get()
-
-
-def public_model_name(spec: str) -> str:
-    """The name a server reports for a target given as ``spec`` when no served name is set: never a path.
-
-    A local file or directory (an existing path, an absolute or ``~``/``.`` path, or any name ending in
-    ``.gguf``) gives its base name without the ``.gguf`` extension (``/models/qwen/q.Q4_K_M.gguf`` ->
-    ``q.Q4_K_M``; ``./llama/`` -> ``llama``); a registry name or hub id (``qwen2.5-coder-1.5b``,
-    ``Qwen/Qwen2.5-0.5B``) is kept as given.
-    """
-    path = Path(spec).expanduser()
-    looks_local = (spec.startswith(("/", "~", ".")) or path.is_absolute() or spec.lower().endswith(".gguf")
-                   or path.exists())
-    if not looks_local:
-        return spec
-    name = path.name
-    if name.lower().endswith(".gguf"):
-        name = name[: -len(".gguf")]
-    return name or "model"
-
-
-class RequestBuilder:
-    """Validates requests against the served model and builds :class:`GenerationRequest` objects.
+class RequestValidator:
+    """Validates requests against the served model and the engine's limits and builds
+    :class:`GenerationRequest` objects. Thread-safe (requests are validated in worker threads).
 
     Args:
         codec: the target's tokenizer (thread-safe).
-        model_name: the target's name as loaded (a path, registry name or hub id); the server reports
-            :func:`public_model_name` of it unless ``settings`` names the served models.
-        max_context: context length in tokens.
-        vocab_size: width of the target's logits (valid token ids are below it).
+        limits: what the engine core accepts (:meth:`EngineLimits.of` the served core).
         settings: served names and the default ``max_tokens``.
-        max_k: the engine's K; a request's ``num_speculative_tokens`` must be in 0..max_k.
+        model_name: the target's name as loaded (a path, registry name or hub id); the server reports
+            :func:`~draftwise.server.settings.public_model_name` of it unless ``settings`` names the served
+            models.
     """
 
-    def __init__(self, codec: TextCodec, model_name: str, max_context: int, vocab_size: int,
-                 settings: ServerSettings, max_k: int = 0) -> None:
-        self._max_k = max_k
+    def __init__(self, codec: TextCodec, limits: EngineLimits, settings: ServerSettings, model_name: str) -> None:
         self._codec = codec
-        self._max_context = max_context
-        self._vocab_size = vocab_size
-        self._settings = settings
+        self._limits = limits
+        self._default_max_tokens = settings.default_max_tokens
         self.target_name = public_model_name(model_name)
         self.served_names = settings.served_model_names or (self.target_name,)
 
@@ -218,25 +116,45 @@ class RequestBuilder:
         """The name to report in responses.
 
         Raises:
-            APIError: 404 ``model_not_found`` for a name this server does not serve.
+            RequestError: 404 ``model_not_found`` for a name this server does not serve.
         """
         if requested is None or requested in self.served_names:
             return self.served_names[0]
-        raise APIError(404, f"The model `{requested}` does not exist; this server serves "
-                       f"{', '.join(repr(n) for n in self.served_names)}", param="model", code="model_not_found")
+        raise RequestError(f"The model `{requested}` does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in self.served_names)}", param="model",
+                           code="model_not_found", status=404)
 
-    def completion(self, request: CompletionRequest) -> GenerationRequest:
-        """Validate and tokenize a completion request. Raises APIError (4xx)."""
+    def completion(self, request: CompletionRequest, api_key: str | None = None) -> GenerationRequest:
+        """Validate and tokenize a completion request.
+
+        Args:
+            request: the parsed body.
+            api_key: the bearer token it sent (for its cache scope), or None.
+
+        Raises:
+            RequestError: the request is refused (4xx naming the field).
+        """
         arrival = time.perf_counter()
+        model = self.check_model(request.model)
         _reject_unsupported_common(request)
         _reject_unsupported_completion(request)
         _check_extra_fields(request)
         prompt_ids = self._completion_prompt(request.prompt)
-        return self._build("cmpl", request, prompt_ids, request.max_tokens, "max_tokens", "prompt", arrival)
+        return self._build("cmpl", request, _Prompt(prompt_ids, "prompt", model, arrival, api_key),
+                           request.max_tokens, "max_tokens")
 
-    def chat(self, request: ChatCompletionRequest) -> GenerationRequest:
-        """Validate and template a chat request. Raises APIError (4xx)."""
+    def chat(self, request: ChatCompletionRequest, api_key: str | None = None) -> GenerationRequest:
+        """Validate and template a chat request.
+
+        Args:
+            request: the parsed body.
+            api_key: the bearer token it sent (for its cache scope), or None.
+
+        Raises:
+            RequestError: the request is refused (4xx naming the field).
+        """
         arrival = time.perf_counter()
+        model = self.check_model(request.model)
         _reject_unsupported_common(request)
         _reject_unsupported_chat(request)
         _check_extra_fields(request)
@@ -247,103 +165,127 @@ class RequestBuilder:
                     f"'max_tokens' must be at least 1, got {request.max_tokens}", "max_tokens")
         else:
             max_tokens, param = request.max_tokens, "max_tokens"
-        return self._build("chatcmpl", request, prompt_ids, max_tokens, param, "messages", arrival)
+        return self._build("chatcmpl", request, _Prompt(prompt_ids, "messages", model, arrival, api_key),
+                           max_tokens, param)
 
     # ------------------------------------------------------------------ prompts
     def _completion_prompt(self, prompt: str | list) -> list[int]:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
-                raise APIError(400, f"batched prompts are not supported: send one prompt per request "
-                               f"(got {len(prompt)})", param="prompt")
+                raise RequestError(f"batched prompts are not supported: send one prompt per request "
+                                   f"(got {len(prompt)})", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str) and not prompt:
-            raise APIError(400, "the prompt is empty: give at least one character or token id", param="prompt")
-        if isinstance(prompt, str):
-            ids = self._codec.encode(prompt)
-        else:
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self._vocab_size]
-            if bad:
-                raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {self._vocab_size})",
-                               param="prompt")
-        if not ids:
-            raise APIError(400, "the prompt is empty: at least one token is needed", param="prompt")
-        return ids
+            raise RequestError("the prompt is empty: give at least one character or token id", param="prompt")
+        return self._codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         if not messages:
-            raise APIError(400, "'messages' must contain at least one message", param="messages")
+            raise RequestError("'messages' must contain at least one message", param="messages")
         if not self._codec.has_chat_template:
-            raise APIError(400, f"model '{self.target_name}' has no chat template, so chat requests cannot be "
-                           "formatted: use /v1/completions, or start the server with --chat-template",
-                           param="messages", code="chat_template_missing")
+            raise RequestError(f"model '{self.target_name}' has no chat template, so chat requests cannot be "
+                               "formatted: use /v1/completions, or start the server with --chat-template",
+                               param="messages", code="chat_template_missing")
         plain = [_plain_message(m, i) for i, m in enumerate(messages)]
         try:
             return self._codec.encode_chat(plain)
         except Exception as exc:  # jinja2 TemplateError (raise_exception in templates), ValueError...
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+            raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+
+    def _check_prompt_ids(self, ids: list[int], param: str) -> None:
+        """What :meth:`EngineCore.add` refuses of a prompt: no token, a token id outside the vocabulary (from
+        the client or from the tokenizer), or no room left in the context for a new token.
+
+        Raises:
+            RequestError: naming ``param`` (``"prompt"`` or ``"messages"``).
+        """
+        if not ids:
+            raise RequestError("the prompt is empty: at least one token is needed", param=param)
+        vocab_size = self._limits.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+        if len(ids) >= self._limits.max_context:
+            raise RequestError(f"This model's maximum context length is {self._limits.max_context} tokens; the "
+                               f"prompt has {len(ids)} tokens, which leaves no room for new tokens. Please shorten "
+                               "it.", param=param, code="context_length_exceeded")
 
     #: at most this many ``stop_token_ids`` per request (each is a set lookup per committed token)
     MAX_STOP_TOKEN_IDS = 1024
 
     def _check_stop_token_ids(self, ids: list[int] | None) -> None:
-        """``stop_token_ids``: at most :attr:`MAX_STOP_TOKEN_IDS`, each inside the vocabulary. Raises APIError."""
+        """``stop_token_ids``: at most :attr:`MAX_STOP_TOKEN_IDS`, each inside the vocabulary. Raises
+        RequestError."""
         if not ids:
             return
         if len(ids) > self.MAX_STOP_TOKEN_IDS:
-            raise APIError(400, f"at most {self.MAX_STOP_TOKEN_IDS} stop_token_ids are supported, got {len(ids)}",
-                           param="stop_token_ids")
-        bad = [t for t in ids if not 0 <= t < self._vocab_size]
+            raise RequestError(f"at most {self.MAX_STOP_TOKEN_IDS} stop_token_ids are supported, got {len(ids)}",
+                               param="stop_token_ids")
+        vocab_size = self._limits.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             shown = _count(bad[0]) if bad[0] >= 0 else f"-{_count(-bad[0])}"
-            raise APIError(400, f"stop token id {shown} is outside the vocabulary [0, "
-                           f"{self._vocab_size})", param="stop_token_ids")
+            raise RequestError(f"stop token id {shown} is outside the vocabulary [0, {vocab_size})",
+                               param="stop_token_ids")
 
     # ------------------------------------------------------------------ sampling
-    def _build(self, kind: str, request, prompt_ids: list[int], max_tokens: int | None, max_param: str,
-               prompt_param: str, arrival: float) -> GenerationRequest:
-        limit = self._max_tokens(len(prompt_ids), max_tokens, max_param, prompt_param)
+    def _build(self, kind: str, request, prompt: _Prompt, max_tokens: int | None, max_param: str
+               ) -> GenerationRequest:
+        self._check_prompt_ids(prompt.ids, prompt.param)
+        limit = self._max_tokens(len(prompt.ids), max_tokens, max_param)
         self._check_stop_token_ids(request.stop_token_ids)
         return GenerationRequest(
             request_id=f"{kind}-{uuid.uuid4().hex}",
-            prompt_ids=tuple(prompt_ids),
+            prompt_ids=tuple(prompt.ids),
             params=_sampling_params(request, limit),
             stops=_stop_strings(request.stop),
-            arrival_s=arrival,
+            arrival_s=prompt.arrival_s,
+            scope=cache_scope(prompt.api_key, request.user),
             num_speculative_tokens=self._request_k(request.num_speculative_tokens),
+            model=prompt.model,
         )
 
     def _request_k(self, requested: int | None) -> int | None:
         if requested is None:
             return None
-        if self._max_k == 0 and requested != 0:
-            raise APIError(400, f"this server decodes plainly (started without a speculative method), so "
-                           f"'num_speculative_tokens' can only be 0 or left out, got {requested}",
-                           param="num_speculative_tokens")
-        if not 0 <= requested <= self._max_k:
-            raise APIError(400, f"'num_speculative_tokens' must be in 0..{self._max_k} (0 turns speculation off; "
-                           f"this server speculates at most {self._max_k} tokens), got {requested}",
-                           param="num_speculative_tokens")
+        max_k = self._limits.max_k
+        if max_k == 0 and requested != 0:
+            raise RequestError(f"this server decodes plainly (started without a speculative method), so "
+                               f"'num_speculative_tokens' can only be 0 or left out, got {requested}",
+                               param="num_speculative_tokens")
+        if not 0 <= requested <= max_k:
+            raise RequestError(f"'num_speculative_tokens' must be in 0..{max_k} (0 turns speculation off; "
+                               f"this server speculates at most {max_k} tokens), got {requested}",
+                               param="num_speculative_tokens")
         return requested
 
-    def _max_tokens(self, prompt_len: int, requested: int | None, param: str, prompt_param: str) -> int:
-        room = self._max_context - prompt_len
-        if room < 1:
-            raise APIError(400, f"This model's maximum context length is {self._max_context} tokens; the prompt "
-                           f"has {prompt_len} tokens, which leaves no room for new tokens. Please shorten it.",
-                           param=prompt_param, code="context_length_exceeded")
+    def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
+        """The request's ``max_tokens``, or the default clamped to the context room (the prompt leaves >= 1)."""
+        max_context = self._limits.max_context
+        room = max_context - prompt_len
         if requested is None:
-            return min(self._settings.default_max_tokens, room)
+            return min(self._default_max_tokens, room)
         if requested < 1:
-            raise APIError(400, f"'{param}' must be at least 1, got {requested}", param=param)
+            raise RequestError(f"'{param}' must be at least 1, got {requested}", param=param)
         if requested > room:
             asked = _count(requested)
-            total = _count(prompt_len + requested) if asked == str(requested) else f"more than {self._max_context}"
-            raise APIError(400, f"This model's maximum context length is {self._max_context} tokens. However, you "
-                           f"requested {total} tokens ({prompt_len} in the prompt, {asked} "
-                           f"for the completion). Please reduce the prompt or '{param}'.",
-                           param=param, code="context_length_exceeded")
+            total = _count(prompt_len + requested) if asked == str(requested) else f"more than {max_context}"
+            raise RequestError(f"This model's maximum context length is {max_context} tokens. However, you "
+                               f"requested {total} tokens ({prompt_len} in the prompt, {asked} "
+                               f"for the completion). Please reduce the prompt or '{param}'.",
+                               param=param, code="context_length_exceeded")
         return requested
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """A request's prompt ids and what travels with them into :class:`GenerationRequest`."""
+
+    ids: list[int]
+    param: str  # the field named when the prompt is refused: "prompt" or "messages"
+    model: str
+    arrival_s: float
+    api_key: str | None
 
 
 def _count(value: int) -> str:
@@ -359,15 +301,15 @@ def _plain_message(message: ChatMessage, index: int) -> dict[str, str]:
     """A ``{"role", "content"}`` dict for the chat template (text parts joined by newlines)."""
     content = message.content
     if content is None and message.role != "assistant":  # an assistant turn may carry only tool calls
-        raise APIError(400, f"messages[{index}] ('{message.role}') needs a 'content'", param=f"messages.{index}")
+        raise RequestError(f"messages[{index}] ('{message.role}') needs a 'content'", param=f"messages.{index}")
     if isinstance(content, list):
         for part in content:
             if part.type != "text":
-                raise APIError(400, f"only text content parts are supported (messages[{index}] has a "
-                               f"'{part.type}' part)", param=f"messages.{index}.content")
+                raise RequestError(f"only text content parts are supported (messages[{index}] has a "
+                                   f"'{part.type}' part)", param=f"messages.{index}.content")
             if part.text is None:
-                raise APIError(400, f"messages[{index}] has a text part without 'text'",
-                               param=f"messages.{index}.content")
+                raise RequestError(f"messages[{index}] has a text part without 'text'",
+                                   param=f"messages.{index}.content")
         content = "\n".join(part.text for part in content)  # type: ignore[misc]
     role = "system" if message.role == "developer" else message.role
     return {"role": role, "content": content or ""}
@@ -395,7 +337,7 @@ def _sampling_params(request, max_tokens: int) -> SamplingParams:
     except ValueError as exc:
         message = str(exc)
         param = message.split(" ", 1)[0]
-        raise APIError(400, message, param=param if param in _SAMPLING_FIELDS else None) from exc
+        raise RequestError(message, param=param if param in _SAMPLING_FIELDS else None) from exc
 
 
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "seed", "sampling"}
@@ -419,16 +361,16 @@ def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     """At most :data:`MAX_STOP_STRINGS` non-empty strings (OpenAI allows 4)."""
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not s for s in stops):
-        raise APIError(400, "stop sequences must be non-empty strings", param="stop")
+        raise RequestError("stop sequences must be non-empty strings", param="stop")
     if len(stops) > MAX_STOP_STRINGS:
-        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop sequences are supported, got {len(stops)}",
-                       param="stop")
+        raise RequestError(f"at most {MAX_STOP_STRINGS} stop sequences are supported, got {len(stops)}",
+                           param="stop")
     return stops
 
 
 def _reject(condition: bool, message: str, param: str) -> None:
     if condition:
-        raise APIError(400, message, param=param)
+        raise RequestError(message, param=param)
 
 
 # Extra fields that name a speculative setting: the server's own (serve --speculative-config, --k-policy...), so
