@@ -769,3 +769,18 @@ def test_stop_token_ids_outside_the_vocabulary_or_too_many_are_a_400(client, ids
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "stop_token_ids"
     _assert_served(client)
+
+
+# ---------------------------------------------------------------------- defaults an agent expects
+def test_no_max_tokens_means_the_rest_of_the_context_window(fake):
+    """A request without ``max_tokens`` runs to the end of the context (vLLM's default), not to a fixed cap that
+    cuts an agent's long reply with ``finish_reason: "length"``; ``--default-max-tokens`` still caps it."""
+    url, _ = fake
+    body = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=120).json()
+    usage = body["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 4096  # ScriptedLM's context
+    assert body["choices"][0]["finish_reason"] == "length"
+    capped = ServerSettings(default_max_tokens=7)
+    with live(create_app(fake_bundle(), capped)) as (capped_url, _):
+        short = httpx.post(f"{capped_url}/v1/completions", json={"prompt": "hi"}, timeout=60).json()
+    assert short["usage"]["completion_tokens"] == 7 and short["choices"][0]["text"] == "x" * 7

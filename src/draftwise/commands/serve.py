@@ -62,8 +62,8 @@ def register(subparsers) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template (a file or the template itself) for models without one")
     parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                        help=f"max_tokens when a request sets none (default {DEFAULT_MAX_TOKENS}, clamped to the "
-                        "context)")
+                        help="max_tokens when a request sets none (default: the rest of the context window after "
+                        "the prompt, as vLLM; a number is clamped to it)")
     parser.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",
                         help="memory for the KV states of finished requests, reused by later requests that share a "
                         "token prefix with one (agent loops resend the conversation each turn), e.g. 4GiB, 512MB; "

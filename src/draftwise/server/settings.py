@@ -10,7 +10,7 @@ from pathlib import Path
 __all__ = ["ServerSettings", "public_model_name", "DEFAULT_MAX_TOKENS", "DEFAULT_MAX_REQUEST_BYTES",
            "DEFAULT_SHUTDOWN_GRACE_S", "DEFAULT_TOKENIZER_COPIES"]
 
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS: int | None = None  # the rest of the context window, as vLLM's chat endpoint
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # 8 MiB: far above any context's worth of text or token ids
 DEFAULT_SHUTDOWN_GRACE_S = 10.0
 DEFAULT_TOKENIZER_COPIES = 4
@@ -47,9 +47,9 @@ class ServerSettings:
             case-insensitively, else 401). Must not be empty or blank.
         chat_template: a Jinja chat template used instead of the tokenizer's (needed for models that have
             none, such as base models).
-        default_max_tokens: new tokens when a request does not set ``max_tokens``; clamped to the context
-            room left by the prompt. One request occupies the engine at a time, so the default is bounded
-            (OpenAI's own default is 16 for completions and "up to the context" for chat).
+        default_max_tokens: new tokens when a request sets no ``max_tokens`` (``max_completion_tokens``,
+            ``max_output_tokens``); None (the default): the rest of the context window after the prompt, as
+            vLLM does, so an agent's long reply is not cut; a number is clamped to that room.
         max_waiting_requests: requests allowed to wait in the queue (cancelled ones do not count); beyond
             that a request gets 503.
         disconnect_poll_s: how often (seconds) a non-streaming request checks whether its client left.
@@ -69,7 +69,7 @@ class ServerSettings:
     served_model_names: tuple[str, ...] = ()
     api_key: str | None = None
     chat_template: str | None = None
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS
     max_waiting_requests: int = 256
     disconnect_poll_s: float = 0.5
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -81,7 +81,7 @@ class ServerSettings:
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
         if any(not name or not name.strip() for name in self.served_model_names):
             raise ValueError("served model names must be non-empty")
-        if self.default_max_tokens < 1:
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")

@@ -260,11 +260,12 @@ class RequestValidator:
         return requested
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
-        """The request's ``max_tokens``, or the default clamped to the context room (the prompt leaves >= 1)."""
+        """The request's ``max_tokens``, or the default (None: the whole room) clamped to the context room
+        (the prompt leaves >= 1)."""
         max_context = self._limits.max_context
         room = max_context - prompt_len
         if requested is None:
-            return min(self._default_max_tokens, room)
+            return room if self._default_max_tokens is None else min(self._default_max_tokens, room)
         if requested < 1:
             raise RequestError(f"'{param}' must be at least 1, got {requested}", param=param)
         if requested > room:
