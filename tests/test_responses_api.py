@@ -188,6 +188,8 @@ def test_an_output_without_its_call_is_refused():
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "reasoning", "id": "rs", "summary": []}]}, "input"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"background": True}, "background"),

@@ -118,12 +118,15 @@ def to_chat(request: ResponsesRequest, history: Sequence[InputItem] = ()) -> dic
         with the usage).
 
     Raises:
-        ResponsesInputError: a field, item, tool or format the server cannot serve (the message and ``param``
-            name it).
+        ResponsesInputError: a field, item, tool or format the server cannot serve, or no item at all (the
+            message and ``param`` name it).
     """
     _refuse_unserved(request)
     tools = function_tools(request)
-    body: dict[str, Any] = {"messages": chat_messages(request.instructions, (*history, *input_items(request)))}
+    items = (*history, *input_items(request))
+    if not items:
+        raise ResponsesInputError("'input' holds no message or call: send at least one", "input")
+    body: dict[str, Any] = {"messages": chat_messages(request.instructions, items)}
     if request.model is not None:
         body["model"] = request.model
     if tools:
