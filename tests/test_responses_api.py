@@ -427,3 +427,18 @@ def test_store_keeps_per_scope_and_evicts_the_least_recently_used():
         store.history("key1", "resp_2")
     with pytest.raises(ValueError):
         ResponseStore(capacity=0)
+
+
+def test_store_holds_at_most_max_chars_of_text():
+    store = ResponseStore(capacity=10, max_chars=100)
+    message = lambda n: ResponsesRequest.model_validate({"input": "x" * n})
+    store.keep("k", "resp_1", conversation(message(40), (), {"output": []}))
+    store.keep("k", "resp_2", conversation(message(40), (), {"output": []}))
+    store.history("k", "resp_1")  # resp_2 is the least recently used now
+    store.keep("k", "resp_3", conversation(message(30), (), {"output": [
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}))  # 33 characters
+    assert len(store) == 2 and store.history("k", "resp_1") and store.history("k", "resp_3")
+    with pytest.raises(ResponsesInputError):
+        store.history("k", "resp_2")
+    store.keep("k", "resp_4", conversation(message(101), (), {"output": []}))  # alone past the bound
+    assert len(store) == 0
