@@ -138,6 +138,48 @@ def test_history_comes_between_the_instructions_and_the_input():
         {"role": "tool", "tool_call_id": "call_1", "content": "print(1)"}]
 
 
+CODEX_SHELL = {"type": "function", "name": "shell", "description": "Runs a shell command", "strict": False,
+               "parameters": {"type": "object", "properties": {"command": {"type": "array",
+                                                                           "items": {"type": "string"}}},
+                              "required": ["command"], "additionalProperties": False}}
+
+
+def test_a_codex_cli_turn():
+    """The body the Codex CLI sends (``codex-rs/codex-api``'s ``ResponsesApiRequest``) on its second turn."""
+    body = {"model": "qwen", "instructions": "You are Codex.", "tools": [CODEX_SHELL], "tool_choice": "auto",
+            "parallel_tool_calls": False, "reasoning": None, "store": False, "stream": True, "include": [],
+            "prompt_cache_key": "0199-thread", "text": {"verbosity": "medium"},
+            "input": [
+                {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox"}]},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list files"}]},
+                {"type": "function_call", "name": "shell", "arguments": '{"command":["ls"]}', "call_id": "call_1"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "a.py\nb.py"}]}
+    chat = to_chat(ResponsesRequest.model_validate(body))
+    assert [m["role"] for m in chat["messages"]] == ["system", "developer", "user", "assistant", "tool"]
+    assert (chat["tool_choice"], chat["parallel_tool_calls"], chat["tools"][0]["function"]["strict"]) == (
+        "auto", False, False)
+    assert "response_format" not in chat and chat["stream_options"] == {"include_usage": True}
+
+
+def test_an_agents_sdk_turn():
+    """The body ``OpenAIResponsesModel`` sends with a function tool and an ``output_type``, its earlier output
+    items echoed back as it dumps them."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+              "additionalProperties": False}
+    first = build_response(request(tools=[TOOL]), OUTCOMES["text and calls"], response_id="resp_a", created_at=0.0)
+    echoed = [Response.model_validate(first).output[i].model_dump(exclude_unset=True) for i in range(3)]
+    body = {"model": "qwen", "instructions": "Help.", "include": [], "tools": [TOOL],
+            "text": {"format": {"type": "json_schema", "name": "final_output", "schema": schema, "strict": True}},
+            "input": [{"content": "read both", "role": "user"}, *echoed,
+                      {"call_id": "call_a", "output": "x = 1", "type": "function_call_output"},
+                      {"call_id": "call_b", "output": "y = 2", "type": "function_call_output"}]}
+    chat = to_chat(ResponsesRequest.model_validate(body))
+    assistant = chat["messages"][2]
+    assert assistant["content"] == [{"type": "text", "text": "Reading."}]
+    assert [call["id"] for call in assistant["tool_calls"]] == ["call_a", "call_b"]
+    assert chat["response_format"]["json_schema"]["name"] == "final_output"
+
+
 # ---------------------------------------------------------------------- refusals
 def test_media_parts_are_refused_naming_the_part():
     image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "auto"}
