@@ -231,6 +231,7 @@ def test_an_output_without_its_call_is_refused():
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": []}, "input"),
+    ({"input": None}, "input"),
     ({"input": [{"type": "reasoning", "id": "rs", "summary": []}]}, "input"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
@@ -241,7 +242,8 @@ def test_unserved_fields_are_refused_naming_them(fields, param):
 
 
 def test_the_request_shape_is_checked_strictly():
-    for body in ({"input": 3}, {}, {"input": "x", "stream": "yes"}, {"input": "x", "truncation": "middle"}):
+    for body in ({"input": 3}, {"input": [3]}, {"input": "x", "stream": "yes"}, {"input": "x", "truncation": "middle"},
+                 {"input": "x", "metadata": {"k": 1}}, {"input": "x", "max_output_tokens": 1.5}):
         with pytest.raises(ValidationError):
             ResponsesRequest.model_validate(body)
 
@@ -416,7 +418,8 @@ def test_the_sdk_stream_accumulator_rebuilds_the_response():
 def test_sse_framing():
     event = {"type": "response.output_text.delta", "sequence_number": 3, "delta": "é\n"}
     assert sse_event(event) == ('event: response.output_text.delta\n'
-                                'data: {"type": "response.output_text.delta", "sequence_number": 3, "delta": "é\\n"}\n\n')
+                                'data: {"type": "response.output_text.delta", "sequence_number": 3, '
+                                '"delta": "é\\n"}\n\n')
 
 
 # ---------------------------------------------------------------------- the SDK's client over HTTP

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftwise.server.responses_protocol import (
+    ContentPart,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
@@ -195,7 +196,7 @@ def chat_messages(instructions: str | None, items: Sequence[InputItem]) -> list[
     return messages
 
 
-def _chat_content(content: str | list) -> str | list[dict[str, str]]:
+def _chat_content(content: str | list[ContentPart]) -> str | list[dict[str, str]]:
     if isinstance(content, str):
         return content
     return [{"type": "text", "text": part.text} for part in content]
@@ -277,10 +278,15 @@ def responses_usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def response_object(request: ResponsesRequest, response_id: str, created_at: float, model: str,
-              output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None,
-              error: dict[str, str] | None = None) -> dict[str, Any]:
-    """A Response object echoing the request's settings (OpenAI's defaults where it sent none)."""
-    finished = status in ("completed", "incomplete", "failed")
+                    output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None,
+                    error: dict[str, str] | None = None) -> dict[str, Any]:
+    """A Response object echoing the request's settings (OpenAI's defaults where it sent none).
+
+    Args:
+        status: ``in_progress``, ``completed``, ``incomplete`` (``incomplete_details.reason`` is then
+            ``max_output_tokens``) or ``failed`` (with ``error``: ``{"code", "message"}``).
+        usage: Responses usage (:func:`responses_usage`), None while in progress.
+    """
     return {
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
         "completed_at": time.time() if status == "completed" else None, "background": False,
@@ -298,5 +304,5 @@ def response_object(request: ResponsesRequest, response_id: str, created_at: flo
                   for tool in function_tools(request)],
         "top_p": 1.0 if request.top_p is None else request.top_p,
         "truncation": request.truncation or "disabled",
-        "usage": usage if finished else None, "user": request.user,
+        "usage": usage, "user": request.user,
     }

@@ -59,7 +59,7 @@ class ResponsesRequest(_Strict):
 
     model: Text | None = None
     instructions: Text | None = None
-    input: Text | list[dict[str, Any]]
+    input: Text | list[dict[str, Any]] | None = None  # none: only the previous response's conversation
     tools: list[dict[str, Any]] | None = None
     tool_choice: Text | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -120,8 +120,8 @@ _MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
 
 
 def input_items(request: ResponsesRequest) -> tuple[InputItem, ...]:
-    """The request's ``input`` as items (a string is one user message); reasoning items without content are
-    dropped (they carry nothing a served model can read).
+    """The request's ``input`` as items (a string is one user message, none is no item); reasoning items
+    without content are dropped (they carry nothing a served model can read).
 
     Raises:
         ResponsesInputError: an item or content part the server cannot serve, or one of the wrong shape.
@@ -129,7 +129,7 @@ def input_items(request: ResponsesRequest) -> tuple[InputItem, ...]:
     if isinstance(request.input, str):
         return (MessageItem(role="user", content=request.input),)
     items = []
-    for index, raw in enumerate(request.input):
+    for index, raw in enumerate(request.input or ()):
         item = parse_item(raw, f"input[{index}]")
         if item is not None:
             items.append(item)

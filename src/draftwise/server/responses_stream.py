@@ -34,7 +34,8 @@ class ResponsesStream:
     Call :meth:`start` first, then :meth:`feed` with each ``chat.completion.chunk`` dict (or :meth:`text` and
     :meth:`tool_call` with the deltas), then :meth:`finish` (or :meth:`fail`); each returns the events to
     send (dicts; :func:`sse_event` frames one). After :meth:`finish`, :attr:`response` is the final Response,
-    equal to :func:`build_response` of the same result.
+    equal to :func:`~draftwise.server.responses_api.build_response` of the same result but for the wall-clock
+    ``completed_at`` (and for item order when text follows a call, which the chat result does not record).
 
     Events: ``response.created``, ``response.in_progress``; per message item ``response.output_item.added``,
     ``response.content_part.added``, ``response.output_text.delta`` per text delta, then
@@ -49,7 +50,7 @@ class ResponsesStream:
 
     Args:
         request: the request streamed.
-        response_id: its id (:func:`new_response_id`).
+        response_id: its id (:func:`~draftwise.server.responses_api.new_response_id`).
         created_at: when the request arrived (Unix seconds).
         model: the served model's name.
     """
