@@ -8,14 +8,14 @@ prompts, greedy, ``--max-tokens`` tokens, the Qwen2.5-Coder 1.5B target and 0.5B
 1. one request at a time: ``draftwise bench --methods plain,draft,ngram --ks K`` (the library's one-request
    engine), in rounds that alternate which revision runs first (A B, B A, ...);
 2. ``--clients`` concurrent clients against ``draftwise serve --max-num-seqs CLIENTS`` for plain, the draft
-   model and n-gram lookup (``scripts/load_test.py --serve``, in process), revisions alternating per method.
+   model and n-gram lookup (``scripts/bench/load_test.py --serve``, in process), revisions alternating per method.
 
 It prints a Markdown table of tokens per second per revision and the after/before ratio, with the CPU, and
 writes it to ``--output``. Goals (issue "One engine"): one request within 3% of before, the clients no slower.
 
 Example::
 
-    python scripts/engine_before_after.py --before 730b28b --after HEAD --output docs/benchmarks/engine_core.md
+    python scripts/bench/engine_before_after.py --before 730b28b --after HEAD --output bench_results/engine_core.md
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON = ROOT / ".venv" / "bin" / "python"
 QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -68,7 +68,7 @@ def clients(tree: Path, method: str, prompts: Path, out: Path, opts: argparse.Na
     """Aggregate tok/s of ``opts.clients`` concurrent clients against an in-process server."""
     config = {"plain": None, "draft": {"method": "draft_model", "model": DRAFT},
               "ngram": {"method": "ngram"}}[method]
-    args = [str(ROOT / "scripts" / "load_test.py"), "--serve", TARGET, "--quantization", opts.quantization,
+    args = [str(ROOT / "scripts" / "bench" / "load_test.py"), "--serve", TARGET, "--quantization", opts.quantization,
             "--max-num-seqs", str(opts.clients), "--concurrency", str(opts.clients), "--requests-per-client",
             str(opts.requests_per_client), "--max-tokens", str(opts.max_tokens), "--prompts-file", str(prompts),
             "--json", str(out)]

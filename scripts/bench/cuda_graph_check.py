@@ -16,7 +16,7 @@ median time of a 1-token and a 5-token ``forward`` call on each backend (millise
 included) and of the 1-token graph's replay alone. Exit code 0 when every replay's argmax matched static
 eager's, 1 otherwise, 2 without CUDA.
 
-Usage: ``python scripts/cuda_graph_check.py --models .gpu/q05:bf16,.gpu/q15:fp32 [--out DIR] [--device cpu]``
+Usage: ``python scripts/bench/cuda_graph_check.py --models .gpu/q05:bf16,.gpu/q15:fp32 [--out DIR] [--device cpu]``
 """
 
 from __future__ import annotations

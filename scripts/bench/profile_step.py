@@ -8,7 +8,7 @@ backend's ``forward``), the rest of drafting (sampling, top-k, bookkeeping in Py
 draft / target) and the speed-up the cost model predicts from the measured tau against the one measured.
 
 Usage (idle machine; the CPU is printed):
-    scripts/profile_step.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --k 4 --prompts 3 \
+    scripts/bench/profile_step.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --k 4 --prompts 3 \
         --max-tokens 64 [--tree-width 2] [--speculative-backend llama.cpp --threads 2]
 """
 

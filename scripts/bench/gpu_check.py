@@ -19,7 +19,7 @@ ties likely, so it is a stress test, not a measure of how often a trained model'
 Exit codes: 0 every output identical to plain decoding; 1 an output differed; 2 no CUDA device or a usage error;
 3 the check itself failed (the log has the traceback). Results go to ``OUT/gpu_check.json`` and the log.
 
-Usage: ``python scripts/gpu_check.py --model stories260K.gguf --out OUT [--dtypes fp32,bf16]``
+Usage: ``python scripts/bench/gpu_check.py --model stories260K.gguf --out OUT [--dtypes fp32,bf16]``
 """
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ def main() -> int:
     parser.add_argument("--random-layers", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--out", type=Path, default=Path("bench_results/gpu_check"),
+                        help="folder for gpu_check.json and gpu_check.log (default bench_results/gpu_check)")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only to try the script itself")
     parser.add_argument("--dtypes", default="fp32", help="comma-separated target dtypes to check: fp32 (the default "
                         "dtype), bf16, fp16 (default fp32)")

@@ -14,7 +14,7 @@ Each runtime lives in a worker process of its own (one runtime's thread pool nev
 and the parent alternates between them (A B C A B C), one at a time; timings are medians. Speeds are
 generated tokens per second of wall time, prefill included. The CPU is printed with the figures.
 
-Usage: scripts/gguf_vs_llama_cpp.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b]
+Usage: scripts/bench/gguf_vs_llama_cpp.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b]
        [--modes q4k,int8] [--prompts 5] [--max-tokens 64] [--repeats 3] [--threads 2] [--json OUT]
 """
 

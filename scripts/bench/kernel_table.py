@@ -1,7 +1,7 @@
 """Print the linear-kernel self-test tables (markdown) for the Qwen2.5-Coder layer shapes, with the machine's
 CPU line and DRAM read bandwidth: the figures of docs/kernels.md.
 
-    PYTHONPATH=src python scripts/kernel_table.py --models qwen2.5-coder-1.5b,qwen2.5-coder-0.5b --modes none,int8,int4
+    PYTHONPATH=src python scripts/bench/kernel_table.py --models qwen2.5-coder-1.5b,qwen2.5-coder-0.5b --modes none,int8,int4
 
 No model files are needed: the self-test runs on synthetic weights of the models' shapes
 (draftwise.backends.kernels.llama_linear_shapes). Results are cached under draftwise_home()/kernels/ like any

@@ -1,8 +1,8 @@
 """Issue-23 benchmark: the draft model's goals, measured in one sitting and judged goal by goal.
 
-    python scripts/draft_goals.py run --out DIR                     # every stage, then the goal table (~75 min here)
-    python scripts/draft_goals.py run --out DIR --stages costs,coding
-    python scripts/draft_goals.py evaluate DIR                      # the goal table from DIR's reports only
+    python scripts/bench/draft_goals.py run [--out DIR]                   # every stage, then the goal table (about an hour)
+    python scripts/bench/draft_goals.py run --out DIR --stages costs,coding
+    python scripts/bench/draft_goals.py evaluate DIR                      # the goal table from DIR's reports only
 
 ``run`` runs each stage as one ``draftwise`` command (each a process of its own, plain decoding timed before
 and after the speculative methods in that process, :mod:`draftwise.benchmark`) and writes its report into
@@ -343,7 +343,8 @@ def main(argv: Sequence[str] | None = None, cpu_line: Callable[[], str] | None =
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the stages (idle machine), then evaluate")
-    run.add_argument("--out", type=Path, required=True, help="folder for the reports")
+    run.add_argument("--out", type=Path, default=Path("bench_results/goals"),
+                     help="folder for the reports (default bench_results/goals)")
     run.add_argument("--stages", default=",".join(STAGE_FILES), help=f"comma-separated of {','.join(STAGE_FILES)}")
     run.add_argument("--again", action="store_true", help="rerun stages whose reports exist")
     run.add_argument("--draftwise", default=str(Path(sys.executable).with_name("draftwise")),

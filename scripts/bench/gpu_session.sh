@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One lent GPU session's checks, in one command (docs/gpu.md, "Re-running it"). Run from the repository root
-# on the GPU machine:  OUT=/some/dir bash scripts/gpu_session.sh
+# on the GPU machine:  OUT=/some/dir bash scripts/bench/gpu_session.sh
 #
 # Expects, prepared on the developer's machine and carried (both ignored by git):
 #   .gpu/stories260K.gguf, .gpu/question.jsonl (Spec-Bench), .gpu/q15 and .gpu/q05 (config.json, tokenizer files
@@ -31,7 +31,7 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a limit, log to $OUT
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; } >"$OUT/env.txt" 2>&1
 
 # 1. The CUDA-graph runtime against the same passes run eagerly (static and dynamic cache), and its pass times.
-step graph_check 150 python3 scripts/cuda_graph_check.py --models .gpu/q05:bf16,.gpu/q15:fp32 \
+step graph_check 150 python3 scripts/bench/cuda_graph_check.py --models .gpu/q05:bf16,.gpu/q15:fp32 \
     --out "$OUT"
 # 2. Costs of Qwen2.5-Coder shapes (random weights): the target's k-token passes and the 0.5B draft's c (a draft
 #    on a GPU runs on CUDA graphs by default).
@@ -46,7 +46,7 @@ step bench_q15_graphs 200 $DW bench --model random:.gpu/q15 --speculative-model 
     --methods plain,draft --ks 4 --runtime cuda-graphs --device "$DEVICE" --prompts .gpu/question.jsonl \
     --category coding --limit 3 --max-tokens 64 --ignore-eos --no-plots --output "$OUT/bench_q15_graphs.json"
 # 5. Exactness with the default dtypes (fp32 target, eager): a trained tiny model and a random 2048-wide Llama.
-step gpu_check 150 python3 scripts/gpu_check.py --model .gpu/stories260K.gguf --prompts 6 --max-tokens 48 \
+step gpu_check 150 python3 scripts/bench/gpu_check.py --model .gpu/stories260K.gguf --prompts 6 --max-tokens 48 \
     --out "$OUT" --device "$DEVICE"
 ls -R "$OUT" >"$OUT/files.txt" 2>&1  # only 8 files come back from a lent machine: read the rest from the tail
 for log in "$OUT"/*.log; do echo "== $log"; tail -n 12 "$log"; done

@@ -20,10 +20,10 @@ Only loopback servers are accepted (127.0.0.0/8, ::1, localhost), and the reques
 Examples::
 
     draftwise serve qwen2.5-coder-1.5b --quantization int8 --speculative-config '{"method": "ngram"}' &
-    python scripts/load_test.py --base-url http://127.0.0.1:8000 --concurrency 1,8 --max-tokens 64 --ignore-eos
+    python scripts/bench/load_test.py --base-url http://127.0.0.1:8000 --concurrency 1,8 --max-tokens 64 --ignore-eos
 
     # in-process: stories260K, int8 lean runtime, 8 slots, n-gram speculation with the load-aware K
-    python scripts/load_test.py --serve ../shared/models/stories260K/stories260K.gguf --quantization int8 \
+    python scripts/bench/load_test.py --serve ../shared/models/stories260K/stories260K.gguf --quantization int8 \
         --speculative-config '{"method": "ngram", "k_policy": "auto"}' --max-num-seqs 8 --concurrency 1,4,8
 """
 
