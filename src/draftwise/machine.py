@@ -42,8 +42,8 @@ def release_openmp_threads() -> bool:
     through the kernel. A server loads its models on the main thread (one pool) and decodes on an engine thread
     (a second pool), where every parallel region then costs a kernel wake-up (figures in ``docs/server.md``);
     after this call on the main thread the engine thread computes as fast as the main thread did. The main
-    thread gets a new pool if it
-    computes again. Nothing happens without libgomp (another OpenMP runtime, or none).
+    thread gets a new pool if it computes again. Nothing happens without libgomp (another OpenMP runtime, or
+    none).
 
     Returns:
         True when a libgomp was found and released the calling thread's pool.
