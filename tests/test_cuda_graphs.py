@@ -1,7 +1,7 @@
 """The static-cache backend (``GraphedCausalLM``, a GPU draft's runtime): on the CPU its passes run eagerly, so
 these tests check what a captured graph replays there too: the static cache, the mask over it, rollback by
 length and growth by refill give the logits of transformers' dynamic cache, and a draft model on it leaves the
-output exactly the target's. The capture itself needs CUDA (``scripts/gpu_check.py --graphs``)."""
+output exactly the target's. The capture itself needs CUDA (``scripts/bench/cuda_graph_check.py``)."""
 
 from __future__ import annotations
 

@@ -196,7 +196,7 @@ def test_load_model_refuses_a_context_below_one(stories_path):
 
 
 # --------------------------------------------------------------------------- the default dtype (GPU finding)
-# On an H200, bf16 targets gave speculative output that differed from plain decoding (scripts/gpu_check.py:
+# On an H200, bf16 targets gave speculative output that differed from plain decoding (scripts/bench/gpu_check.py:
 # 1 of 6 prompts identical), fp32 matched: a target defaults to fp32 everywhere, a draft to bf16 on a GPU.
 
 

@@ -1,4 +1,4 @@
-"""scripts/draft_goals.py: the issue-23 goal table from benchmark reports (synthetic reports, no models)."""
+"""scripts/bench/draft_goals.py: the issue-23 goal table from benchmark reports (synthetic reports, no models)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_goals.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "draft_goals.py"
 
 
 @pytest.fixture(scope="module")
@@ -164,9 +164,10 @@ def test_run_writes_the_costs_reports_and_skips_done_stages(goals, tmp_path, cap
 
 
 def test_per_category_rows_come_from_a_real_reports_runs(goals, tmp_path):
-    """A committed 13 x 5 report (docs/benchmarks): its JSON summary covers all prompts only, so the per-category
-    verdict needs the rows the script computes from the runs."""
-    real = SCRIPT.parents[1] / "docs/benchmarks/llama-draft/qwen-int8-13x5-deferred-vs-eager-2026-12-05.json"
+    """A real 13 x 5 report (``tests/data/bench-13-categories.json``: a ``bench`` JSON of 2026-12-05, token ids and
+    step times left out): its JSON summary covers all prompts only, so the per-category verdict needs the rows the
+    script computes from the runs."""
+    real = Path(__file__).resolve().parent / "data" / "bench-13-categories.json"
     (tmp_path / "categories.json").write_text(real.read_text())
     reports = goals.load_reports(tmp_path)
     categories = {row["category"] for row in reports["categories.json"]["summary"]} - {"all"}

@@ -1,4 +1,4 @@
-"""scripts/load_test.py in its in-process mode (``--serve``): a batched stories260K server, two levels."""
+"""scripts/bench/load_test.py in its in-process mode (``--serve``): a batched stories260K server, two levels."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from draftwise.backends.quantization import int8_kernels_available
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("load_test", REPO / "scripts/load_test.py")
+    spec = importlib.util.spec_from_file_location("load_test", REPO / "scripts/bench/load_test.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["load_test"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)

@@ -40,10 +40,10 @@ def release_openmp_threads() -> bool:
     libgomp keeps a pool of worker threads per thread that started a parallel region, and once its pools hold
     more threads than there are CPUs it stops spinning between regions: every region then wakes its workers
     through the kernel. A server loads its models on the main thread (one pool) and decodes on an engine thread
-    (a second pool): measured on a 2-core AMD EPYC, a 72k-element SiLU took 17 us on the main thread and 41-49 us
-    on the engine thread, the lean Qwen2.5-Coder-0.5B int8 decode step 28.6 ms against 41.1 ms; after this call
-    on the main thread the engine thread's figures equal the main thread's. The main thread gets a new pool if it
-    computes again. Nothing happens without libgomp (another OpenMP runtime, or none).
+    (a second pool), where every parallel region then costs a kernel wake-up (figures in ``docs/server.md``);
+    after this call on the main thread the engine thread computes as fast as the main thread did. The main
+    thread gets a new pool if it computes again. Nothing happens without libgomp (another OpenMP runtime, or
+    none).
 
     Returns:
         True when a libgomp was found and released the calling thread's pool.

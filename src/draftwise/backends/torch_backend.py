@@ -27,9 +27,8 @@ def default_device() -> str:
 
 
 def default_attention(device: str) -> str:
-    """Attention kernel: ``"sdpa"`` on GPU; ``"eager"`` on CPU, where torch's SDPA was measured far slower
-    for the short single-sequence decode and verify passes this engine runs (stories260K: 40 ms vs 6 ms
-    per one-token step; 620 ms vs 13 ms for a 5-token pass)."""
+    """Attention kernel: ``"sdpa"`` on GPU; ``"eager"`` on CPU, where torch's SDPA is far slower for the short
+    single-sequence decode and verify passes this engine runs (figures in ``docs/cpu_int8.md``)."""
     return "sdpa" if device.startswith("cuda") else "eager"
 
 
@@ -38,11 +37,8 @@ def attention_backends(device: torch.device | str) -> list | None:
     cuDNN's; None (PyTorch's choice) elsewhere.
 
     PyTorch 2.11 picks cuDNN's attention for bf16 on Hopper, and cuDNN builds an execution plan for each new
-    shape. Decoding changes the key length every pass, so every pass paid for a plan: measured on an NVIDIA
-    H200 (a random 1024-wide, 8-layer Llama in bf16, the key length growing by one per pass), a 1-row pass took
-    49.6 ms (median) with cuDNN and 5.8 ms without it, a 2-row pass 80.2 ms (up to 911 ms) against 7.4 ms, a
-    5-row pass 56.5 ms against 7.7 ms; fp32 (memory-efficient attention either way) 8.0-13.5 ms against
-    8.2-10.1 ms. With cuDNN a bf16 draft model ran at 0.08x plain decoding.
+    shape. Decoding changes the key length every pass, so every pass would pay for a plan, several times the
+    pass itself (figures in ``docs/gpu.md``).
     """
     if torch.device(device).type != "cuda":
         return None
@@ -56,11 +52,9 @@ def default_dtype(device: str, *, drafting: bool = False) -> torch.dtype:
 
     A target computes in fp32 on a GPU too: transformers' bf16 kernels there are not row-invariant, so a
     verify pass rounds a token's logits differently from the one-token pass of plain decoding, and the output
-    changes where the top logits nearly tie. Measured on an NVIDIA H200 (``scripts/gpu_check.py``, torch 2.11,
-    K=4, 6 prompts x 48 tokens, a randomly initialised 2048-wide 16-layer Llama): bf16 logits moved by up to
-    0.086 between a 1-row and a 5-row pass and greedy output matched plain decoding in 1 of 6 prompts with the
-    target as its own draft (2 of 6 with n-gram lookup); in fp32 they moved by up to 1e-5 and every output
-    matched (stories260K too). A draft's numerics never change the output, so a GPU draft keeps bf16's speed.
+    changes where the top logits nearly tie; fp32 is not proven row-invariant on a GPU, but its logits move by
+    far less (``scripts/bench/gpu_check.py`` measures both; its results are in ``docs/gpu.md``). A draft's
+    numerics never change the output, so a GPU draft keeps bf16's speed.
     On the CPU bf16 is slow without AVX512-BF16 and the exact int8 / Q4_K runtimes compute in fp32.
     """
     return torch.bfloat16 if drafting and device.startswith("cuda") else torch.float32

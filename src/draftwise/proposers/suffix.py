@@ -29,9 +29,9 @@ the first token. Appending a token touches the nodes of the suffixes ending at t
 suffix-link chain of that token's deepest node) and their children: at most D + 1 nodes, whatever the
 context length; removing the last token touches at most D. Matching the context's suffix walks the last
 D - 1 tokens of the context along child and suffix links (amortized O(D)). Memory: at most D nodes per
-indexed token (far fewer on repetitive text, where paths are shared), about 250 bytes per node in CPython.
+indexed token (far fewer on repetitive text, where paths are shared), each a small Python object.
 Indexing happens once per request and only for the tokens past the common prefix with the previous request;
-its measured cost (a 20,000-token prompt, per depth D) and a drafting step's are in docs/agent_bench.md.
+its cost (per depth D), its memory and a drafting step's cost are in docs/agent_bench.md.
 
 Drafts are deterministic (``draft_probs=None``), so sampling verification treats them as one-hot draft
 distributions and stays lossless; trees are verified by the engine's tree verification.
@@ -428,11 +428,10 @@ class _Request:
 class KeptSuffixIndex:
     """A finished request's own suffix index, kept in the engine's prefix cache beside its KV state
     (:meth:`SuffixProposer.export_state`): the next request that shares the prefix (an agent's next turn) adopts
-    it and indexes only its new tokens, where a fresh index costs D node updates per prompt token (about 70 ms for
-    1,000 tokens here). One owner at a time: adopting takes it (``index`` becomes None), so another request
-    matching the same entry indexes its prompt itself. Its memory (:attr:`nbytes`: measured 0.7-7.3 KB a token,
-    repetitive to novel text, against 57 KB a token of the 1.5B target's KV state) counts against the cache's
-    budget with the KV state it travels with, until a request adopts it.
+    it and indexes only its new tokens, where a fresh index costs D node updates per prompt token. One owner at a
+    time: adopting takes it (``index`` becomes None), so another request matching the same entry indexes its
+    prompt itself. Its memory (:attr:`nbytes`) counts against the cache's budget with the KV state it travels
+    with, until a request adopts it.
 
     Attributes:
         index: the :class:`SuffixIndex`, or None once adopted.
