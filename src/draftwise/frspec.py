@@ -386,8 +386,7 @@ def default_ranking(tokenizer, *, cache_dir: Path | None = None, corpus_bytes: i
     """The ranking to use when no token map is given: a shipped map for this vocabulary
     (:func:`shipped_token_map`), else one counted over ``corpus_bytes`` of the local corpus
     (:func:`corpus_texts`), cached as ``<cache_dir>/<vocabulary hash>-v<version>-<bytes>.npy`` (default
-    ``$DRAFTWISE_HOME/token_maps``). Listing and counting the 1 MB took 2-8 s here (2 shared cores), a
-    cached ranking about a second (hashing a 150k-token vocabulary).
+    ``$DRAFTWISE_HOME/token_maps``).
 
     Raises:
         ValueError: the corpus is empty (no readable source on this machine): build a map with

@@ -146,14 +146,12 @@ def _check_draft(config: SpeculativeConfig) -> None:
 MIN_DRAFT_WINDOW = 32
 #: ``draft_confidence_threshold``'s default (:class:`~draftwise.config.SpeculativeConfig`): ``"auto"``, thresholds
 #: per chain depth from the calibrated costs (:func:`draftwise.cost_model.draft_stop_thresholds`: a chain grows
-#: while its path probability is at least 1.5 x the next token's cost in target passes). A replay of recorded
-#: drafts put it within 1% of the best constant threshold at draft cost ratios 0.16-0.55, where each constant lost
-#: up to 10% elsewhere (docs/draft_trees.md).
+#: while its path probability is at least 1.5 x the next token's cost in target passes; how it compares with
+#: constant thresholds: docs/benchmarks/draft_model.md).
 DEFAULT_DRAFT_CONFIDENCE = "auto"
 #: The constant threshold of a draft-model proposer built without costs (library use; ``"auto"`` where no
-#: calibration can run): a chain stops once the draft's path probability falls below 0.3. On Spec-Bench's 13
-#: categories with the Qwen2.5-Coder 0.5B/1.5B pair (AMD EPYC, 2 cores) K=4 went from 1.23x to 1.30x plain with it
-#: and K=8 from 1.06x to 1.32x.
+#: calibration can run): a chain stops once the draft's path probability falls below 0.3 (measurements:
+#: docs/benchmarks/draft_model.md).
 FIXED_DRAFT_CONFIDENCE = 0.3
 
 
@@ -177,10 +175,7 @@ DRAFT_FIELDS = ("backend", "tree_width", "tree_budget", "draft_window", "catch_u
 #: How AutoK prices a draft model's catch-up (``catch_up``; draftwise.controller.AutoK): against the remaining
 #: ``max_tokens`` ("eager") or the tokens generated so far ("deferred", ski rental).
 CATCH_UP_MODES = ("eager", "deferred")
-#: ``catch_up``'s default: "deferred". Measured on the Qwen2.5-Coder pair (docs/draft_trees.md, 2026-12-05): in one
-#: 13 x 5 run deferred kept every Spec-Bench category at >= 0.98x plain (eager: rag, short answers after long
-#: prompts, 0.96x; 0.87x in another run), 1.39x vs eager's 1.38x over all, and agent sessions the same (63.1 vs
-#: 63.0 s in one run).
+#: ``catch_up``'s default: "deferred" (why: docs/benchmarks/draft_model.md, eager vs deferred catch-up).
 DEFAULT_CATCH_UP = "deferred"
 #: The suffix-decoding fields (method ``suffix``, and ``hybrid``'s suffix side).
 SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",

@@ -275,7 +275,7 @@ def _transformers_backend(model, name: str, max_context: int | None, *, runtime:
     if runtime == "cuda-graphs":
         if not drafting:
             logger.warning("%s: a target on the cuda-graphs runtime (a mask over a static cache) is not checked to "
-                           "round its logits like plain decoding's passes; scripts/gpu_check.py measures it", name)
+                           "round its logits like plain decoding's passes; scripts/bench/gpu_check.py measures it", name)
         return GraphedCausalLM(model, name=f"{name}+graphs", max_context=max_context)
     if runtime == "auto" and drafting and str(device).startswith("cuda"):
         reasons = graph_obstacles(model)
