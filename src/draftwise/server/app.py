@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server (FastAPI): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/health`` and ``/metrics`` (and, with ``ServerSettings.enable_docs``, ``/openapi.json``, ``/docs`` and
+``/v1/responses`` (translated to a chat completion, :mod:`draftwise.server.responses_api`), ``/health`` and
+``/metrics`` (and, with ``ServerSettings.enable_docs``, ``/openapi.json``, ``/docs`` and
 ``/redoc``, behind the API key when one is set).
 
 Build it with :func:`create_app` from an :class:`EngineBundle` (see :func:`draftwise.builder.build_engine`)
@@ -23,6 +24,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -30,7 +33,14 @@ from draftwise import __version__
 from draftwise.builder import EngineBundle
 from draftwise.server.body import JSONBodyRoute
 from draftwise.server.engine_loop import EngineLoop
-from draftwise.server.errors import APIError, ErrorBoundaryMiddleware, error_body, install_error_handlers
+from draftwise.server.errors import (
+    APIError,
+    ErrorBoundaryMiddleware,
+    RequestError,
+    error_body,
+    install_error_handlers,
+    validation_error,
+)
 from draftwise.server.events import Failed, Finished, QueueFullError, RequestHandle, ServerClosingError, TextDelta
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, bearer_token
@@ -45,9 +55,13 @@ from draftwise.server.responses import (
     sse,
     usage_chunk,
 )
+from draftwise.server.responses_api import ChatOutcome, build_response, conversation, new_response_id, to_chat
+from draftwise.server.responses_protocol import InputItem, ResponsesInputError, ResponsesRequest
+from draftwise.server.responses_store import ResponseStore
+from draftwise.server.responses_stream import ResponsesStream, sse_event
 from draftwise.server.settings import ServerSettings
 from draftwise.server.text import TextCodec
-from draftwise.server.validation import EngineLimits, GenerationRequest, RequestValidator
+from draftwise.server.validation import EngineLimits, GenerationRequest, RequestValidator, cache_scope
 
 __all__ = ["create_app", "ServerState"]
 
@@ -64,6 +78,7 @@ class ServerState:
     engine_loop: EngineLoop
     metrics: ServerMetrics
     created: int
+    response_store: ResponseStore  # conversations of kept /v1/responses answers (previous_response_id)
 
     @property
     def model_name(self) -> str:
@@ -153,7 +168,7 @@ def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
     engine_loop = EngineLoop(core, codec.decode, metrics.record, settings.max_waiting_requests,
                              record_step=metrics.record_step)
     metrics.track_queue(lambda: engine_loop.num_running, lambda: engine_loop.num_waiting)
-    return ServerState(bundle, settings, validator, engine_loop, metrics, int(time.time()))
+    return ServerState(bundle, settings, validator, engine_loop, metrics, int(time.time()), ResponseStore())
 
 
 # ---------------------------------------------------------------------- routes
@@ -210,6 +225,53 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         prepared = await run_in_threadpool(state.validator.chat, body, _api_key(request))
         return await _respond(state, request, prepared, _ChatFormat(prepared), body)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API (the subset agents send), served as the equivalent chat completion."""
+        api_key = _api_key(request)
+        scope = cache_scope(api_key, None)
+        history, chat = _responses_chat(state, body, scope)
+        prepared = await run_in_threadpool(state.validator.chat, chat, api_key)
+        created_at, response_id = time.time(), new_response_id()
+        fmt = _ChatFormat(prepared)
+        if body.stream:
+            translator = ResponsesStream(body, response_id=response_id, created_at=created_at, model=prepared.model)
+            events = _responses_events(state, _submit(state, prepared), fmt, translator, scope, history)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        chat_reply = await _chat_reply(state, request, prepared, fmt)
+        if chat_reply is None:
+            return Response(status_code=499)
+        response = build_response(body, ChatOutcome.from_chat_body(chat_reply), response_id=response_id,
+                                  created_at=created_at)
+        _keep_response(state, body, scope, history, response)
+        return JSONResponse(response)
+
+
+def _responses_chat(state: ServerState, body: ResponsesRequest, scope: str,
+                    ) -> tuple[tuple[InputItem, ...], ChatCompletionRequest]:
+    """The kept conversation ``previous_response_id`` names and the chat request ``body`` becomes.
+
+    Raises:
+        RequestError: an unknown ``previous_response_id``, an input item or field this server does not serve,
+            or a translated request the chat endpoint refuses (named by its chat field).
+    """
+    try:
+        history = state.response_store.history(scope, body.previous_response_id) if body.previous_response_id \
+            else ()
+        return history, ChatCompletionRequest.model_validate(to_chat(body, history))
+    except ResponsesInputError as exc:
+        raise RequestError(exc.message, param=exc.param) from exc
+    except ValidationError as exc:
+        raise validation_error(RequestValidationError(exc.errors())) from exc
+
+
+def _keep_response(state: ServerState, body: ResponsesRequest, scope: str, history: tuple[InputItem, ...],
+                   response: dict) -> None:
+    """Keep a finished response's conversation for a later ``previous_response_id`` (unless ``store: false``)."""
+    if body.store is not False and response.get("status") != "failed":
+        state.response_store.keep(scope, response["id"], conversation(body, history, response))
+
 
 class _CompletionFormat:
     """Shapes of ``/v1/completions`` bodies and chunks."""
@@ -259,12 +321,25 @@ async def _respond(state: ServerState, request: Request, prepared: GenerationReq
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(_stream_events(state, handle, fmt, include_usage), media_type="text/event-stream",
                                  headers=headers)
+    reply = await _reply(state, request, prepared, fmt, handle)
+    if reply is None:
+        return Response(status_code=499)  # client closed the request; nobody reads this
+    return JSONResponse(reply)
+
+
+async def _chat_reply(state: ServerState, request: Request, prepared: GenerationRequest,
+                      fmt: _CompletionFormat) -> dict | None:
+    """Run a request to its end and return its (chat or completion) body; None when the client left."""
+    return await _reply(state, request, prepared, fmt, _submit(state, prepared))
+
+
+async def _reply(state: ServerState, request: Request, prepared: GenerationRequest, fmt: _CompletionFormat,
+                 handle: RequestHandle) -> dict | None:
     collected = await _collect(handle, request, state.settings.disconnect_poll_s)
     if collected is None:
-        return Response(status_code=499)  # client closed the request; nobody reads this
+        return None
     text, finished = collected
-    usage = state.usage(prepared, finished)
-    return JSONResponse(fmt.body(text, finished.finish_reason, usage))
+    return fmt.body(text, finished.finish_reason, state.usage(prepared, finished))
 
 
 def _api_key(request: Request) -> str | None:
@@ -325,29 +400,63 @@ async def _collect(handle: RequestHandle, request: Request, poll_s: float) -> tu
         handle.cancel()
 
 
-async def _stream_events(state: ServerState, handle: RequestHandle, fmt: _CompletionFormat,
-                         include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. If the client disconnects,
-    the response task is cancelled and ``finally`` cancels the generation."""
+async def _chunks(state: ServerState, handle: RequestHandle, fmt: _CompletionFormat,
+                  include_usage: bool) -> AsyncIterator[dict]:
+    """The request's chunks in OpenAI's format (dicts), then its usage chunk when asked; a failure is one
+    OpenAI error body (``{"error": ...}``) and ends the chunks. Stops early, without an error, when the request
+    was cancelled. ``finally`` cancels the generation (the client left and the response task was cancelled)."""
     try:
         for chunk in fmt.opening(include_usage):
-            yield sse(chunk)
+            yield chunk
         while True:
             event = await handle.next_event()
             if isinstance(event, TextDelta):
-                yield sse(fmt.delta(event.text, include_usage))
+                yield fmt.delta(event.text, include_usage)
             elif isinstance(event, Finished):
-                yield sse(fmt.closing(event.finish_reason, include_usage))
+                yield fmt.closing(event.finish_reason, include_usage)
                 if include_usage:
                     usage = state.usage(handle.request, event)
-                    yield sse(usage_chunk(fmt.request_id, fmt.created, fmt.model, fmt.object_name, usage))
-                break
+                    yield usage_chunk(fmt.request_id, fmt.created, fmt.model, fmt.object_name, usage)
+                return
             elif isinstance(event, Failed):
                 error = _failure(event.error)
-                yield sse(error_body(error.message, error.type, error.param, error.code))
-                break
-            else:
+                yield error_body(error.message, error.type, error.param, error.code)
                 return
-        yield SSE_DONE
+            else:
+                raise asyncio.CancelledError  # cancelled: no [DONE]
     finally:
         handle.cancel()
+
+
+async def _stream_events(state: ServerState, handle: RequestHandle, fmt: _CompletionFormat,
+                         include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``."""
+    try:
+        async for chunk in _chunks(state, handle, fmt, include_usage):
+            yield sse(chunk)
+    except asyncio.CancelledError:
+        return
+    yield SSE_DONE
+
+
+async def _responses_events(state: ServerState, handle: RequestHandle, fmt: _CompletionFormat,
+                            translator: ResponsesStream, scope: str, history: tuple[InputItem, ...],
+                            ) -> AsyncIterator[str]:
+    """``/v1/responses`` streaming: the chat chunks translated into the Responses events (no ``[DONE]``);
+    the finished response's conversation is kept for ``previous_response_id``."""
+    for event in translator.start():
+        yield sse_event(event)
+    try:
+        async for chunk in _chunks(state, handle, fmt, include_usage=True):
+            if "error" in chunk:
+                events = translator.fail(chunk["error"]["message"])
+            else:
+                events = translator.feed(chunk)
+                if chunk.get("usage") and not chunk.get("choices"):  # the usage chunk ends the stream
+                    events += translator.finish()
+            for event in events:
+                yield sse_event(event)
+    except asyncio.CancelledError:
+        return
+    if translator.response is not None:
+        _keep_response(state, translator.request, scope, history, translator.response)

@@ -112,7 +112,7 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
                       "code": None if code is None else encodable(code)}}
 
 
-def _validation_message(exc: RequestValidationError) -> RequestError:
+def validation_error(exc: RequestValidationError) -> RequestError:
     """The first pydantic error as a 400 naming the field (``messages.0.content``...). Among a union's
     branches, a value error (the input has a branch's shape but a bad value, such as a lone surrogate) is more
     telling than the other branches' type mismatches, so it wins."""
@@ -149,7 +149,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_message(exc).to_response()
+        return validation_error(exc).to_response()
 
     @app.exception_handler(RequestBodyError)
     async def _bad_body(request: Request, exc: RequestBodyError) -> JSONResponse:
