@@ -12,8 +12,8 @@ chunk holds several tokens.
 Rules both paths follow:
 
 - Content is the text outside valid calls, in order, less its leading whitespace when a call comes before
-  its first other character and its trailing whitespace when a call comes after its last one (so the
-  newlines around calls vanish, and content that is only whitespace is None). A reply without calls is
+  its first other character, its trailing whitespace when a call comes after its last one, and whitespace
+  between two calls (so the newlines around calls vanish, and content that is only whitespace is None). A reply without calls is
   returned unchanged.
 - A call's ``arguments`` is the model's text of the arguments object (see
   :mod:`~draftwise.server.tool_parsers.call_json`).
@@ -272,29 +272,34 @@ def _until_held(pieces: list[Piece]) -> list[Piece]:
 
 def arrange(pieces: list[Piece], final: bool) -> list[Piece]:
     """Apply the content rules to a scan: whitespace is dropped from the start of the content when a call
-    comes before its first other character, and from its end when a call comes after its last one; all other
-    whitespace is kept, in place. Not ``final``, whitespace with nothing but calls after it yet is held back
-    (left out of the pieces), since the rule cannot place it before the text after it decides."""
+    comes before its first other character, from its end when a call comes after its last one, and between
+    two calls; all other whitespace is kept, in place. Not ``final``, whitespace with nothing but calls after
+    it yet is held back (left out of the pieces) until the text after it decides."""
     arranged: list[Piece] = []
-    pending = ""  # whitespace not yet placed
+    pending = ""  # whitespace after the last placed content, before any call since
+    between = ""  # whitespace after the last call
     shown_text = False  # some non-whitespace content is placed
     call_since_text = False  # a call came after the last placed content (or before any)
     for piece in pieces:
         if isinstance(piece, CallPiece):
             arranged.append(piece)
-            call_since_text = True
+            call_since_text, between = True, ""
             continue
         if isinstance(piece, HeldPiece):
-            arranged.append(piece)
+            if piece.text:
+                arranged.append(piece)
             continue
         core = piece.text.strip()
         if not core:
-            pending += piece.text
+            if call_since_text:
+                between += piece.text
+            else:
+                pending += piece.text
             continue
         lead = piece.text[: len(piece.text) - len(piece.text.lstrip())]
-        before = "" if call_since_text and not shown_text else pending + lead
-        arranged.append(TextPiece(before + piece.text.strip()))
-        pending = piece.text[len(piece.text.rstrip()):]
+        before = "" if call_since_text and not shown_text else pending + between + lead
+        arranged.append(TextPiece(before + core))
+        pending, between = piece.text[len(piece.text.rstrip()):], ""
         shown_text, call_since_text = True, False
     if final and pending and not call_since_text:
         arranged.append(TextPiece(pending))

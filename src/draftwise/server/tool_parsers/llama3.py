@@ -39,8 +39,7 @@ class Llama3JsonToolParser(ToolParser):
             region = 0
             pos = skip_whitespace(text, 0)
             if pos < len(text) and text[pos] != "{":
-                held = 0 if final else longest_marker_prefix(text, PYTHON_TAG)
-                return [TextPiece(text[:len(text) - held]), HeldPiece(text[len(text) - held:])]
+                return _content(text, 0, final)
         pieces: list[Piece] = [TextPiece(text[:region])]
         calls = 0
         while True:
@@ -50,12 +49,12 @@ class Llama3JsonToolParser(ToolParser):
             if read.status == "open":
                 return pieces + [CallPiece(pos, read.name, read.arguments, done=False)]
             if read.status == "invalid":
-                return pieces + [TextPiece(text[pos if calls else region:])]
+                return pieces + _content(text, pos if calls else region, final)
             pieces.append(CallPiece(pos, read.name, read.arguments, done=True))
             calls += 1
             after = skip_whitespace(text, read.end)
             if not text.startswith(SEPARATOR, after):
-                return pieces + [TextPiece(text[read.end:])]
+                return pieces + _content(text, read.end, final)
             pos = skip_whitespace(text, after + len(SEPARATOR))
             if pos == len(text):  # a trailing separator: more calls may follow; finished, it is dropped
                 return pieces if final else pieces + [HeldPiece(text[read.end:])]
@@ -71,3 +70,9 @@ class Llama3JsonToolParser(ToolParser):
         if tool_choice == "required" and parallel_tool_calls:
             return Repeat(call, min_count=1, max_count=None, separator=SEPARATOR + " ")
         return call
+
+
+def _content(text: str, start: int, final: bool) -> list[Piece]:
+    """``text[start:]`` as content; not ``final``, a partial ``<|python_tag|>`` at its end is held back."""
+    held = 0 if final else longest_marker_prefix(text[start:], PYTHON_TAG)
+    return [TextPiece(text[start:len(text) - held]), HeldPiece(text[len(text) - held:])]

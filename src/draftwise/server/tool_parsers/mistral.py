@@ -86,9 +86,7 @@ def _read_elements(text: str, pos: int, final: bool, single: bool) -> tuple[list
     calls: list[Piece] = []
     while True:
         element = skip_whitespace(text, pos)
-        if calls or single:
-            pass
-        elif element < len(text) and text[element] == "]":
+        if not calls and not single and text.startswith("]", element):
             return calls, pos, "invalid"  # an empty array is no call
         read = read_call_object(text, element, final)
         if read.status == "pending":
