@@ -211,8 +211,8 @@ class ToolCallStream:
     def __init__(self, parser: ToolParser, call_ids: Callable[[], str]) -> None:
         self._parser = parser
         self._new_id = call_ids
-        self._content = ""
-        self._calls: dict[int, list] = {}  # key -> [index, arguments sent]
+        self._content = ""  # the content sent
+        self._calls: dict[int, _SentCall] = {}  # by CallPiece.key
         self._diverged = False
 
     @property
@@ -221,7 +221,12 @@ class ToolCallStream:
         return len(self._calls)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
-        """The deltas the text so far adds (``text``: everything generated so far, not the new chunk)."""
+        """The deltas the text so far adds.
+
+        Args:
+            text: everything generated so far, not the new chunk; each call's text extends the last one's
+                (hold back a possible stop string before feeding, never take text back).
+        """
         return self._advance(text, final=False)
 
     def finish(self, text: str) -> list[dict[str, Any]]:
@@ -249,17 +254,24 @@ class ToolCallStream:
 
     def _call_deltas(self, piece: CallPiece) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
-        if piece.key not in self._calls:
-            index = len(self._calls)
-            self._calls[piece.key] = [index, ""]
-            deltas.append({"tool_calls": [{"index": index, "id": self._new_id(), "type": "function",
+        sent = self._calls.get(piece.key)
+        if sent is None:
+            sent = self._calls[piece.key] = _SentCall(len(self._calls))
+            deltas.append({"tool_calls": [{"index": sent.index, "id": self._new_id(), "type": "function",
                                            "function": {"name": piece.name}}]})
-        index, sent = self._calls[piece.key]
-        if piece.arguments.startswith(sent) and len(piece.arguments) > len(sent):
-            deltas.append({"tool_calls": [{"index": index,
-                                           "function": {"arguments": piece.arguments[len(sent):]}}]})
-            self._calls[piece.key][1] = piece.arguments
+        if piece.arguments.startswith(sent.arguments) and len(piece.arguments) > len(sent.arguments):
+            deltas.append({"tool_calls": [{"index": sent.index,
+                                           "function": {"arguments": piece.arguments[len(sent.arguments):]}}]})
+            sent.arguments = piece.arguments
         return deltas
+
+
+@dataclass
+class _SentCall:
+    """What a stream has sent of one call: its index and its arguments so far."""
+
+    index: int
+    arguments: str = ""
 
 
 def _until_held(pieces: list[Piece]) -> list[Piece]:

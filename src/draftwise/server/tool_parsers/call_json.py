@@ -35,7 +35,7 @@ _HEAD = regex.compile(
     r'\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*"((?:[^"\\\x00-\x1f]|\\.)*)"[ \t\n\r]*,[ \t\n\r]*'
     r'"(?:arguments|parameters)"[ \t\n\r]*:[ \t\n\r]*'
 )
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # unrolled: one step per run of plain characters
 _STRUCTURE = re.compile(r'["{}\[\]]')
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
