@@ -45,7 +45,8 @@ def test_arguments_that_are_not_json_name_the_field():
     bad = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}},
         {"id": "d", "type": "function", "function": {"name": "bash", "arguments": "{command: ls"}}]}]
-    with pytest.raises(MessageError, match=r"messages\[1\]\.tool_calls\[1\]\.function\.arguments is not valid JSON") as info:
+    field = r"messages\[1\]\.tool_calls\[1\]\.function\.arguments"
+    with pytest.raises(MessageError, match=field + " is not valid JSON") as info:
         template_messages(bad)
     assert info.value.param == "messages[1].tool_calls[1].function.arguments"
     assert isinstance(info.value, ValueError)
@@ -69,7 +70,8 @@ def test_unusable_messages_are_errors_naming_their_field(message, param):
 def test_legacy_function_call_and_function_messages_become_tool_calls():
     messages = template_messages([
         {"role": "user", "content": "go"},
-        {"role": "assistant", "content": "Running.", "function_call": {"name": "bash", "arguments": '{"command": "ls"}'}},
+        {"role": "assistant", "content": "Running.",
+         "function_call": {"name": "bash", "arguments": '{"command": "ls"}'}},
         {"role": "function", "name": "bash", "content": "a.py"},
     ])
     assert messages[1] == {"role": "assistant", "content": "Running.", "tool_calls": [
@@ -81,7 +83,8 @@ def test_tools_and_legacy_functions_normalize_to_one_form():
     assert normalize_tools(None) is None and normalize_tools([], None) is None
     assert normalize_tools([BASH]) == [BASH]
     legacy = normalize_tools(None, [{"name": "noop"}])
-    assert legacy == [{"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}]
+    empty = {"type": "object", "properties": {}}
+    assert legacy == [{"type": "function", "function": {"name": "noop", "parameters": empty}}]
     with pytest.raises(MessageError, match="not both"):
         normalize_tools([BASH], [{"name": "noop"}])
     with pytest.raises(MessageError) as info:

@@ -156,7 +156,8 @@ def test_llama3_json_calls_with_and_without_the_python_tag():
 
 
 def test_llama3_json_that_is_not_a_call_is_content():
-    for text in ('{"result": 42}', '{"name": "bash", "parameters": 3}', "Sure: {\"name\": \"bash\", \"parameters\": {}}",
+    for text in ('{"result": 42}', '{"name": "bash", "parameters": 3}',
+                 'Sure: {"name": "bash", "parameters": {}}',
                  '{"name": "bash", "parameters": {"command": "ls"'):
         assert extract(LLAMA, text) == ParsedOutput(text, ())
 
@@ -262,8 +263,8 @@ def replies(draw, parser_name: str) -> str:
     calls = [_call_text(parser_name, draw(_NAMES), draw(_ARGUMENTS), draw(st.sampled_from([None, 1])))
              for _ in range(draw(st.integers(0, 3)))]
     if parser_name == "hermes":
-        blocks = calls + draw(st.lists(st.sampled_from(["<tool_call>\nnope\n</tool_call>", "<tool_call>{}</tool_call>"]),
-                                       max_size=1))
+        invalid = st.sampled_from(["<tool_call>\nnope\n</tool_call>", "<tool_call>{}</tool_call>"])
+        blocks = calls + draw(st.lists(invalid, max_size=1))
         draw(st.randoms()).shuffle(blocks)
         parts = [draw(_PLAIN)]
         for block in blocks:

@@ -13,8 +13,8 @@ Rules both paths follow:
 
 - Content is the text outside valid calls, in order, less its leading whitespace when a call comes before
   its first other character, its trailing whitespace when a call comes after its last one, and whitespace
-  between two calls (so the newlines around calls vanish, and content that is only whitespace is None). A reply without calls is
-  returned unchanged.
+  between two calls (so the newlines around calls vanish, and content that is only whitespace is None). A
+  reply without calls is returned unchanged.
 - A call's ``arguments`` is the model's text of the arguments object (see
   :mod:`~draftwise.server.tool_parsers.call_json`).
 - Text that is not a valid call (bad JSON, an unknown shape, a reply cut inside a call) is content, never an
