@@ -54,8 +54,8 @@ def test_arguments_that_are_not_json_name_the_field():
 
 @pytest.mark.parametrize("message,param", [
     ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
-    ({"role": "user"}, "messages[0].content"),
-    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages[0].content[0]"),
+    ({"role": "user"}, "messages[0]"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages[0].content"),
     ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"arguments": "{}"}}]},
      "messages[0].tool_calls[0].function.name"),
     ({"role": "function", "content": "x"}, "messages[0].name"),

@@ -746,7 +746,7 @@ def test_a_4300_digit_max_tokens_is_a_400_that_does_not_echo_it(client):
 @pytest.mark.parametrize("path, extra, param", [
     ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/completions", {"functions": [{"name": "f"}]}, "tools"),
-    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
     ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),

@@ -90,6 +90,10 @@ def register(subparsers) -> None:
     parser.add_argument("--enable-docs", action="store_true",
                         help="serve the OpenAPI schema and its viewers (/openapi.json, /docs, /redoc), behind "
                         "--api-key like /v1 when a key is set (default: off, those paths are 404s)")
+    parser.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral", "none"],
+                        help="the tool-call format of the model's replies, read into message.tool_calls (default auto: "
+                        "detected from the chat template, e.g. hermes for Qwen2.5; none: requests with tools are "
+                        "refused)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.set_defaults(func=run)
@@ -131,6 +135,7 @@ def plan_from_args(args: argparse.Namespace) -> ServePlan:
             max_request_bytes=args.max_request_bytes,
             shutdown_grace_s=args.shutdown_grace_seconds,
             enable_docs=args.enable_docs,
+            tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc

@@ -81,15 +81,16 @@ class LoadedModel:
         """Tokenize plain text (with the tokenizer's usual BOS handling)."""
         return list(self.tokenizer.encode(text))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Apply the model's chat template to ``[{"role", "content"}, ...]`` with the generation prompt.
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Apply the model's chat template to ``[{"role", "content"}, ...]`` (and ``tools``, OpenAI's function
+        tools, which the template writes into the prompt) with the generation prompt.
 
         Raises:
             ValueError: if the model has no chat template.
         """
         if not self.has_chat_template:
             raise ValueError(f"{self.name} has no chat template; send a plain prompt instead")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]

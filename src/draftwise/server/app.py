@@ -284,33 +284,62 @@ class _CompletionFormat:
     def opening(self, include_usage: bool) -> list[dict]:
         return []
 
-    def delta(self, text: str, include_usage: bool) -> dict:
-        return completion_chunk(self.request_id, self.created, self.model, text, None, include_usage)
+    def delta(self, text: str, include_usage: bool) -> list[dict]:
+        return [completion_chunk(self.request_id, self.created, self.model, text, None, include_usage)]
 
-    def closing(self, finish_reason: str, include_usage: bool) -> dict:
-        return completion_chunk(self.request_id, self.created, self.model, "", finish_reason, include_usage)
+    def closing(self, finish_reason: str, include_usage: bool) -> list[dict]:
+        return [completion_chunk(self.request_id, self.created, self.model, "", finish_reason, include_usage)]
 
     def body(self, text: str, finish_reason: str, usage: Usage) -> dict:
         return completion_body(self.request_id, self.model, text, finish_reason, usage)
 
 
 class _ChatFormat(_CompletionFormat):
-    """Shapes of ``/v1/chat/completions`` bodies and chunks (the first chunk carries the role)."""
+    """Shapes of ``/v1/chat/completions`` bodies and chunks (the first chunk carries the role).
+
+    With a tool parser (a request with tools), the reply is read for tool calls: streamed, the accumulated text
+    is re-parsed at every delta (a speculative step may add several tokens at once), content is sent up to a
+    possible call marker and each call as OpenAI's tool-call deltas; the finish reason of a reply that made
+    calls is ``tool_calls``.
+    """
 
     object_name = "chat.completion.chunk"
+
+    def __init__(self, request: GenerationRequest) -> None:
+        super().__init__(request)
+        self.parser = request.tool_parser
+        self._calls = self.parser.stream() if self.parser is not None else None
+        self._text = ""
 
     def opening(self, include_usage: bool) -> list[dict]:
         return [chat_chunk(self.request_id, self.created, self.model, {"role": "assistant", "content": ""}, None,
                            include_usage)]
 
-    def delta(self, text: str, include_usage: bool) -> dict:
-        return chat_chunk(self.request_id, self.created, self.model, {"content": text}, None, include_usage)
+    def delta(self, text: str, include_usage: bool) -> list[dict]:
+        if self._calls is None:
+            return [self._chunk({"content": text}, None, include_usage)]
+        self._text += text
+        return [self._chunk(delta, None, include_usage) for delta in self._calls.feed(self._text)]
 
-    def closing(self, finish_reason: str, include_usage: bool) -> dict:
-        return chat_chunk(self.request_id, self.created, self.model, {}, finish_reason, include_usage)
+    def closing(self, finish_reason: str, include_usage: bool) -> list[dict]:
+        if self._calls is None:
+            return [self._chunk({}, finish_reason, include_usage)]
+        chunks = [self._chunk(delta, None, include_usage) for delta in self._calls.finish(self._text)]
+        if self._calls.tool_calls_sent and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return chunks + [self._chunk({}, finish_reason, include_usage)]
 
     def body(self, text: str, finish_reason: str, usage: Usage) -> dict:
-        return chat_body(self.request_id, self.model, text, finish_reason, usage)
+        if self.parser is None:
+            return chat_body(self.request_id, self.model, text, finish_reason, usage)
+        parsed = self.parser.extract(text)
+        calls = [call.to_openai() for call in parsed.tool_calls]
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return chat_body(self.request_id, self.model, parsed.content, finish_reason, usage, calls)
+
+    def _chunk(self, delta: dict, finish_reason: str | None, include_usage: bool) -> dict:
+        return chat_chunk(self.request_id, self.created, self.model, delta, finish_reason, include_usage)
 
 
 async def _respond(state: ServerState, request: Request, prepared: GenerationRequest, fmt: _CompletionFormat,
@@ -411,9 +440,11 @@ async def _chunks(state: ServerState, handle: RequestHandle, fmt: _CompletionFor
         while True:
             event = await handle.next_event()
             if isinstance(event, TextDelta):
-                yield fmt.delta(event.text, include_usage)
+                for chunk in fmt.delta(event.text, include_usage):
+                    yield chunk
             elif isinstance(event, Finished):
-                yield fmt.closing(event.finish_reason, include_usage)
+                for chunk in fmt.closing(event.finish_reason, include_usage):
+                    yield chunk
                 if include_usage:
                     usage = state.usage(handle.request, event)
                     yield usage_chunk(fmt.request_id, fmt.created, fmt.model, fmt.object_name, usage)

@@ -81,7 +81,7 @@ def message_text(message: dict[str, Any], index: int) -> str:
     if content is None:
         if message.get("role") != "assistant":
             raise MessageError(f"messages[{index}] ('{message.get('role')}') needs a 'content'",
-                               f"messages[{index}].content")
+                               f"messages[{index}]")
         return ""
     if isinstance(content, str):
         return content
@@ -90,10 +90,10 @@ def message_text(message: dict[str, Any], index: int) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text":
             raise MessageError(f"only text content parts are supported (messages[{index}].content[{j}] is "
-                               f"{kind!r})", f"messages[{index}].content[{j}]")
+                               f"{kind!r})", f"messages[{index}].content")
         if not isinstance(part.get("text"), str):
             raise MessageError(f"messages[{index}].content[{j}] is a text part without 'text'",
-                               f"messages[{index}].content[{j}].text")
+                               f"messages[{index}].content")
         texts.append(part["text"])
     return "\n".join(texts)
 

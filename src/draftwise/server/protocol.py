@@ -98,9 +98,12 @@ class ContentPart(_Request):
 class ChatMessage(_Request):
     """One chat message. ``developer`` is treated as ``system``."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[Any] | None = None  # an assistant turn's calls (arguments as JSON strings)
+    tool_call_id: Text | None = None  # a tool result's call
+    function_call: Any = None  # legacy assistant call
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -112,7 +115,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
 
 
@@ -179,8 +184,12 @@ class CompletionResponse(_Response):
 
 
 class ChatMessageOut(_Response):
+    """The assistant's reply: ``content`` (None when the reply is only tool calls) and its ``tool_calls``
+    (``[{"id", "type": "function", "function": {"name", "arguments": JSON string}}]``) when it made any."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(_Response):

@@ -53,11 +53,13 @@ def completion_body(request_id: str, model: str, text: str, finish_reason: str, 
     ).model_dump()
 
 
-def chat_body(request_id: str, model: str, text: str, finish_reason: str, usage: Usage) -> dict:
-    """A ``chat.completion`` object."""
+def chat_body(request_id: str, model: str, text: str | None, finish_reason: str, usage: Usage,
+              tool_calls: list[dict] | None = None) -> dict:
+    """A ``chat.completion`` object (``text`` None: a reply of tool calls only)."""
+    message = ChatMessageOut(content=text, tool_calls=tool_calls or None)
     return ChatCompletionResponse(
         id=request_id, created=int(time.time()), model=model,
-        choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish_reason)], usage=usage,
+        choices=[ChatChoice(message=message, finish_reason=finish_reason)], usage=usage,
     ).model_dump()
 
 

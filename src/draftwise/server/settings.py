@@ -59,6 +59,9 @@ class ServerSettings:
             requests get 503 ``server_closing`` at once. 0: stop the running request at once.
         tokenizer_copies: private tokenizer copies for request tokenization (requests tokenize in parallel
             on up to this many copies; the engine thread has its own copy and never waits for them).
+        tool_call_parser: the tool-call format of the model's replies (``hermes``, ``llama3_json``,
+            ``mistral``: :data:`draftwise.server.tool_parsers.TOOL_PARSERS`); None: detected from the chat
+            template (:func:`~draftwise.server.tool_parsers.detect_tool_parser`); ``"none"``: tools refused.
         enable_docs: serve the OpenAPI schema and its viewers (``/openapi.json``, ``/docs``, ``/redoc``),
             behind the API key like ``/v1`` when one is set. Off: those paths are 404s.
 
@@ -76,6 +79,7 @@ class ServerSettings:
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     tokenizer_copies: int = DEFAULT_TOKENIZER_COPIES
     enable_docs: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))

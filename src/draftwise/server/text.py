@@ -57,22 +57,29 @@ class TextCodec:
         """True when chat requests can be served."""
         return bool(self._chat_template) or self._model.has_chat_template
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's text (the server's ``--chat-template``, else the tokenizer's), or None."""
+        template = self._chat_template or getattr(self._model.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids (with the tokenizer's usual BOS handling)."""
         with self._encoders.borrow() as model:
             return model.encode(text)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Messages -> ids through the chat template, with the assistant generation prompt.
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Messages (and function ``tools``, written into the prompt by the template) -> ids through the chat
+        template, with the assistant generation prompt.
 
         Raises:
             ValueError: no chat template; also whatever the template raises for bad message orders.
         """
         with self._encoders.borrow() as model:
             if not self._chat_template:
-                return model.encode_chat(messages)
+                return model.encode_chat(messages, tools)
             ids = model.tokenizer.apply_chat_template(
-                messages, chat_template=self._chat_template, add_generation_prompt=True, tokenize=True
+                messages, tools=tools, chat_template=self._chat_template, add_generation_prompt=True, tokenize=True
             )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]

@@ -22,10 +22,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from draftwise.config import SamplingParams, SpeculativeConfig
+from draftwise.server.chat_messages import MessageError, normalize_tool_choice, normalize_tools, template_messages
 from draftwise.server.errors import RequestError
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from draftwise.server.settings import ServerSettings, public_model_name
+from draftwise.server.structured_fields import STRUCTURED_EXTRA_FIELDS, output_grammar
 from draftwise.server.text import TextCodec
+from draftwise.server.tool_parsers import ToolParser, detect_tool_parser, get_tool_parser
+from draftwise.structured.spec import GrammarSpec
 
 if TYPE_CHECKING:
     from draftwise.engine import EngineCore
@@ -48,6 +52,10 @@ class GenerationRequest:
         scope: who may share cached state with this request (see :func:`cache_scope`).
         num_speculative_tokens: the request's own K (0: plain decoding), or None for the server's policy.
         model: the served model name its response reports.
+        tool_parser: the format the reply's tool calls are read in (a chat request with tools whose
+            ``tool_choice`` is not ``"none"``), or None: the reply is all content.
+        grammar: what the output must match (``response_format``, a forced ``tool_choice``, vLLM's
+            ``guided_*`` / ``structured_outputs``), or None.
     """
 
     request_id: str
@@ -58,6 +66,8 @@ class GenerationRequest:
     scope: str = ""
     num_speculative_tokens: int | None = None
     model: str = ""
+    tool_parser: ToolParser | None = None
+    grammar: GrammarSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,7 @@ class RequestValidator:
         self._default_max_tokens = settings.default_max_tokens
         self.target_name = public_model_name(model_name)
         self.served_names = settings.served_model_names or (self.target_name,)
+        self.tool_parser = _tool_parser(settings.tool_call_parser, codec.chat_template)
 
     def check_model(self, requested: str | None) -> str:
         """The name to report in responses.
@@ -139,9 +150,10 @@ class RequestValidator:
         _reject_unsupported_common(request)
         _reject_unsupported_completion(request)
         _check_extra_fields(request)
+        grammar = _grammar_of(request, None)
         prompt_ids = self._completion_prompt(request.prompt)
         return self._build("cmpl", request, _Prompt(prompt_ids, "prompt", model, arrival, api_key),
-                           request.max_tokens, "max_tokens")
+                           request.max_tokens, "max_tokens", grammar=grammar)
 
     def chat(self, request: ChatCompletionRequest, api_key: str | None = None) -> GenerationRequest:
         """Validate and template a chat request.
@@ -158,7 +170,11 @@ class RequestValidator:
         _reject_unsupported_common(request)
         _reject_unsupported_chat(request)
         _check_extra_fields(request)
-        prompt_ids = self._chat_prompt(request.messages)
+        tools, tool_choice = _tools(request)
+        parser = self._parser_for(tools, tool_choice)
+        forced_calls = _forced_calls(parser, tools, tool_choice, request.parallel_tool_calls)
+        grammar = _grammar_of(request, forced_calls)
+        prompt_ids = self._chat_prompt(request.messages, tools)
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
             _reject(request.max_tokens is not None and request.max_tokens < 1,  # the one it replaces: still checked
@@ -166,7 +182,21 @@ class RequestValidator:
         else:
             max_tokens, param = request.max_tokens, "max_tokens"
         return self._build("chatcmpl", request, _Prompt(prompt_ids, "messages", model, arrival, api_key),
-                           max_tokens, param)
+                           max_tokens, param, tool_parser=parser, grammar=grammar)
+
+    def _parser_for(self, tools: list[dict] | None, tool_choice: str | dict) -> ToolParser | None:
+        """The parser of a request's reply: None without tools or with ``tool_choice: "none"``.
+
+        Raises:
+            RequestError: tools asked for on a model whose tool-call format is unknown.
+        """
+        if not tools or tool_choice == "none":
+            return None
+        if self.tool_parser is None:
+            raise RequestError(f"model '{self.target_name}' has no known tool-call format (its chat template shows "
+                               "none): start the server with --tool-call-parser hermes|llama3_json|mistral, or "
+                               "send tool_choice 'none'", param="tools")
+        return self.tool_parser
 
     # ------------------------------------------------------------------ prompts
     def _completion_prompt(self, prompt: str | list) -> list[int]:
@@ -179,16 +209,19 @@ class RequestValidator:
             raise RequestError("the prompt is empty: give at least one character or token id", param="prompt")
         return self._codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    def _chat_prompt(self, messages: list[ChatMessage], tools: list[dict] | None) -> list[int]:
         if not messages:
             raise RequestError("'messages' must contain at least one message", param="messages")
         if not self._codec.has_chat_template:
             raise RequestError(f"model '{self.target_name}' has no chat template, so chat requests cannot be "
                                "formatted: use /v1/completions, or start the server with --chat-template",
                                param="messages", code="chat_template_missing")
-        plain = [_plain_message(m, i) for i, m in enumerate(messages)]
         try:
-            return self._codec.encode_chat(plain)
+            converted = template_messages([m.model_dump(exclude_none=True) for m in messages])
+        except MessageError as exc:
+            raise RequestError(str(exc), param=_dotted(exc.param)) from exc
+        try:
+            return self._codec.encode_chat(converted, tools)
         except Exception as exc:  # jinja2 TemplateError (raise_exception in templates), ValueError...
             raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
@@ -229,8 +262,8 @@ class RequestValidator:
                                param="stop_token_ids")
 
     # ------------------------------------------------------------------ sampling
-    def _build(self, kind: str, request, prompt: _Prompt, max_tokens: int | None, max_param: str
-               ) -> GenerationRequest:
+    def _build(self, kind: str, request, prompt: _Prompt, max_tokens: int | None, max_param: str, *,
+               tool_parser: ToolParser | None = None, grammar: GrammarSpec | None = None) -> GenerationRequest:
         self._check_prompt_ids(prompt.ids, prompt.param)
         limit = self._max_tokens(len(prompt.ids), max_tokens, max_param)
         self._check_stop_token_ids(request.stop_token_ids)
@@ -243,6 +276,8 @@ class RequestValidator:
             scope=cache_scope(prompt.api_key, request.user),
             num_speculative_tokens=self._request_k(request.num_speculative_tokens),
             model=prompt.model,
+            tool_parser=tool_parser,
+            grammar=grammar,
         )
 
     def _request_k(self, requested: int | None) -> int | None:
@@ -296,24 +331,6 @@ def _count(value: int) -> str:
     if digits > 1 and 10 ** (digits - 1) > value:  # log10 rounded up (999...9)
         digits -= 1
     return str(value) if digits < 30 else f"a {digits}-digit number"
-
-
-def _plain_message(message: ChatMessage, index: int) -> dict[str, str]:
-    """A ``{"role", "content"}`` dict for the chat template (text parts joined by newlines)."""
-    content = message.content
-    if content is None and message.role != "assistant":  # an assistant turn may carry only tool calls
-        raise RequestError(f"messages[{index}] ('{message.role}') needs a 'content'", param=f"messages.{index}")
-    if isinstance(content, list):
-        for part in content:
-            if part.type != "text":
-                raise RequestError(f"only text content parts are supported (messages[{index}] has a "
-                                   f"'{part.type}' part)", param=f"messages.{index}.content")
-            if part.text is None:
-                raise RequestError(f"messages[{index}] has a text part without 'text'",
-                                   param=f"messages.{index}.content")
-        content = "\n".join(part.text for part in content)  # type: ignore[misc]
-    role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
 
 
 def _sampling_params(request, max_tokens: int) -> SamplingParams:
@@ -383,9 +400,10 @@ _SERVER_SETTING_NAMES = frozenset({"kpolicy"} | {field.name for field in datacla
                                   - {"model", "num_speculative_tokens"})
 # vLLM's extra sampling fields that change the output, which this server does not implement: a 400, never ignored
 _UNSUPPORTED_VLLM_FIELDS = ("min_p", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
-                            "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                            "structured_outputs", "logits_processors", "prompt_logprobs", "include_stop_str_in_output",
+                            "logits_processors", "prompt_logprobs", "include_stop_str_in_output",
                             "truncate_prompt_tokens")
+# extra fields this server serves (not part of OpenAI's schema): not logged as ignored
+_SERVED_EXTRA_FIELDS = frozenset(STRUCTURED_EXTRA_FIELDS) | {"response_format"}
 _LOGGED_NAMES = 10  # unknown field names a log line lists (then a count)
 _LOGGED_NAME_CHARS = 40
 
@@ -412,6 +430,7 @@ def _check_extra_fields(request) -> None:
                 "the server starts (serve --speculative-config, --num-speculative-tokens); a request may set only "
                 "'num_speculative_tokens' (0 for plain decoding)", name)
     options = request.stream_options.model_extra if request.stream_options is not None else None
+    extra = {name: value for name, value in extra.items() if name not in _SERVED_EXTRA_FIELDS}
     extra = {**extra, **{f"stream_options.{name}": value for name, value in (options or {}).items()}}
     if extra:
         names = sorted(extra)
@@ -447,22 +466,63 @@ def _reject_unsupported_completion(request: CompletionRequest) -> None:
             "(send best_of 1 or leave it unset)", "best_of")
     _reject(request.logprobs is not None, "logprobs are not supported", "logprobs")
     extra = request.model_extra or {}  # chat fields sent to the completions endpoint change nothing here: refuse
-    _reject(bool(extra.get("tools")) or bool(extra.get("functions")), "tool and function calling are not supported",
-            "tools")
-    _reject_response_format(extra.get("response_format"))
+    _reject(bool(extra.get("tools")) or bool(extra.get("functions")),
+            "tools are served on /v1/chat/completions (and /v1/responses), not on /v1/completions", "tools")
     _reject(extra.get("top_logprobs") not in (None, 0), "logprobs are not supported", "top_logprobs")
 
 
 def _reject_unsupported_chat(request: ChatCompletionRequest) -> None:
     _reject(request.logprobs, "logprobs are not supported", "logprobs")
-    _reject(bool(request.tools) or bool(request.functions), "tool and function calling are not supported", "tools")
-    _reject_response_format(request.response_format)
     _reject(request.top_logprobs not in (None, 0), "logprobs are not supported", "top_logprobs")
-    _reject(request.tool_choice not in (None, "none", "auto"), "tool and function calling are not supported",
-            "tool_choice")
 
 
-def _reject_response_format(value) -> None:
-    """Only ``{"type": "text"}`` (or none) is served; JSON modes would change the output."""
-    fmt = value.get("type", "text") if isinstance(value, dict) else ("text" if value is None else value)
-    _reject(fmt != "text", f"response_format {fmt!r} is not supported (only 'text')", "response_format")
+def _dotted(param: str) -> str:
+    """A field path in this server's notation (pydantic's, ``messages.1.tool_calls.0``), from OpenAI's
+    (``messages[1].tool_calls[0]``)."""
+    return re.sub(r"\[(\d+)\]", r".\1", param)
+
+
+def _tool_parser(name: str | None, chat_template: str | None) -> ToolParser | None:
+    """The server's tool-call parser: the named one, ``"none"`` for none, else the one the chat template's
+    format shows (None when it shows none)."""
+    if name == "none":
+        return None
+    name = name or detect_tool_parser(chat_template)
+    if name is None:
+        return None
+    logger.info("tool calls are read in the %s format", name)
+    return get_tool_parser(name)
+
+
+def _tools(request: ChatCompletionRequest) -> tuple[list[dict] | None, str | dict]:
+    """The request's function tools and ``tool_choice`` (legacy ``functions`` / ``function_call`` converted).
+
+    Raises:
+        RequestError: malformed tools or choice, naming the field.
+    """
+    try:
+        tools = normalize_tools(request.tools, request.functions)
+        return tools, normalize_tool_choice(request.tool_choice, request.function_call, tools)
+    except MessageError as exc:
+        raise RequestError(str(exc), param=_dotted(exc.param)) from exc
+
+
+def _forced_calls(parser: ToolParser | None, tools: list[dict] | None, tool_choice: str | dict,
+                  parallel_tool_calls: bool | None) -> GrammarSpec | None:
+    """The grammar that forces calls (``tool_choice`` ``"required"`` or a named function), else None."""
+    if parser is None:
+        return None
+    try:
+        return parser.call_grammar(tools or [], tool_choice, parallel_tool_calls is not False)
+    except ValueError as exc:
+        raise RequestError(str(exc), param="tool_choice") from exc
+
+
+def _grammar_of(request, forced_calls: GrammarSpec | None) -> GrammarSpec | None:
+    """The one grammar a request's output must match: forced tool calls, ``response_format`` or vLLM's
+    structured-output fields (:func:`draftwise.server.structured_fields.output_grammar`).
+
+    Raises:
+        RequestError: a malformed field, or two of them at once.
+    """
+    return output_grammar(request, forced_calls)
