@@ -71,7 +71,7 @@ class GrammarProcessor(LogitsProcessor):
         """
         self._roll_back_speculation()
         for token in tokens:
-            if not self._matcher.accept_token(int(token)):
+            if not self._advance(token):
                 raise RefusedTokenError(f"the grammar refused committed token {int(token)} after "
                                         f"{self.num_committed} committed tokens (a token outside the mask was "
                                         "committed: an engine bug)")
@@ -82,7 +82,7 @@ class GrammarProcessor(LogitsProcessor):
         the grammar may end there, and nothing after it is admitted)."""
         admitted = 0
         for token in tokens:
-            if not self._matcher.accept_token(int(token)):
+            if not self._advance(token):
                 break
             admitted += 1
         if admitted:
@@ -140,9 +140,13 @@ class GrammarProcessor(LogitsProcessor):
             self._matcher.rollback(len(speculative) - common)
             del speculative[common:]
         for token in path[common:]:
-            if not self._matcher.accept_token(int(token)):
+            if not self._advance(token):
                 break
             speculative.append(int(token))
+
+    def _advance(self, token: int) -> bool:
+        """Accept ``token`` on the matcher if the grammar admits it (nothing is admitted after a stop token)."""
+        return not self._matcher.is_terminated() and self._matcher.accept_token(int(token))
 
     def _fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Fill ``bitmask[row]`` for the matcher's state; a terminated state (a stop token accepted) allows the
