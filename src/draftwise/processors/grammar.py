@@ -182,9 +182,8 @@ def _bit(index: int) -> int:
 def allowed_ids(bitmask_row: torch.Tensor) -> torch.Tensor:
     """The token ids a bitmask row (``[ceil(vocab / 32)]`` int32, bit j of word w = token 32 w + j) allows, as
     a sorted int64 tensor."""
-    shifts = torch.arange(32, dtype=torch.int64)
-    bits = (bitmask_row.to(torch.int64).unsqueeze(-1) >> shifts) & 1  # [words, 32]
-    return torch.nonzero(bits.reshape(-1)).flatten()
+    bits = np.unpackbits(bitmask_row.contiguous().numpy().view(np.uint8), bitorder="little")  # [words * 32]
+    return torch.from_numpy(np.flatnonzero(bits))
 
 
 def only_allowed(bitmask_row: torch.Tensor) -> int | None:
