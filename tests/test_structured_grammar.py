@@ -283,3 +283,24 @@ def test_hermes_tool_call_on_the_qwen_vocabulary(qwen_tokenizer):
     processor.apply(logits, [()])
     assert sorted(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist()) == sorted(stops)
     assert processor.is_finished
+
+
+def test_a_gguf_token_table_gives_the_vocabulary_of_the_huggingface_tokenizer(stories, stories_grammars):
+    """What llama.cpp's tokenizer offers (``convert_ids_to_tokens``: the GGUF table) decodes to the same bytes
+    as the ``transformers`` tokenizer, and masks the same rows."""
+    tokenizer = stories.tokenizer
+    table = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    from_table = TokenVocabulary.from_token_table(table, stop_token_ids=stories.eos_token_ids,
+                                                  vocab_size=stories.backend.vocab_size)
+    reference = stories_grammars.vocabulary
+    assert from_table.info.vocab_type == reference.info.vocab_type
+    assert from_table.info.decoded_vocab == reference.info.decoded_vocab
+    assert from_table.stop_token_ids == reference.stop_token_ids
+    spec = JsonSchema(PERSON)
+    path = decode_speculative(stories, stories_grammars, spec, stories.encode(PROMPTS[0]), 0, None, random.Random(0))
+    rows = []
+    for compiler in (GrammarCompiler(from_table), stories_grammars):
+        logits = torch.zeros(len(path) + 1, stories.backend.vocab_size)
+        compiler.processor(spec).apply(logits, [tuple(path[:i]) for i in range(len(path) + 1)])
+        rows.append(torch.isfinite(logits))
+    assert torch.equal(rows[0], rows[1]) and rows[0].any(dim=1).all()

@@ -62,8 +62,8 @@ class TokenVocabulary:
     """What a grammar needs to know of a tokenizer: each token id's bytes, the vocabulary size, the stop ids.
 
     Build it with :meth:`from_huggingface` (a ``transformers`` tokenizer: byte-level BPE such as Qwen's,
-    SentencePiece byte-fallback such as stories260K's) or :meth:`from_token_bytes` (any tokenizer that can say
-    each id's bytes, e.g. llama.cpp's ``token_to_piece``).
+    SentencePiece byte-fallback such as stories260K's), :meth:`from_token_table` (a GGUF token table, e.g.
+    llama.cpp's tokenizer's ``convert_ids_to_tokens``) or :meth:`from_token_bytes` (each id's bytes).
 
     Attributes:
         info: the ``xgrammar.TokenizerInfo``.
@@ -88,6 +88,26 @@ class TokenVocabulary:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=[int(t) for t in stop_token_ids])
         return cls(info, name or str(getattr(tokenizer, "name_or_path", "") or "tokenizer"))
+
+    @classmethod
+    def from_token_table(cls, tokens: Sequence[str], *, stop_token_ids: Sequence[int], vocab_size: int | None = None,
+                         name: str = "tokenizer") -> "TokenVocabulary":
+        """From the token strings as a GGUF file's ``tokenizer.ggml.tokens`` table stores them (what
+        ``convert_ids_to_tokens`` returns, e.g. llama.cpp's tokenizer): byte-level BPE (``Ġ``/``Ċ`` forms),
+        SentencePiece with byte fallback (``▁`` and ``<0x0A>`` forms), else raw text.
+
+        Args:
+            tokens: the token string of each id (``tokens[i]`` for id i).
+            stop_token_ids: ids allowed exactly where a grammar may end.
+            vocab_size: the model's logits width when it exceeds ``len(tokens)``.
+            name: identity for logs.
+        """
+        table = [token or "" for token in tokens]
+        vocab_type = _vocab_type(table)
+        info = xgrammar.TokenizerInfo(table, vocab_type, vocab_size=vocab_size,
+                                      stop_token_ids=[int(t) for t in stop_token_ids],
+                                      add_prefix_space=vocab_type == xgrammar.VocabType.BYTE_FALLBACK)
+        return cls(info, name)
 
     @classmethod
     def from_token_bytes(cls, token_bytes: Sequence[bytes], *, stop_token_ids: Sequence[int],
@@ -167,6 +187,19 @@ class GrammarCompiler:
             GrammarError: if the spec is invalid.
         """
         return GrammarProcessor(self.compile(spec), stop_token_ids)
+
+
+_BYTE_FALLBACK_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+
+def _vocab_type(table: Sequence[str]) -> xgrammar.VocabType:
+    """How a GGUF token table encodes bytes: byte-level BPE (GPT-2's ``Ġ`` for a space), SentencePiece byte
+    fallback (``<0x0A>`` tokens), else raw text."""
+    if any("Ġ" in token or "Ċ" in token for token in table):
+        return xgrammar.VocabType.BYTE_LEVEL
+    if any(_BYTE_FALLBACK_TOKEN.match(token) for token in table):
+        return xgrammar.VocabType.BYTE_FALLBACK
+    return xgrammar.VocabType.RAW
 
 
 def to_xgrammar(spec: GrammarSpec, *, any_whitespace: bool = False) -> xgrammar.Grammar:
