@@ -30,6 +30,11 @@ class GrammarProcessor(LogitsProcessor):
     Args:
         compiled: the grammar compiled for the tokenizer (:meth:`draftwise.structured.grammar.GrammarCompiler.compile`).
         stop_token_ids: ids allowed exactly where the grammar may end (None: the compiled tokenizer's).
+
+    Attributes:
+        vocab_size: the tokenizer's vocabulary size (logits columns at or past it are always masked).
+        stop_token_ids: the matcher's stop tokens.
+        num_committed: tokens committed through :meth:`accept`.
     """
 
     def __init__(self, compiled: xgrammar.CompiledGrammar, stop_token_ids: Sequence[int] | None = None) -> None:

@@ -23,6 +23,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
@@ -167,8 +168,11 @@ class GrammarCompiler:
             if compiled is not None:
                 self._cache.move_to_end(key)
                 return compiled
+        started = time.perf_counter()
         grammar = to_xgrammar(spec, any_whitespace=self.any_whitespace)
         compiled = _engine_call("grammar", lambda: self._compiler.compile_grammar(grammar))
+        logger.debug("compiled a %s grammar for %s in %.1f ms", type(spec).__name__, self.vocabulary.name,
+                     (time.perf_counter() - started) * 1e3)
         with self._lock:
             self._cache[key] = compiled
             self._cache.move_to_end(key)
