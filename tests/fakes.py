@@ -176,3 +176,57 @@ def sequence_distribution(table: torch.Tensor, first: int, length: int, temperat
             prev = t
         dist[seq] = p
     return dist
+
+
+class ReplyLM(CausalLM):
+    """A model that answers each prompt with a scripted reply: ``reply(prompt_ids)`` gives the reply's token ids
+    and every position past the prompt predicts the reply's next token (one-hot logits), then ``eos``. A row's
+    logits depend only on its position and the prompt, so speculative and plain decoding agree: a fake for
+    driving real clients (tool calls, agents) through the real server and engine deterministically.
+
+    Args:
+        reply: prompt token ids -> the reply's token ids (without EOS).
+        vocab_size: logits width; eos: the token after the reply.
+    """
+
+    def __init__(self, reply: Callable[[list[int]], list[int]], vocab_size: int, eos: int,
+                 max_context: int = 4096, name: str = "reply") -> None:
+        self.reply = reply
+        self.vocab_size = vocab_size
+        self.eos = eos
+        self.max_context = max_context
+        self.name = name
+        self.tokens: list[int] = []
+        self._prompt_len = 0
+        self._reply: list[int] = []
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.tokens)
+
+    def forward(self, token_ids, *, num_logits=None, return_hidden=False, hidden_rows=None) -> ForwardOutput:
+        token_ids = list(token_ids)
+        self._check_forward_args(token_ids)
+        if not self.tokens:  # a new sequence: its first pass holds (the start of) the prompt
+            self._prompt_len = -1
+        start = len(self.tokens)
+        self.tokens.extend(token_ids)
+        keep = len(token_ids) if num_logits is None else min(num_logits, len(token_ids))
+        logits = torch.full((keep, self.vocab_size), -1e9)
+        for row, position in enumerate(range(start + len(token_ids) - keep, start + len(token_ids))):
+            logits[row, self._next(position)] = 0.0
+        return ForwardOutput(logits=logits)
+
+    def _next(self, position: int) -> int:
+        """The token after ``position``: the reply's, once the prompt is known (the first row asked for)."""
+        if self._prompt_len < 0:
+            self._prompt_len = position + 1
+            self._reply = list(self.reply(self.tokens[:self._prompt_len]))
+        index = position + 1 - self._prompt_len
+        return self._reply[index] if 0 <= index < len(self._reply) else self.eos
+
+    def rollback(self, length: int) -> None:
+        self._check_rollback_args(length)
+        del self.tokens[length:]
+        if length < self._prompt_len:  # back into the prompt: a new request follows (a reused prefix)
+            self._prompt_len = -1

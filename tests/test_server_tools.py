@@ -1,0 +1,104 @@
+"""Tool calling through the real server with the official ``openai`` client: tools and their results written into
+the prompt by the chat template, the reply read into ``message.tool_calls`` (streamed as tool-call deltas), a
+two-step tool loop completed, and malformed tools refused with a 400 naming the field. The model is the scripted
+:func:`tool_agents.tool_model` (stories260K's tokenizer, a Qwen2.5-style template)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from draftwise.builder import EngineBundle
+from draftwise.engine import SpeculativeEngine
+from draftwise.server import ServerSettings, create_app
+from test_server import live_server
+from tool_agents import HERMES_TEMPLATE, tool_model
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers",
+                                        "parameters": {"type": "object", "required": ["a", "b"],
+                                                       "properties": {"a": {"type": "integer"},
+                                                                      "b": {"type": "integer"}}}}}
+QUESTION = [{"role": "user", "content": "What is 2 + 3? Use the tool."}]
+
+
+@pytest.fixture(scope="module")
+def tool_url(stories):
+    model = tool_model(stories)
+    bundle = EngineBundle(target=model, engine=SpeculativeEngine(model.backend, eos_token_ids=model.eos_token_ids))
+    settings = ServerSettings(served_model_names=("tool-model",), chat_template=HERMES_TEMPLATE)
+    with live_server(create_app(bundle, settings)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(tool_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tool_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_a_tool_call_comes_back_as_message_tool_calls(client):
+    reply = client.chat.completions.create(model="tool-model", messages=QUESTION, tools=[ADD])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content.strip() == "I will add them."  # stories260K's tokenizer decodes a leading space
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
+
+
+def test_the_tool_result_goes_back_into_the_prompt_and_the_loop_ends(client):
+    first = client.chat.completions.create(model="tool-model", messages=QUESTION, tools=[ADD]).choices[0].message
+    call = first.tool_calls[0]
+    history = QUESTION + [first.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    final = client.chat.completions.create(model="tool-model", messages=history, tools=[ADD]).choices[0]
+    assert final.finish_reason == "stop" and final.message.content.strip() == "The sum is 5."
+    assert not final.message.tool_calls
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_non_streamed_reply(client):
+    whole = client.chat.completions.create(model="tool-model", messages=QUESTION, tools=[ADD]).choices[0]
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model="tool-model", messages=QUESTION, tools=[ADD], stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or ():
+            entry = calls.setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
+            entry["arguments"] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == whole.message.content
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_tool_choice_none_and_no_tools_return_plain_content(client):
+    plain = client.chat.completions.create(model="tool-model", messages=QUESTION).choices[0]
+    assert plain.finish_reason == "stop" and not plain.message.tool_calls
+    none = client.chat.completions.create(model="tool-model", messages=QUESTION, tools=[ADD],
+                                          tool_choice="none").choices[0]
+    assert none.finish_reason == "stop" and not none.message.tool_calls
+    assert "<tool_call>" in none.message.content  # the text is not read for calls
+
+
+def test_legacy_functions_are_served_as_tools(client):
+    reply = client.chat.completions.create(model="tool-model", messages=QUESTION, functions=[ADD["function"]])
+    assert reply.choices[0].message.tool_calls[0].function.name == "add"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "subtract"}}}, "tool_choice"),
+    ({"tools": [ADD], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": QUESTION + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{not json"}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ({"messages": QUESTION + [{"role": "tool", "content": "5"}]}, "messages.1.tool_call_id"),
+])
+def test_malformed_tool_requests_are_400s_naming_the_field(tool_url, body, param):
+    reply = httpx.post(f"{tool_url}/v1/chat/completions", json={"messages": QUESTION, **body}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.json()
+    assert httpx.get(f"{tool_url}/health").json()["status"] == "ok"

@@ -1,0 +1,61 @@
+"""A scripted tool-using "model" behind the real server, for driving real clients (the ``openai`` SDK, the OpenAI
+Agents SDK, smolagents, langchain-openai) through whole agent loops without network or a large model.
+
+:func:`tool_model` builds a :class:`~draftwise.models.loading.LoadedModel` whose backend is a
+:class:`fakes.ReplyLM` with stories260K's real tokenizer and :data:`HERMES_TEMPLATE`, a Qwen2.5-style chat template
+(tools in ``<tools>``, calls as ``<tool_call>`` JSON, results in ``<tool_response>``). Its reply is read off the
+prompt by :func:`scripted_reply`: asked with an ``add`` tool, it calls ``add(a=2, b=3)``; shown the tool's
+result, it answers with it (through smolagents' ``final_answer`` tool when that tool is offered).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from draftwise.models.loading import LoadedModel
+from fakes import ReplyLM
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{%- for tool in tools %}\n{{ tool | tojson }}\n{%- endfor %}\n</tools>\n"
+    "For each function call, return a json object within <tool_call></tool_call> tags.<|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}"
+    "{%- elif m.role == 'assistant' %}\n<|im_start|>assistant\n{{ m.content }}"
+    "{%- for tc in m.tool_calls or [] %}\n<tool_call>\n"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>"
+    "{%- elif m.role == 'tool' %}\n<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>"
+    "{%- else %}\n<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{%- endif %}"
+    "{%- endfor %}\n<|im_start|>assistant\n")
+
+CALL = '<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def scripted_reply(prompt: str) -> str:
+    """What the scripted model answers to ``prompt`` (the templated conversation)."""
+    results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", prompt, re.S)
+    observation = re.findall(r"Observation:\s*(.*?)(?:<\|im_end\|>|$)", prompt, re.S)
+    if results or observation:
+        result = (results or observation)[-1].strip()
+        if '"name": "final_answer"' in prompt:
+            return CALL.format(name="final_answer", arguments=json.dumps({"answer": f"The sum is {result}."}))
+        return f"The sum is {result}."
+    if '"name": "add"' in prompt:
+        return "I will add them.\n" + CALL.format(name="add", arguments=json.dumps({"a": 2, "b": 3}))
+    return "Hello! Ask me to add two numbers."
+
+
+def tool_model(stories: LoadedModel, name: str = "tool-model") -> LoadedModel:
+    """A :class:`LoadedModel` answering with :func:`scripted_reply`, on stories260K's tokenizer."""
+    tokenizer = stories.tokenizer
+    eos = stories.eos_token_ids[0]
+
+    def reply(prompt_ids: list[int]) -> list[int]:
+        text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        return tokenizer.encode(scripted_reply(text), add_special_tokens=False)
+
+    backend = ReplyLM(reply, vocab_size=stories.backend.vocab_size, eos=eos, name=name)
+    return LoadedModel(backend=backend, tokenizer=tokenizer, name=name, eos_token_ids=(eos,))
