@@ -36,8 +36,9 @@ CALL = '<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call
 
 def scripted_reply(prompt: str) -> str:
     """What the scripted model answers to ``prompt`` (the templated conversation)."""
-    results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", prompt, re.S)
-    observation = re.findall(r"Observation:\s*(.*?)(?:<\|im_end\|>|$)", prompt, re.S)
+    turns = "".join(turn for turn in prompt.split("<|im_start|>") if not turn.startswith("system"))
+    results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", turns, re.S)
+    observation = re.findall(r"Observation:\s*(.*?)(?:<\|im_end\|>|$)", turns, re.S)  # smolagents' tool turns
     if results or observation:
         result = (results or observation)[-1].strip()
         if '"name": "final_answer"' in prompt:
@@ -57,5 +58,5 @@ def tool_model(stories: LoadedModel, name: str = "tool-model") -> LoadedModel:
         text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
         return tokenizer.encode(scripted_reply(text), add_special_tokens=False)
 
-    backend = ReplyLM(reply, vocab_size=stories.backend.vocab_size, eos=eos, name=name)
+    backend = ReplyLM(reply, vocab_size=stories.backend.vocab_size, eos=eos, max_context=32768, name=name)
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=name, eos_token_ids=(eos,))
