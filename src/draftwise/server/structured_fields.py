@@ -10,19 +10,28 @@ is a 400, since no engine can honour both.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from draftwise.server.errors import RequestError
 from draftwise.structured.spec import Choice, Ebnf, GrammarSpec, JsonSchema, Regex
 
-__all__ = ["output_grammar", "STRUCTURED_EXTRA_FIELDS"]
+__all__ = ["output_grammar", "RequestedGrammar", "STRUCTURED_EXTRA_FIELDS"]
 
 #: vLLM's structured-output fields, read from a request's extra fields (the OpenAI client's ``extra_body``).
 STRUCTURED_EXTRA_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                            "guided_decoding_backend", "guided_whitespace_pattern")
 
 
-def output_grammar(request: Any, forced_calls: GrammarSpec | None = None) -> GrammarSpec | None:
+@dataclass(frozen=True)
+class RequestedGrammar:
+    """A request's output grammar and the field it came from (named when it cannot be compiled)."""
+
+    field: str
+    spec: GrammarSpec
+
+
+def output_grammar(request: Any, forced_calls: GrammarSpec | None = None) -> RequestedGrammar | None:
     """The grammar ``request``'s output must match, or None.
 
     Args:
@@ -45,7 +54,7 @@ def output_grammar(request: Any, forced_calls: GrammarSpec | None = None) -> Gra
     if len(found) > 1:
         raise RequestError(f"{found[0][0]} and {found[1][0]} both constrain the output: send one of them",
                            param=found[1][0])
-    return found[0][1] if found else None
+    return RequestedGrammar(*found[0]) if found else None
 
 
 def _response_format(value: Any) -> GrammarSpec | None:

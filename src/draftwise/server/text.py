@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from draftwise.models.loading import LoadedModel
+from draftwise.structured.grammar import TokenVocabulary
 
 __all__ = ["TextCodec", "IncrementalDetokenizer", "StopStringMatcher", "OutputText", "PROMPT_CONTEXT_TOKENS"]
 
@@ -56,6 +57,13 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         """True when chat requests can be served."""
         return bool(self._chat_template) or self._model.has_chat_template
+
+    def grammar_vocabulary(self, vocab_size: int) -> TokenVocabulary:
+        """The target tokenizer's vocabulary for a grammar engine (token strings, the model's EOS ids as the stop
+        tokens), ``vocab_size`` wide (the logits' width; ids past the tokenizer's are never allowed)."""
+        with self._encoders.borrow() as model:
+            return TokenVocabulary.from_huggingface(model.tokenizer, stop_token_ids=model.eos_token_ids,
+                                                    vocab_size=vocab_size)
 
     @property
     def chat_template(self) -> str | None:

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import math
 import re
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -26,9 +27,11 @@ from draftwise.server.chat_messages import MessageError, normalize_tool_choice, 
 from draftwise.server.errors import RequestError
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from draftwise.server.settings import ServerSettings, public_model_name
-from draftwise.server.structured_fields import STRUCTURED_EXTRA_FIELDS, output_grammar
+from draftwise.processors.base import ProcessorChain
+from draftwise.server.structured_fields import STRUCTURED_EXTRA_FIELDS, RequestedGrammar, output_grammar
 from draftwise.server.text import TextCodec
 from draftwise.server.tool_parsers import ToolParser, detect_tool_parser, get_tool_parser
+from draftwise.structured.grammar import GrammarCompiler, GrammarError
 from draftwise.structured.spec import GrammarSpec
 
 if TYPE_CHECKING:
@@ -56,6 +59,8 @@ class GenerationRequest:
             ``tool_choice`` is not ``"none"``), or None: the reply is all content.
         grammar: what the output must match (``response_format``, a forced ``tool_choice``, vLLM's
             ``guided_*`` / ``structured_outputs``), or None.
+        processors: the request's logits processors (the compiled grammar's), applied by the engine to every
+            draft and verification row; None: none.
     """
 
     request_id: str
@@ -68,6 +73,7 @@ class GenerationRequest:
     model: str = ""
     tool_parser: ToolParser | None = None
     grammar: GrammarSpec | None = None
+    processors: ProcessorChain | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,8 @@ class RequestValidator:
         self.target_name = public_model_name(model_name)
         self.served_names = settings.served_model_names or (self.target_name,)
         self.tool_parser = _tool_parser(settings.tool_call_parser, codec.chat_template)
+        self._grammars: GrammarCompiler | None = None  # built at the first request with a grammar
+        self._grammars_lock = threading.Lock()
 
     def check_model(self, requested: str | None) -> str:
         """The name to report in responses.
@@ -262,8 +270,25 @@ class RequestValidator:
                                param="stop_token_ids")
 
     # ------------------------------------------------------------------ sampling
+    def _processors(self, grammar: RequestedGrammar | None) -> ProcessorChain | None:
+        """The request's processor chain: its grammar compiled for the target's vocabulary (cached), or None.
+
+        Raises:
+            RequestError: a grammar that cannot be compiled (an invalid schema, regex or EBNF), naming its field.
+        """
+        if grammar is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self._codec.grammar_vocabulary(self._limits.vocab_size))
+        try:
+            return ProcessorChain([self._grammars.processor(grammar.spec)])
+        except GrammarError as exc:
+            raise RequestError(f"{grammar.field} cannot be followed: {exc}", param=grammar.field) from exc
+
     def _build(self, kind: str, request, prompt: _Prompt, max_tokens: int | None, max_param: str, *,
-               tool_parser: ToolParser | None = None, grammar: GrammarSpec | None = None) -> GenerationRequest:
+               tool_parser: ToolParser | None = None, grammar: RequestedGrammar | None = None,
+               ) -> GenerationRequest:
         self._check_prompt_ids(prompt.ids, prompt.param)
         limit = self._max_tokens(len(prompt.ids), max_tokens, max_param)
         self._check_stop_token_ids(request.stop_token_ids)
@@ -277,7 +302,8 @@ class RequestValidator:
             num_speculative_tokens=self._request_k(request.num_speculative_tokens),
             model=prompt.model,
             tool_parser=tool_parser,
-            grammar=grammar,
+            grammar=grammar.spec if grammar is not None else None,
+            processors=self._processors(grammar),
         )
 
     def _request_k(self, requested: int | None) -> int | None:
@@ -518,7 +544,7 @@ def _forced_calls(parser: ToolParser | None, tools: list[dict] | None, tool_choi
         raise RequestError(str(exc), param="tool_choice") from exc
 
 
-def _grammar_of(request, forced_calls: GrammarSpec | None) -> GrammarSpec | None:
+def _grammar_of(request, forced_calls: GrammarSpec | None) -> RequestedGrammar | None:
     """The one grammar a request's output must match: forced tool calls, ``response_format`` or vLLM's
     structured-output fields (:func:`draftwise.server.structured_fields.output_grammar`).
 
