@@ -27,7 +27,7 @@ from draftwise.benchmark import MethodSpec, default_prompts_path, load_prompts, 
 from draftwise.builder import assemble_engine
 from draftwise.config import SamplingParams
 from draftwise.machine import cpu_model_name
-from draftwise.measurement import with_baseline_repeat
+from draftwise.speculation.measurement import with_baseline_repeat
 from draftwise.models.loading import load_model, resolve_model
 from draftwise.proposers.draft_model import DraftModelProposer
 

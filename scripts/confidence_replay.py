@@ -107,7 +107,7 @@ def proposed_length(logprobs: list[float], k: int, rule: str, threshold: float |
 
 def replay(args: argparse.Namespace) -> None:
     """Print decode speed-ups over plain decoding per rule, threshold and category."""
-    from draftwise.cost_model import CostModel, draft_stop_thresholds
+    from draftwise.speculation.cost_model import CostModel, draft_stop_thresholds
 
     data = json.load(open(args.trace))
     verify = [float(v) for v in args.verify.split(",")]
@@ -161,7 +161,7 @@ def main() -> None:
     rep.add_argument("--verify", required=True, help="v_1..v_(K+1): a pass over n rows / a one-row pass")
     rep.add_argument("--thresholds", default="0.1,0.2,0.3,0.4,0.5,0.6", help="comma-separated thresholds to try")
     rep.add_argument("--stop-values", default="1,1.5,2",
-                     help="comma-separated values of the cost rule (draftwise.cost_model.DRAFT_STOP_VALUE)")
+                     help="comma-separated values of the cost rule (draftwise.speculation.cost_model.DRAFT_STOP_VALUE)")
     args = parser.parse_args()
     (trace if args.command == "trace" else replay)(args)
 

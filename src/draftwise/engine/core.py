@@ -9,8 +9,8 @@ One step:
 
 1. waiting requests take the free slots (continuous batching: they join the running batch at the next step),
    re-using a kept KV prefix when the prefix cache holds one (:mod:`draftwise.prefix_cache`);
-2. every decoding sequence gets its K (fixed; its own :class:`~draftwise.controller.KController` such as AutoK;
-   or load-aware for the batch, :func:`draftwise.cost_model.plan_batch_k`) and its proposer drafts up to K
+2. every decoding sequence gets its K (fixed; its own :class:`~draftwise.speculation.controller.KController` such as AutoK;
+   or load-aware for the batch, :func:`draftwise.speculation.cost_model.plan_batch_k`) and its proposer drafts up to K
    tokens deep (a chain, or a tree on backends that run trees);
 3. the pass's pieces are, per decoding sequence, its last committed token and its draft tokens, then chunks of
    the prompts still being prefilled within a token budget per step (``max_num_batched_tokens``, vLLM's name),
@@ -54,8 +54,8 @@ from draftwise.backends.slots import (
     chunk_counts,
 )
 from draftwise.config import SamplingParams
-from draftwise.controller import AcceptanceEstimator, KController, ProbeBackoff
-from draftwise.cost_model import PassCostCurve, StepOverhead, batch_step_rate, expected_tokens, plan_batch_k
+from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
+from draftwise.speculation.cost_model import PassCostCurve, StepOverhead, batch_step_rate, expected_tokens, plan_batch_k
 from draftwise.engine.proposers import BatchProposer, StepPricing
 from draftwise.engine.sequence import DECODING, PREFILLING, BatchSequence, GenerationResult, commit_tokens
 from draftwise.methods import K_POLICIES
@@ -146,7 +146,7 @@ def calibrate_pass_costs(backend: SlotBackend | LeanLlama, counts: Iterable[int]
     and one pass over ``len(slots)`` rows spread over every slot, whose extra time over the same rows in one slot
     gives the curve's ``per_sequence`` seconds (attention runs once per sequence and layer).
 
-    A short start for :class:`~draftwise.cost_model.PassCostCurve`, which the engine then refines with every pass
+    A short start for :class:`~draftwise.speculation.cost_model.PassCostCurve`, which the engine then refines with every pass
     it runs. Returns ``curve`` (a new one by default) with the points added.
 
     Raises:
@@ -203,7 +203,7 @@ class EngineCore:
         max_num_batched_tokens: rows per target pass (decode rows, draft rows and prompt chunks together);
             prompt chunks fill what decoding leaves, at least ``min_prefill_tokens`` per step while a prompt waits.
         k_policy: ``"fixed"`` or ``"auto"`` (load-aware K for the batch, see :data:`K_POLICIES`).
-        controller_factory: makes a per-request :class:`~draftwise.controller.KController` (e.g. AutoK with
+        controller_factory: makes a per-request :class:`~draftwise.speculation.controller.KController` (e.g. AutoK with
             its probe schedule) for requests without their own K; then ``k_policy`` must be ``"fixed"``.
         pass_costs: the target's pass seconds per row count (``"auto"``, and a proposer that ``wants_pricing``);
             default: measured at construction by :func:`calibrate_pass_costs` (a few passes; for a proposer that

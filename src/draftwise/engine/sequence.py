@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftwise.config import SamplingParams
-from draftwise.controller import AcceptanceEstimator, KController, ProbeBackoff
+from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.sampling import Sampler
 from draftwise.stats import SpeculativeStats
 
@@ -53,7 +53,7 @@ class BatchSequence:
         slot: its KV-cache slot while running (-1 otherwise).
         num_computed: prompt tokens whose keys and values its slot holds (prefill progress, tokens).
         estimator: its acceptance estimate (seeded from the engine's long-memory estimate).
-        controller: its own K policy (:class:`~draftwise.controller.KController`, e.g. AutoK), or None when the
+        controller: its own K policy (:class:`~draftwise.speculation.controller.KController`, e.g. AutoK), or None when the
             engine plans K for the batch (fixed or load-aware; ``backoff``: the load-aware plan's probe schedule).
     """
 
