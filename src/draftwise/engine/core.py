@@ -5,22 +5,23 @@ slots (:class:`~draftwise.backends.slots.LeanSlots`), or any single-sequence bac
 (:class:`~draftwise.backends.slots.OneSlot`: transformers, llama.cpp, the lean runtime's one-sequence view). A
 single request is a batch of one (vLLM v1's engine core: there is no prefill phase nor decoding phase, each step
 gives every running request some rows). Each running request owns a slot, its proposer state, sampler and K.
-One step:
+One step (:meth:`EngineCore.step`):
 
-1. waiting requests take the free slots (continuous batching: they join the running batch at the next step),
-   re-using a kept KV prefix when the prefix cache holds one (:mod:`draftwise.prefix_cache`);
-2. every decoding sequence gets its K (fixed; its own :class:`~draftwise.speculation.controller.KController` such as AutoK;
-   or load-aware for the batch, :func:`draftwise.speculation.cost_model.plan_batch_k`) and its proposer drafts up to K
-   tokens deep (a chain, or a tree on backends that run trees);
-3. the pass's pieces are, per decoding sequence, its last committed token and its draft tokens, then chunks of
-   the prompts still being prefilled within a token budget per step (``max_num_batched_tokens``, vLLM's name),
-   so a long prompt does not stall the decoders;
-4. ONE backend pass over all pieces;
-5. per sequence: verification with the request's rule (:func:`draftwise.verification.verify`: greedy, coupled,
-   rejection; chains and trees), commit up to a stop condition, the slot cut to the committed tokens (a chain:
-   setting its length; a tree: keeping the accepted path, ``compact``); proposers that read the target's hidden
-   states (Medusa, EAGLE) observe those of the kept positions; a prefill that completes its prompt samples the
+1. admit: waiting requests take the free slots, re-using a kept KV prefix (:mod:`draftwise.engine.prefix_reuse`);
+2. schedule: the step's token budget (:mod:`draftwise.engine.scheduler`) says how many draft rows it can hold;
+3. draft: every decoding sequence gets its K (fixed; its own :class:`~draftwise.speculation.controller.KController`
+   such as AutoK; or load-aware for the batch, :mod:`draftwise.speculation.batch_plan`) and its proposer drafts
+   up to K tokens deep (a chain, or a tree on backends that run trees);
+4. plan and ONE backend pass: per decoding sequence its last committed token and its draft, then chunks of the
+   prompts still being prefilled in the rows left (the :class:`~draftwise.engine.scheduler.StepPlan` says where
+   each sequence's logits and hidden states lie in the pass's output);
+5. per sequence: verify with the request's rule (:func:`draftwise.verification.verify`: greedy, coupled,
+   rejection; chains and trees), roll the slot back to the accepted tokens (a chain: setting its length; a tree:
+   keeping the accepted path, ``compact``), commit up to a stop condition; proposers that read the target's
+   hidden states (Medusa, EAGLE) observe those of the kept positions; a prompt whose last chunk ran samples its
    first token; finished sequences free their slot at once.
+
+A failure is confined to the sequence that caused it where that can be told apart (:mod:`draftwise.engine.faults`).
 
 Exactness: the lean runtime gives a row the same logits whatever other rows share the pass (bit for bit,
 :mod:`draftwise.backends.lean.attention`), and a k-token verification the same logits as one-token decoding.
@@ -36,37 +37,34 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from functools import partial
 
 import torch
 
-from draftwise.backends.base import CausalLM, ContextOverflowError
+from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.model import LeanLlama
-from draftwise.backends.slots import (
-    LOGITS_ALL,
-    LOGITS_LAST,
-    LOGITS_NONE,
-    Piece,
-    SlotBackend,
-    as_slot_backend,
-    chunk_counts,
-)
+from draftwise.backends.slots import PassOutput, SlotBackend, as_slot_backend
 from draftwise.config import SamplingParams
-from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
-from draftwise.speculation.cost_model import PassCostCurve, StepOverhead, batch_step_rate, expected_tokens, plan_batch_k
+from draftwise.engine.faults import guarded, retry_alone
+from draftwise.engine.prefix_reuse import PrefixReuse
 from draftwise.engine.proposers import BatchProposer, StepPricing
-from draftwise.engine.sequence import DECODING, PREFILLING, BatchSequence, GenerationResult, commit_tokens
+from draftwise.engine.scheduler import ScheduledSequence, Scheduler, StepBudget, StepInfo, StepPlan, fit_rows, \
+    within_rows
+from draftwise.engine.sequence import BatchSequence, GenerationResult, SequenceOutput, check_prompt, commit_tokens
 from draftwise.methods import K_POLICIES
-from draftwise.prefix_cache import PrefixCache, PrefixEntry
-from draftwise.proposers.base import DraftProposal, common_prefix_length
+from draftwise.prefix_cache import PrefixCache
+from draftwise.proposers.base import DraftProposal
 from draftwise.sampling import Sampler
+from draftwise.speculation.batch_plan import learn_outcome, plan_with_probes
+from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
+from draftwise.speculation.cost_model import PassCostCurve, StepOverhead
+from draftwise.speculation.pass_costs import StepClock, calibrate_step_costs, draft_pass_seconds, step_seconds
 from draftwise.stats import SpeculativeStats
-from draftwise.verification import verify
+from draftwise.verification import VerificationResult, verify
 
-__all__ = ["EngineCore", "SequenceOutput", "StepInfo", "UnattributedStepError", "calibrate_pass_costs",
-           "BATCHED_METHODS"]
+__all__ = ["EngineCore", "BATCHED_METHODS"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,120 +73,6 @@ logger = logging.getLogger(__name__)
 BATCHED_METHODS = ("ngram", "suffix", "draft_model", "hybrid")
 
 
-@dataclass(frozen=True)
-class SequenceOutput:
-    """What one step did for one sequence: ``token_ids`` newly committed (possibly none) and whether it
-    finished (then ``sequence.result`` is set). ``error``: the exception that failed this sequence (its
-    ``finish_reason`` is then ``"error"``), None otherwise."""
-
-    sequence: BatchSequence
-    token_ids: list[int]
-    finished: bool
-    error: BaseException | None = None
-
-
-class UnattributedStepError(RuntimeError):
-    """A batched step failed and so did every one of its sequences when retried alone: the fault is not one
-    request's (the engine itself fails), so no request can be told apart as its cause. ``cause`` is the
-    batched step's exception."""
-
-    def __init__(self, num_sequences: int, cause: BaseException) -> None:
-        super().__init__(f"the batched step failed for all {num_sequences} requests in it, and for each of them "
-                         f"retried alone, so the failure cannot be attributed to one request: "
-                         f"{type(cause).__name__}: {cause}")
-        self.cause = cause
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One step of the engine (for metrics and logs).
-
-    Attributes:
-        rows: rows in the target pass; ``prefill_rows`` / ``draft_rows`` of them: prompt chunks and draft tokens.
-        num_sequences: sequences with rows in the pass; ``num_decoding``: of them, decoding ones.
-        committed_tokens: output tokens committed by the step (all sequences).
-        pass_s, draft_s: seconds of the target pass and of drafting.
-        ks: draft tokens (rows) of every decoding sequence (0: plain step), in slot order.
-        overhead_s: the engine's estimate of its own seconds per step after this one (the median over recent
-            steps, :attr:`EngineCore.step_overhead`; 0 until the step is measured).
-    """
-
-    rows: int
-    prefill_rows: int
-    draft_rows: int
-    num_sequences: int
-    num_decoding: int
-    committed_tokens: int
-    pass_s: float
-    draft_s: float
-    ks: tuple[int, ...]
-    overhead_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class _LiveSequence:
-    """What a slot of a backend that cannot export its cache still holds after a request, and whose it is."""
-
-    scope: str
-    tokens: tuple[int, ...]
-    marker: object
-
-
-# ---------------------------------------------------------------------------------------------- calibration
-def calibrate_pass_costs(backend: SlotBackend | LeanLlama, counts: Iterable[int], slots: Sequence[int], *,
-                         repeats: int = 1, curve: PassCostCurve | None = None,
-                         per_sequence: bool = False) -> PassCostCurve:
-    """Time passes over ``n`` rows for each ``n`` in ``counts`` (seconds, the best of ``repeats``) on ``slots``
-    (which must be free: their lengths are reset to 0 afterwards).
-
-    Without ``per_sequence``: the rows are spread one chain per slot (a draft model's passes look like this:
-    one row per drafting sequence). With it: the rows are one chain in one slot, which times the per-row part,
-    and one pass over ``len(slots)`` rows spread over every slot, whose extra time over the same rows in one slot
-    gives the curve's ``per_sequence`` seconds (attention runs once per sequence and layer).
-
-    A short start for :class:`~draftwise.speculation.cost_model.PassCostCurve`, which the engine then refines with every pass
-    it runs. Returns ``curve`` (a new one by default) with the points added.
-
-    Raises:
-        ValueError: no slots, or a count < 1.
-    """
-    if not slots:
-        raise ValueError("calibration needs at least one free slot")
-    backend = as_slot_backend(backend)
-    curve = curve or PassCostCurve()
-    vocab = backend.vocab_size
-    backend.forward([Piece(slots[0], 0, [1 % vocab])])  # warm-up (first-use kernel setup)
-
-    def timed(n: int, spread: list[int]) -> float:
-        spread = spread[:backend.max_pieces]
-        per_slot = [n // len(spread) + (1 if i < n % len(spread) else 0) for i in range(len(spread))]
-        pieces = [Piece(slot, 0, [(7 * j + 3) % vocab for j in range(m)], logits=LOGITS_LAST)
-                  for slot, m in zip(spread, per_slot) if m > 0]
-        best = float("inf")
-        for _ in range(max(1, repeats)):
-            t0 = time.perf_counter()
-            backend.forward(pieces)
-            best = min(best, time.perf_counter() - t0)
-        return max(best, 1e-9)
-
-    counts = sorted(set(int(c) for c in counts))
-    if counts and counts[0] < 1:
-        raise ValueError(f"row counts must be >= 1, got {counts[0]}")
-    if per_sequence and len(slots) > 1:
-        n = len(slots)
-        extra = timed(n, list(slots)) - timed(n, [slots[0]])
-        curve.per_sequence = max(0.0, extra / (n - 1))
-    for n in counts:
-        if per_sequence:
-            curve.observe(n, timed(n, [slots[0]]), sequences=1)
-        else:
-            curve.observe(n, timed(n, list(slots)))
-    for slot in slots:
-        backend.set_length(slot, 0)
-    return curve
-
-
-# ---------------------------------------------------------------------------------------------- the engine
 class EngineCore:
     """Speculative decoding for one or many requests over one slot backend (see the module docstring).
 
@@ -206,7 +90,7 @@ class EngineCore:
         controller_factory: makes a per-request :class:`~draftwise.speculation.controller.KController` (e.g. AutoK with
             its probe schedule) for requests without their own K; then ``k_policy`` must be ``"fixed"``.
         pass_costs: the target's pass seconds per row count (``"auto"``, and a proposer that ``wants_pricing``);
-            default: measured at construction by :func:`calibrate_pass_costs` (a few passes; for a proposer that
+            default: measured at construction by :func:`~draftwise.speculation.pass_costs.calibrate_step_costs` (a few passes; for a proposer that
             only wants pricing, a failed measurement is logged and its steps go unpriced).
         learn_costs: refine ``pass_costs`` (and a draft model's) with every pass, and price the engine's own time
             per step (:attr:`step_overhead`) into them; False: the given costs alone (scripted).
@@ -274,16 +158,13 @@ class EngineCore:
         self.max_probe_interval = max_probe_interval
         self.prefix_cache = None if self.needs_hidden else prefix_cache
         self.memory = AcceptanceEstimator(max(1, self.num_speculative_tokens), decay=0.995)
-        self._waiting: deque[BatchSequence] = deque()
-        self._running: dict[int, BatchSequence] = {}  # slot -> sequence
-        self._free = list(range(self.max_num_seqs))
-        self._live: dict[int, _LiveSequence] = {}  # slot -> what it still holds (backends without export)
+        self.scheduler = Scheduler(self.max_num_seqs, max_num_batched_tokens, min_prefill_tokens,
+                                   self.backend.max_pieces, self.backend.max_context, self.needs_hidden)
+        self.prefix_reuse = PrefixReuse(self.backend, self.prefix_cache)
         self._next_id = 0
         self.last_step: StepInfo | None = None
         self.step_overhead = StepOverhead()  # the engine's own seconds per step, priced with the passes
-        self._busy_since: float | None = None  # end of the last step while sequences ran (None: idle)
-        self._unpriced_s = 0.0  # this step's time that is no per-step cost: a proposer observing the target's
-        # features (its draft time) and a finishing sequence's export to the prefix cache (once per request)
+        self.clock = StepClock()  # measures them
         self.pass_costs = pass_costs
         priced = self.proposer is not None and (self.k_policy == "auto" or self.proposer.wants_pricing)
         if priced and (pass_costs is None or not len(pass_costs)):
@@ -293,51 +174,41 @@ class EngineCore:
     @property
     def num_running(self) -> int:
         """Sequences holding a slot (prefilling or decoding)."""
-        return len(self._running)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
         """Sequences added but not yet given a slot."""
-        return len(self._waiting)
+        return len(self.scheduler.waiting)
 
     @property
     def num_free_slots(self) -> int:
         """Slots a waiting sequence could take now."""
-        return max(0, len(self._free) - len(self._waiting))
+        return max(0, len(self.scheduler.free) - len(self.scheduler.waiting))
 
     @property
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self.scheduler.running or self.scheduler.waiting)
 
     def running(self) -> list[BatchSequence]:
         """The running sequences, in slot order."""
-        return [self._running[slot] for slot in sorted(self._running)]
+        return self.scheduler.in_slot_order()
 
     def calibrate(self) -> PassCostCurve:
         """Measure the target's (and a draft model's) pass seconds for row counts up to what a step can hold
-        (powers of two), on free slots. Call while the engine is idle.
+        (:func:`~draftwise.speculation.pass_costs.calibrate_step_costs`), on free slots. Call while the engine is
+        idle.
 
         Raises:
             RuntimeError: sequences are running.
         """
-        if self._running:
+        if self.scheduler.running:
             raise RuntimeError("calibrate while no sequence runs")
-        top = min(self.max_num_batched_tokens, self.max_num_seqs * (self.num_speculative_tokens + 1))
-        counts = sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top, self.max_num_seqs})
-        counts = [c for c in counts if c <= self.backend.max_context]  # timed in one slot; a step never holds more
-        slots = list(range(self.max_num_seqs))
-        t0 = time.perf_counter()
-        curve = calibrate_pass_costs(self.backend, counts, slots, curve=self.pass_costs, repeats=2,
-                                     per_sequence=True)
-        self._live.clear()
         drafting = self.proposer.drafting_model if self.proposer is not None else None
-        if drafting is not None:
-            draft_counts = sorted({1 << i for i in range(self.max_num_seqs.bit_length())} | {self.max_num_seqs})
-            calibrate_pass_costs(drafting.slots.backend, draft_counts, slots, curve=drafting.pass_costs, repeats=2)
-        logger.info("engine: pass costs measured in %.1f s: %s; %.2f ms per sequence in a pass",
-                    time.perf_counter() - t0,
-                    ", ".join(f"{n} rows {s * 1e3:.1f} ms" for n, s in sorted(curve.points.items())),
-                    curve.per_sequence * 1e3)
+        top = min(self.max_num_batched_tokens, self.max_num_seqs * (self.num_speculative_tokens + 1))
+        curve = calibrate_step_costs(self.backend, self.max_num_seqs, top, curve=self.pass_costs,
+                                     draft=(drafting.slots.backend, drafting.pass_costs) if drafting else None)
+        self.prefix_reuse.forget()
         return curve
 
     def _calibrate_for_pricing(self) -> PassCostCurve | None:
@@ -351,7 +222,7 @@ class EngineCore:
                            self.proposer.name, type(exc).__name__, exc)
             for slot in range(self.max_num_seqs):
                 self.backend.set_length(slot, 0)
-            self._live.clear()
+            self.prefix_reuse.forget()
             return None
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, *, scope: str = "",
@@ -374,7 +245,7 @@ class EngineCore:
         if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= self.num_speculative_tokens:
             raise ValueError(f"num_speculative_tokens must be in 0..{self.num_speculative_tokens} (the engine's K), "
                              f"got {num_speculative_tokens}")
-        self._validate_prompt(prompt)
+        check_prompt(prompt, self.backend.vocab_size, self.backend.max_context)
         max_k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         controller = None
         if self.controller_factory is not None and num_speculative_tokens is None and self.proposer is not None:
@@ -389,7 +260,7 @@ class EngineCore:
         if max_k and self.proposer is not None and self.proposer.name == "hybrid":
             sequence.stats.start_hybrid_steps()
         self._next_id += 1
-        self._waiting.append(sequence)
+        self.scheduler.waiting.append(sequence)
         return sequence
 
     def cancel(self, sequence: BatchSequence) -> None:
@@ -397,18 +268,15 @@ class EngineCore:
         committed KV state is kept in the prefix cache). Its result has ``finish_reason="cancelled"``."""
         if sequence.finish_reason:
             return
-        if sequence.slot < 0:
-            try:
-                self._waiting.remove(sequence)
-            except ValueError:
-                pass
+        if sequence.slot < 0 and sequence in self.scheduler.waiting:
+            self.scheduler.waiting.remove(sequence)
         self._finish(sequence, "cancelled")
 
     def abort_all(self, reason: str = "error") -> list[BatchSequence]:
         """Finish every waiting and running sequence with ``reason`` (e.g. after a failed pass; their KV states
         are not kept); returns them."""
-        ended = list(self._waiting) + self.running()
-        self._waiting.clear()
+        ended = list(self.scheduler.waiting) + self.running()
+        self.scheduler.waiting.clear()
         for sequence in ended:
             self._finish(sequence, reason, keep=False)
         return ended
@@ -426,178 +294,75 @@ class EngineCore:
     def step(self) -> list[SequenceOutput]:
         """Admit waiting sequences, run one target pass over every running sequence's rows, verify and commit.
 
-        A failure is confined to the sequence that caused it where that can be told apart: a sequence whose
-        admission (prefix import) or verification raises fails alone; when the shared part of the step
-        (drafting and the target pass) raises, the step is retried one sequence at a time (the failed attempt
-        changed no committed state): each sequence that fails alone too fails with its own error, the others
-        take their step. When every sequence of a step of several fails alone too, each fails with an
-        :class:`UnattributedStepError` saying so.
+        A sequence whose own part of the step raises fails alone; when the shared part (drafting and the pass)
+        raises, the step is retried one sequence at a time (:mod:`draftwise.engine.faults`).
 
         Returns:
-            one :class:`SequenceOutput` per sequence that took part (decoding ones, prefilling ones whose
-            prompt completed, and failed ones with ``error`` set); an empty list when nothing runs.
+            one :class:`~draftwise.engine.sequence.SequenceOutput` per sequence that took part (decoding ones,
+            prefilling ones whose prompt completed, and failed ones with ``error`` set); an empty list when
+            nothing runs.
         """
-        entered, was_busy = time.perf_counter(), bool(self._running)
+        entered, was_busy = time.perf_counter(), bool(self.scheduler.running)
         failed = self._admit()
-        if not self._running:
-            self.last_step = None
-            self._busy_since = None
+        self.last_step = None  # set by a step that completes (a failed or retried one has none to report)
+        if not self.scheduler.running:
+            self.clock.busy_since = None
             return failed
         running = self.running()
-        self.last_step = None  # set by a step that completes (a failed one has none to report)
-        self._unpriced_s = 0.0
+        self.clock.start_step()
         t0 = time.perf_counter()
         try:
             outputs = self._step_over(running)
-        except Exception as exc:  # noqa: BLE001 - confined below to the sequences that cause it
-            outputs = self._retry_alone(running, exc)
+        except Exception as exc:  # noqa: BLE001 - confined to the sequences that cause it
+            outputs = retry_alone(running, exc, self._step_over, self._fail)
+            self.last_step = None  # several passes: no single step to report
         self._measure_overhead(entered if was_busy else None, t0)
         return failed + outputs
 
+    def _step_over(self, running: list[BatchSequence]) -> list[SequenceOutput]:
+        """One step over ``running`` (some of the running sequences): schedule, draft, one pass, then verify and
+        commit each sequence. Raises what drafting or the pass raises, before any committed state changes; a
+        sequence whose own part raises fails alone."""
+        budget = self.scheduler.budget(running)
+        proposals, asked, draft_s = self._draft(budget)
+        plan = self.scheduler.plan(budget, proposals)
+        out, pass_s = self._forward(plan)
+        outputs = [guarded(self._fail, s.sequence, partial(self._verify, s, out, pass_s, draft_s if was_asked else 0.0))
+                   for s, was_asked in zip(plan.decodes, asked)]
+        outputs += [o for o in (self._prefilled(s, out) for s in plan.prefills) if o is not None]
+        self.last_step = plan.info(sum(len(o.token_ids) for o in outputs), pass_s, draft_s)
+        return outputs
+
+    def _forward(self, plan: StepPlan) -> tuple[PassOutput, float]:
+        """The step's one target pass (and its seconds), which refines the pass costs."""
+        t0 = time.perf_counter()
+        out = self.backend.forward(plan.pieces)  # logits [rows with logits, V]; hidden [rows, H] or None
+        pass_s = time.perf_counter() - t0
+        if self.learn_costs and self.pass_costs is not None:
+            self.pass_costs.observe(plan.rows, max(pass_s, 1e-9), sequences=len(plan.pieces))
+        return out, pass_s
+
     def _measure_overhead(self, entered: float | None, start: float) -> None:
-        """Fold the step (begun after admission at ``start``) into :attr:`step_overhead`: its wall time less its
-        target pass and drafting (a proposer observing the target's features included), plus, when sequences ran
-        from the previous step until this one was called (at ``entered``; None: the engine was idle in between),
-        the gap (the caller's own work per step: a server streaming each step's text). Admission (prefix-cache
-        imports) and a finishing sequence's export to the prefix cache are once per request, not per step, and
-        stay out; a retried step is not measured."""
+        """Fold the step whose shared part began at ``start`` into :attr:`step_overhead` (the engine's own seconds,
+        :class:`~draftwise.speculation.pass_costs.StepClock`; ``entered``: when :meth:`step` was called while
+        sequences ran, else None). Admission is once per request, not per step, and stays out; a retried step is
+        not measured."""
         now = time.perf_counter()
         step = self.last_step
         if step is not None:
-            gap = entered - self._busy_since if entered is not None and self._busy_since is not None else 0.0
-            self.step_overhead.observe(gap + (now - start) - step.pass_s - step.draft_s - self._unpriced_s)
+            self.step_overhead.observe(self.clock.own_seconds(entered, start, now, step.pass_s, step.draft_s))
             self.last_step = replace(step, overhead_s=self.step_overhead.seconds)
-        self._busy_since = now if self._running else None
+        self.clock.busy_since = now if self.scheduler.running else None
 
-    def _retry_alone(self, running: list[BatchSequence], exc: BaseException) -> list[SequenceOutput]:
-        """The shared part of a step over ``running`` raised ``exc``: retry it one sequence at a time (see
-        :meth:`step`)."""
-        if len(running) == 1:
-            logger.debug("a step of 1 sequence failed: %s: %s", type(exc).__name__, exc)
-            return [self._fail(running[0], exc)]
-        logger.warning("a batched step of %d sequences failed (%s: %s); retrying each alone to find the cause",
-                       len(running), type(exc).__name__, exc, exc_info=exc)
-        outputs, errors = [], {}
-        for sequence in running:
-            try:
-                outputs.extend(self._step_over([sequence]))
-            except Exception as alone:  # noqa: BLE001 - this sequence's own failure
-                errors[sequence.seq_id] = alone
-        if len(errors) == len(running):
-            logger.error("every one of the %d sequences failed alone too: the failure cannot be attributed to one "
-                         "request; failing all of them", len(running))
-            return [self._fail(s, UnattributedStepError(len(running), exc)) for s in running]
-        for sequence in running:
-            if sequence.seq_id in errors:
-                error = errors[sequence.seq_id]
-                logger.error("sequence %d caused the failed step (it fails alone: %s: %s); failing it only",
-                             sequence.seq_id, type(error).__name__, error)
-                outputs.append(self._fail(sequence, error))
-        if not errors:
-            logger.warning("each of the %d sequences succeeded alone: the step was retried one sequence at a time",
-                           len(running))
-        self.last_step = None  # several passes: no single step to report
-        return outputs
-
-    def _fail(self, sequence: BatchSequence, error: BaseException) -> SequenceOutput:
-        """End a sequence with ``finish_reason="error"`` (its KV state is not kept)."""
-        self._finish(sequence, "error", keep=False)
-        return SequenceOutput(sequence, [], True, error)
-
-    def _step_over(self, running: list[BatchSequence]) -> list[SequenceOutput]:
-        """One step (drafting, one target pass, verification) over ``running``, a subset of the running
-        sequences. Raises what drafting or the pass raises, before any committed state changes; a sequence
-        whose verification raises fails alone."""
-        decoding = [s for s in running if s.state == DECODING]
-        prefilling = [s for s in running if s.state == PREFILLING]
-        pending_prefill = sum(len(s.prompt) - s.num_computed for s in prefilling)
-        reserve = min(pending_prefill, self.min_prefill_tokens)
-        draft_budget = max(0, self.max_num_batched_tokens - len(decoding) - reserve)
-        expected_prefill = min(pending_prefill, max(reserve, self.max_num_batched_tokens - len(decoding)))
-        in_pass = len(decoding) + min(len(prefilling), 1 if expected_prefill else 0)  # sequences in the pass
-        proposals, asked, draft_s = self._draft(decoding, len(decoding) + expected_prefill, draft_budget, in_pass)
-        draft_rows = sum(len(p) for p in proposals)
-        prefill_budget = max(reserve, self.max_num_batched_tokens - len(decoding) - draft_rows)
-        chunks = self._prefill_chunks(prefilling, prefill_budget, self.backend.max_pieces - len(decoding))
-
-        pieces = [self._verify_piece(s, p) for s, p in zip(decoding, proposals)]
-        pieces += [self._prefill_piece(s, count) for s, count in chunks]
-        t0 = time.perf_counter()
-        out = self.backend.forward(pieces)  # logits [rows with logits, V]; hidden [rows, H] or None
-        pass_s = time.perf_counter() - t0
-        rows = sum(len(p.token_ids) for p in pieces)
-        if self.learn_costs and self.pass_costs is not None:
-            self.pass_costs.observe(rows, max(pass_s, 1e-9), sequences=len(pieces))
-
-        outputs: list[SequenceOutput] = []
-        cursor = hidden_cursor = 0
-        for sequence, proposal, was_asked in zip(decoding, proposals, asked):
-            n = 1 + len(proposal)
-            hidden = None
-            if out.hidden is not None:
-                hidden = out.hidden[hidden_cursor:hidden_cursor + n]
-                hidden_cursor += n
-            outputs.append(self._guarded(sequence, self._verify, sequence, proposal, out.logits[cursor:cursor + n],
-                                         hidden, pass_s, draft_s if was_asked else 0.0))
-            cursor += n
-        for sequence, count in chunks:
-            sequence.num_computed += count
-            if out.hidden is not None:
-                sequence.prompt_hidden.append(out.hidden[hidden_cursor:hidden_cursor + count])
-                hidden_cursor += count
-            if sequence.num_computed == len(sequence.prompt):
-                outputs.append(self._guarded(sequence, self._first_token, sequence, out.logits[cursor]))
-                cursor += 1
-        self.last_step = StepInfo(
-            rows=rows, prefill_rows=sum(c for _, c in chunks), draft_rows=draft_rows,
-            num_sequences=len(pieces), num_decoding=len(decoding),
-            committed_tokens=sum(len(o.token_ids) for o in outputs), pass_s=pass_s, draft_s=draft_s,
-            ks=tuple(len(p) for p in proposals))
-        return outputs
-
-    def _verify_piece(self, sequence: BatchSequence, proposal: DraftProposal) -> Piece:
-        """A decoding sequence's rows: its last committed token, then its draft (a chain or a tree)."""
-        context = sequence.context
-        return Piece(sequence.slot, len(context) - 1, [context[-1], *proposal.token_ids],
-                     parents=proposal.parents if proposal.is_tree else None, logits=LOGITS_ALL,
-                     hidden=self.needs_hidden)
-
-    def _prefill_piece(self, sequence: BatchSequence, count: int) -> Piece:
-        """The next ``count`` prompt tokens of a prefilling sequence (logits of the last one when it ends the
-        prompt)."""
-        start = sequence.num_computed
-        done = start + count == len(sequence.prompt)
-        return Piece(sequence.slot, start, sequence.prompt[start:start + count],
-                     logits=LOGITS_LAST if done else LOGITS_NONE, hidden=self.needs_hidden)
-
-    def _guarded(self, sequence: BatchSequence, work: Callable[..., SequenceOutput], *args) -> SequenceOutput:
-        """``work(*args)`` for one sequence; if it raises, that sequence alone fails."""
-        try:
-            return work(*args)
-        except Exception as exc:  # noqa: BLE001 - this sequence's own failure
-            logger.error("sequence %d failed in its own part of the step: %s: %s", sequence.seq_id,
-                         type(exc).__name__, exc, exc_info=exc)
-            return self._fail(sequence, exc)
-
-    # ------------------------------------------------------------------ admission and prefix reuse
+    # ------------------------------------------------------------------ admission
     def _admit(self) -> list[SequenceOutput]:
         """Give waiting sequences the free slots (with prefix reuse); returns the outputs of those whose
         admission failed (each fails alone)."""
         failed = []
-        while self._waiting and self._free:
-            sequence = self._waiting.popleft()
-            slot = self._free.pop(0)
-            sequence.slot = slot
-            sequence.admitted_s = time.perf_counter()
-            self._running[slot] = sequence
-            try:
-                if self._speculates(sequence):
-                    self.proposer.open(sequence)
-                sequence.num_computed = self._reuse_prefix(sequence)
-            except Exception as exc:  # noqa: BLE001 - this sequence's own failure
-                logger.error("sequence %d failed at admission: %s: %s", sequence.seq_id, type(exc).__name__, exc,
-                             exc_info=exc)
-                failed.append(self._fail(sequence, exc))
+        for sequence in self.scheduler.admit():
+            failure = guarded(self._fail, sequence, partial(self._start, sequence), "at admission")
+            if failure is not None:
+                failed.append(failure)
                 continue
             sequence.stats.num_cached_prompt_tokens = sequence.num_computed
             if sequence.controller is not None:
@@ -605,72 +370,25 @@ class EngineCore:
                                           cached_tokens=sequence.num_computed)
         return failed
 
+    def _start(self, sequence: BatchSequence) -> None:
+        """A sequence took a slot: its proposer state opens, and a kept prefix of its prompt fills its slot."""
+        if self._speculates(sequence):
+            self.proposer.open(sequence)
+        sequence.num_computed = self.prefix_reuse.reuse(sequence, self._proposer_of(sequence))
+
     def _speculates(self, sequence: BatchSequence) -> bool:
         return self.proposer is not None and sequence.max_k > 0
 
-    def _reuse_prefix(self, sequence: BatchSequence) -> int:
-        """Put the KV state of the longest kept prefix of the sequence's prompt (same scope) into its slot and its
-        proposer; returns its length (at most ``len(prompt) - 1``: the last prompt token is always fed, for the
-        first token's logits). Without one, the slot (and the proposer) start empty."""
-        slot = sequence.slot
-        live = self._live.pop(slot, None)
-        cache = self.prefix_cache
-        reused = 0
-        if cache is not None and cache.enabled:
-            limit = len(sequence.prompt) - 1
-            if self.backend.supports_export:
-                match = cache.lookup(sequence.scope, sequence.prompt)
-                if match.entry is not None and min(match.length, limit) > 0:
-                    reused = min(match.length, limit)
-                    self.backend.import_slot(slot, match.entry.target_state, reused)
-                    if self._speculates(sequence):
-                        self.proposer.import_state(sequence, match.entry.proposer_state, reused)
-            elif live is not None and live.scope == sequence.scope and \
-                    self.backend.holds(slot, live.marker, len(live.tokens)):
-                # only the sequence the slot still holds can be reused; the proposer reconciles by common prefix
-                reused = min(common_prefix_length(live.tokens, sequence.prompt), limit)
-                if reused > 0:
-                    self.backend.set_length(slot, reused)
-            cache.record(len(sequence.prompt), reused)
-        if not self.backend.supports_export:
-            self.backend.unmark(slot)  # the slot is about to change
-        if reused == 0:
-            self.backend.set_length(slot, 0)
-            if self._speculates(sequence):
-                self.proposer.import_state(sequence, None, 0)
-        return reused
-
-    def _keep(self, sequence: BatchSequence) -> None:
-        """Keep the sequence's committed KV state (target and proposer) for later requests: in the prefix cache,
-        or (a backend that cannot export) as what its slot still holds."""
-        tokens = sequence.context
-        length = min(self.backend.length(sequence.slot), len(tokens))
-        if length <= 0:
-            return
-        if not self.backend.supports_export:
-            self.backend.set_length(sequence.slot, length)
-            self._live[sequence.slot] = _LiveSequence(sequence.scope, tuple(tokens[:length]),
-                                                      self.backend.mark(sequence.slot))
-            return
-        target_state = self.backend.export_slot(sequence.slot, length)
-        proposer_state = self.proposer.export_state(sequence) if self._speculates(sequence) else None
-        self.prefix_cache.insert(PrefixEntry(sequence.scope, tuple(tokens[:length]), target_state, proposer_state,
-                                             target_state.nbytes))
+    def _proposer_of(self, sequence: BatchSequence) -> BatchProposer | None:
+        return self.proposer if self._speculates(sequence) else None
 
     # ------------------------------------------------------------------ drafting and K
-    def _clamp_k(self, sequence: BatchSequence) -> int:
-        """The sequence's largest K now: within its max K, the tokens still wanted and the context room (a step
-        commits at most K + 1 tokens and writes K + 1 cache entries on top of ``len(context) - 1``)."""
-        remaining = sequence.params.max_tokens - len(sequence.generated)
-        room = self.backend.max_context - len(sequence.prompt) - len(sequence.generated)
-        return max(0, min(sequence.max_k, remaining - 1, room - 1))
-
-    def _draft(self, decoding: list[BatchSequence], base_rows: int, draft_budget: int, sequences: int,
-               ) -> tuple[list[DraftProposal], list[bool], float]:
-        """Every decoding sequence's proposal for this step, whether it was asked to draft, and the drafting
-        time (seconds)."""
-        empty = DraftProposal(token_ids=())
-        caps = [self._clamp_k(s) for s in decoding]
+    def _draft(self, budget: StepBudget) -> tuple[list[DraftProposal], list[bool], float]:
+        """Every decoding sequence's proposal for this step within the step's draft rows, whether it was asked to
+        draft, and the drafting time (seconds). K is fixed (each sequence's cap), its own controller's (AutoK), or
+        load-aware for the batch (:func:`~draftwise.speculation.batch_plan.plan_with_probes`)."""
+        decoding, draft_rows, empty = budget.decoding, budget.draft_rows, DraftProposal(token_ids=())
+        caps = [self.scheduler.k_cap(s) for s in decoding]
         for i, sequence in enumerate(decoding):  # a request's own policy chooses its K (AutoK)
             if sequence.controller is not None:
                 caps[i] = max(0, min(caps[i], sequence.controller.choose_k()))
@@ -678,23 +396,24 @@ class EngineCore:
         if self.proposer is None or not any(caps):
             return [empty] * len(decoding), asked, 0.0
         t0 = time.perf_counter()
-        pricing = self._pricing(base_rows, sequences)
+        pricing = self._pricing(budget.base_rows, budget.num_sequences)
         given = pricing if self.proposer.wants_pricing else None
         if self.k_policy == "fixed":  # a lookup drafts its cap, a model only what the row budget holds
-            ks = caps if self.proposer.drafts_first else self._within_rows(caps, draft_budget)
-            proposals = self._fit_rows(self._propose(decoding, ks, given), draft_budget)
-        else:
-            offered: list[DraftProposal | None] = [None] * len(decoding)
-            if self.proposer.drafts_first:
-                offered = self._propose(decoding, caps, given)
-                caps = [min(c, len(p)) for c, p in zip(caps, offered)]
-            ks = self._plan(decoding, caps, pricing, draft_budget)
-            if self.proposer.drafts_first:
-                proposals = [p.truncated(k) if k else empty for p, k in zip(offered, ks)]
-            else:
-                proposals = self._propose(decoding, ks, given)
-        proposals = [self._fit_context(s, p) for s, p in zip(decoding, proposals)]
+            ks = caps if self.proposer.drafts_first else within_rows(caps, draft_rows)
+            proposals = fit_rows(self._propose(decoding, ks, given), draft_rows)
+        elif self.proposer.drafts_first:  # a lookup offers its cap; the plan keeps what pays
+            offered = self._propose(decoding, caps, given)
+            ks = self._plan(decoding, [min(c, len(p)) for c, p in zip(caps, offered)], pricing, draft_rows)
+            proposals = [p.truncated(k) if k else empty for p, k in zip(offered, ks)]
+        else:  # a model drafts only the planned K
+            proposals = self._propose(decoding, self._plan(decoding, caps, pricing, draft_rows), given)
         return proposals, asked, time.perf_counter() - t0
+
+    def _plan(self, decoding: list[BatchSequence], caps: list[int], pricing: StepPricing, draft_rows: int,
+              ) -> list[int]:
+        """Load-aware K per decoding sequence, with probes, on the step's measured costs (:meth:`_pricing`)."""
+        return plan_with_probes(decoding, caps, pricing.base_rows, pricing.pass_seconds, pricing.draft_pass_seconds,
+                                draft_rows)
 
     def _propose(self, decoding: list[BatchSequence], ks: list[int], pricing: StepPricing | None = None,
                  ) -> list[DraftProposal]:
@@ -717,88 +436,59 @@ class EngineCore:
         if self.pass_costs is None or not len(self.pass_costs):
             return None
         drafting = self.proposer.drafting_model
-        draft_curve = drafting.pass_costs if drafting is not None else None
-        draft_pass_seconds = None
-        if draft_curve is not None and len(draft_curve):
-            def draft_pass_seconds(rows: int) -> float:  # one row per drafting sequence
-                return draft_curve.pass_seconds(rows, rows)
-
         overhead = self.step_overhead.seconds if self.learn_costs else 0.0
+        return StepPricing(base_rows, step_seconds(self.pass_costs, sequences, overhead),
+                           draft_pass_seconds(drafting.pass_costs if drafting is not None else None))
 
-        def pass_seconds(rows: int) -> float:  # a step's time: the pass and the engine's own work
-            return self.pass_costs.pass_seconds(rows, sequences) + overhead
+    # ------------------------------------------------------------------ verify, roll back, commit
+    def _verify(self, scheduled: ScheduledSequence, out: PassOutput, pass_s: float, draft_s: float
+                ) -> SequenceOutput:
+        """Verify one decoding sequence's rows, roll its slot back to the accepted tokens, commit them (up to a
+        stop condition), and tell its proposer and K policy."""
+        sequence, proposal = scheduled.sequence, scheduled.proposal
+        context_len = len(sequence.context)
+        logits = out.logits[scheduled.logit_rows]  # [1 + rows of the draft, V]
+        result = verify(proposal.token_ids, proposal.node_parents, proposal.draft_probs, logits, sequence.sampler,
+                        context_len)
+        keep = self._roll_back(sequence, context_len, result)
+        chunk, consumed, reason = self._commit(sequence, result.token_ids)
+        # a stop inside the accepted drafts ends the step there: count drafted and accepted up to it
+        num_drafted = proposal.depth if consumed > result.num_accepted else consumed
+        num_accepted = min(result.num_accepted, consumed)
+        if out.hidden is not None and not reason and self._speculates(sequence):
+            hidden = out.hidden[scheduled.hidden_rows]  # [1 + rows of the draft, H]
+            draft_s += self._observe(sequence, hidden[keep], result.token_ids)
+        self._record_step(sequence, proposal, num_drafted, num_accepted, len(chunk), pass_s, draft_s)
+        if not reason:  # the last step (perhaps cut by a stop) tells nothing about later ones
+            self._learn(sequence, num_drafted, num_accepted, draft_s, pass_s, proposal.hybrid_side != "suffix")
+        if num_drafted:
+            sequence.plain_streak = 0
+        return self._output(sequence, chunk, reason)
 
-        return StepPricing(base_rows, pass_seconds, draft_pass_seconds)
+    def _roll_back(self, sequence: BatchSequence, context_len: int, result: VerificationResult) -> list[int]:
+        """Cut the sequence's slot to the entries of its last committed token and the accepted drafts (a chain:
+        setting its length; a tree: keeping the accepted path); returns their rows in the sequence's piece."""
+        keep = [0] + [1 + node for node in result.accepted_nodes]
+        self.backend.compact(sequence.slot, context_len - 1, keep)
+        sequence.sampler.release(context_len + len(result.token_ids))
+        return keep
 
-    @staticmethod
-    def _within_rows(caps: list[int], budget: int) -> list[int]:
-        """Fixed K: each sequence's cap, oldest slot first, within the step's draft-row budget."""
-        ks = []
-        for cap in caps:
-            ks.append(min(cap, budget))
-            budget -= ks[-1]
-        return ks
+    def _commit(self, sequence: BatchSequence, tokens: Sequence[int]) -> tuple[list[int], int, str]:
+        return commit_tokens(sequence.generated, tokens, stop_ids=sequence.stop_ids,
+                             max_tokens=sequence.params.max_tokens,
+                             max_generated=self.backend.max_context - len(sequence.prompt))
 
-    @staticmethod
-    def _fit_rows(proposals: list[DraftProposal], budget: int) -> list[DraftProposal]:
-        """Cut drafts (a tree has a row per node) to the step's draft-row budget."""
-        fitted = []
-        for proposal in proposals:
-            if len(proposal) > budget:
-                proposal = proposal.truncated(max(0, budget))
-            fitted.append(proposal)
-            budget -= len(proposal)
-        return fitted
+    def _prefilled(self, scheduled: ScheduledSequence, out: PassOutput) -> SequenceOutput | None:
+        """A prompt chunk ran: the prompt's progress advances; once it is whole, its first token is sampled."""
+        sequence = scheduled.sequence
+        sequence.num_computed += len(scheduled.piece.token_ids)
+        if out.hidden is not None:
+            sequence.prompt_hidden.append(out.hidden[scheduled.hidden_rows])  # [chunk, H]
+        if sequence.prompt_left:
+            return None
+        logits = out.logits[scheduled.logit_rows.start]  # [V], the last prompt row's
+        return guarded(self._fail, sequence, partial(self._first_token, sequence, logits))
 
-    def _fit_context(self, sequence: BatchSequence, proposal: DraftProposal) -> DraftProposal:
-        """A tree pass writes one cache entry per node on top of the context: cut it at the context's end."""
-        if proposal.is_tree:
-            return proposal.truncated(self.backend.max_context - len(sequence.prompt) - len(sequence.generated))
-        return proposal
-
-    def _plan(self, decoding: list[BatchSequence], caps: list[int], pricing: StepPricing, draft_budget: int,
-              ) -> list[int]:
-        """Load-aware K per decoding sequence with probes, on the step's measured costs (:meth:`_pricing`),
-        within the step's draft-row budget."""
-        rates = [s.estimator.rates(cap) for s, cap in zip(decoding, caps)]
-        base_rows, pass_seconds, draft_seconds = pricing.base_rows, pricing.pass_seconds, pricing.draft_pass_seconds
-        ks = plan_batch_k(rates, caps, base_rows, pass_seconds, draft_seconds, draft_budget)
-        self._probe(decoding, caps, ks, rates, base_rows, draft_budget, pass_seconds, draft_seconds)
-        return ks
-
-    def _probe(self, decoding, caps, ks, rates, base_rows, draft_budget, pass_seconds, draft_seconds) -> None:
-        """A sequence kept at K = 0 (its acceptance looked too low) gets a one-token probe after its interval
-        of plain steps, when one fully accepted draft token would raise the batch's rate: without it, its
-        acceptance estimate would never learn that the text became predictable. The interval doubles after a
-        rejected probe (up to ``max_probe_interval``) and resets after an accepted one."""
-        expected = sum(expected_tokens(r[:k]) for r, k in zip(rates, ks))
-        rows = base_rows + sum(ks)
-        draft_s = 0.0
-        if draft_seconds is not None and any(ks):
-            draft_s = sum(draft_seconds(sum(1 for k in ks if k > d)) for d in range(max(ks)))
-        now = batch_step_rate([expected], pass_seconds(rows), draft_s)
-        for i, sequence in enumerate(decoding):
-            sequence.probing = False
-            if ks[i] > 0 or caps[i] == 0:
-                continue
-            sequence.plain_streak += 1
-            if sequence.plain_streak < sequence.backoff.interval or sum(ks) >= draft_budget:
-                continue
-            extra = 0.0 if draft_seconds is None else draft_seconds(max(1, sum(1 for k in ks if k > 0)))
-            if batch_step_rate([expected + 1.0], pass_seconds(rows + 1), draft_s + extra) <= now:
-                continue
-            ks[i], sequence.probing, sequence.plain_streak = 1, True, 0
-
-    # ------------------------------------------------------------------ prefill
-    def _prefill_chunks(self, prefilling: list[BatchSequence], budget: int, pieces_left: int
-                        ) -> list[tuple[BatchSequence, int]]:
-        """Prompt chunks for this step, oldest sequence first, within ``budget`` rows and the pieces a pass can
-        still hold (:func:`~draftwise.backends.slots.chunk_counts`)."""
-        ordered = sorted(prefilling, key=lambda s: s.seq_id)
-        counts = chunk_counts([len(s.prompt) - s.num_computed for s in ordered], budget, pieces_left)
-        return [(s, count) for s, count in zip(ordered, counts) if count > 0]
-
-    # ------------------------------------------------------------------ results
     def _first_token(self, sequence: BatchSequence, logits: torch.Tensor) -> SequenceOutput:
         """The prompt is in the cache: sample the first output token from the last prompt row's logits
         (``[V]``); a proposer reading the target's features observes the prompt's."""
@@ -806,7 +496,6 @@ class EngineCore:
         stats.prefill_time_s = time.perf_counter() - sequence.admitted_s
         first = sequence.sampler.sample(logits, len(sequence.prompt))
         chunk, _, reason = self._commit(sequence, (first,))
-        sequence.first_token_done = True
         if sequence.prompt_hidden and not reason and self._speculates(sequence):
             hidden = torch.cat(sequence.prompt_hidden) if len(sequence.prompt_hidden) > 1 else sequence.prompt_hidden[0]
             stats.draft_time_s += self._observe(sequence, hidden, sequence.prompt[1:] + [first])
@@ -818,38 +507,19 @@ class EngineCore:
         t0 = time.perf_counter()
         self.proposer.observe(sequence, hidden, next_token_ids)
         seconds = time.perf_counter() - t0
-        self._unpriced_s += seconds
+        self.clock.exclude(seconds)
         return seconds
 
-    def _verify(self, sequence: BatchSequence, proposal: DraftProposal, logits: torch.Tensor,
-                hidden: torch.Tensor | None, pass_s: float, draft_s: float) -> SequenceOutput:
-        """Verify one sequence's rows (``logits [1 + n, V]``, ``hidden [1 + n, H]`` or None), commit, and cut its
-        slot to the committed tokens (for a tree: the accepted path's entries)."""
-        context_len = len(sequence.prompt) + len(sequence.generated)
-        result = verify(proposal.token_ids, proposal.node_parents, proposal.draft_probs, logits, sequence.sampler,
-                        context_len)
-        keep = [0] + [1 + node for node in result.accepted_nodes]
-        self.backend.compact(sequence.slot, context_len - 1, keep)  # a chain's accepted prefix: a rollback
-        sequence.sampler.release(context_len + len(result.token_ids))
-        chunk, consumed, reason = self._commit(sequence, result.token_ids)
-        # a stop inside the accepted drafts ends the step there: count drafted and accepted up to it
-        num_drafted = proposal.depth if consumed > result.num_accepted else consumed
-        num_accepted = min(result.num_accepted, consumed)
-        if hidden is not None and not reason and self._speculates(sequence):
-            draft_s += self._observe(sequence, hidden[keep], result.token_ids)
+    def _record_step(self, sequence: BatchSequence, proposal: DraftProposal, num_drafted: int, num_accepted: int,
+                     num_committed: int, pass_s: float, draft_s: float) -> None:
         stats = sequence.stats
         stats.target_time_s += pass_s
         stats.draft_time_s += draft_s
-        stats.record_step(num_drafted, num_accepted, len(chunk))
+        stats.record_step(num_drafted, num_accepted, num_committed)
         stats.num_tree_nodes += len(proposal) if proposal.is_tree else 0
         if proposal.hybrid_side:
             stats.record_hybrid_step(proposal.hybrid_side, num_drafted)
         stats.step_end_s.append(time.perf_counter() - sequence.admitted_s)
-        if not reason:  # the last step (perhaps cut by a stop) tells nothing about later ones
-            self._learn(sequence, num_drafted, num_accepted, draft_s, pass_s, proposal.hybrid_side != "suffix")
-        if num_drafted:
-            sequence.plain_streak = 0
-        return self._output(sequence, chunk, reason)
 
     def _learn(self, sequence: BatchSequence, num_drafted: int, num_accepted: int, draft_s: float,
                pass_s: float, model_drafted: bool = True) -> None:
@@ -858,44 +528,33 @@ class EngineCore:
         if sequence.controller is not None:
             sequence.controller.observe(num_drafted, num_accepted, draft_s, pass_s,
                                         overhead_s=self.step_overhead.seconds, model_drafted=model_drafted)
-            return
-        if not num_drafted:
-            return
-        sequence.estimator.observe(num_drafted, num_accepted)
-        self.memory.observe(num_drafted, num_accepted)
-        if sequence.probing:
-            if num_accepted == num_drafted:
-                sequence.backoff.reset()
-            else:
-                sequence.backoff.rejected()
+        else:
+            learn_outcome(sequence, self.memory, num_drafted, num_accepted)
 
-    def _commit(self, sequence: BatchSequence, tokens: Sequence[int]) -> tuple[list[int], int, str]:
-        return commit_tokens(sequence.generated, tokens, stop_ids=sequence.stop_ids,
-                             max_tokens=sequence.params.max_tokens,
-                             max_generated=self.backend.max_context - len(sequence.prompt))
-
+    # ------------------------------------------------------------------ finishing
     def _output(self, sequence: BatchSequence, chunk: list[int], reason: str) -> SequenceOutput:
         if reason:
             self._finish(sequence, reason)
         return SequenceOutput(sequence, chunk, bool(reason))
 
+    def _fail(self, sequence: BatchSequence, error: BaseException) -> SequenceOutput:
+        """End a sequence with ``finish_reason="error"`` (its KV state is not kept)."""
+        self._finish(sequence, "error", keep=False)
+        return SequenceOutput(sequence, [], True, error)
+
     def _finish(self, sequence: BatchSequence, reason: str, keep: bool = True) -> None:
-        """End a sequence: keep its KV state (prefix cache), free its slot, fill its result."""
+        """End a sequence: keep its KV state (prefix reuse), free its slot, fill its result."""
         sequence.finish_reason = reason
         if sequence.slot >= 0:
-            slot = sequence.slot
-            if keep and self.prefix_cache is not None and self.prefix_cache.enabled:
+            if keep and self.prefix_reuse.enabled:
                 t0 = time.perf_counter()
                 self._keep(sequence)
-                self._unpriced_s += time.perf_counter() - t0
+                self.clock.exclude(time.perf_counter() - t0)  # once per request, not per step
             if self._speculates(sequence):
                 self.proposer.close(sequence)
-            if slot not in self._live:
-                self.backend.set_length(slot, 0)
-            del self._running[slot]
-            self._free.append(slot)
-            self._free.sort()
-            sequence.slot = -1
+            if not self.prefix_reuse.holds(sequence.slot):
+                self.backend.set_length(sequence.slot, 0)
+            self.scheduler.release(sequence)
         stats = sequence.stats
         if sequence.controller is not None:
             for note in sequence.controller.notes():
@@ -908,13 +567,6 @@ class EngineCore:
             logger.warning("%s", warning)
         sequence.result = GenerationResult(token_ids=list(sequence.generated), finish_reason=reason, stats=stats)
 
-    def _validate_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if min(prompt) < 0 or max(prompt) >= self.backend.vocab_size:
-            raise ValueError(f"prompt holds a token id outside [0, {self.backend.vocab_size})")
-        if len(prompt) >= self.backend.max_context:
-            raise ContextOverflowError(
-                f"the prompt has {len(prompt)} tokens; the context length is {self.backend.max_context} tokens, "
-                "which leaves no room for new tokens")
-
+    def _keep(self, sequence: BatchSequence) -> None:
+        """Keep the sequence's committed KV state for later requests (:meth:`PrefixReuse.keep`)."""
+        self.prefix_reuse.keep(sequence, self._proposer_of(sequence))

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from draftwise.backends.base import ContextOverflowError
 from draftwise.config import SamplingParams
 from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.sampling import Sampler
 from draftwise.stats import SpeculativeStats
 
-__all__ = ["BatchSequence", "GenerationResult", "commit_tokens", "WAITING", "PREFILLING", "DECODING", "FINISHED"]
+__all__ = ["BatchSequence", "GenerationResult", "RequestState", "SequenceOutput", "check_prompt", "commit_tokens"]
 
-WAITING, PREFILLING, DECODING, FINISHED = "waiting", "prefilling", "decoding", "finished"
+
+class RequestState(enum.Enum):
+    """Where a request is in an engine core. A running request has no phase: its prefill progress is how many
+    prompt tokens its slot holds (:attr:`BatchSequence.num_computed` against the prompt's length)."""
+
+    WAITING = "waiting"  # added, no slot yet
+    RUNNING = "running"  # holds a slot: prompt chunks, then its last token and drafts, in each step
+    FINISHED = "finished"  # its result is set
 
 
 @dataclass
@@ -51,7 +60,8 @@ class BatchSequence:
         finish_reason: ``""`` while running; then ``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"``.
         result: the :class:`GenerationResult` once finished.
         slot: its KV-cache slot while running (-1 otherwise).
-        num_computed: prompt tokens whose keys and values its slot holds (prefill progress, tokens).
+        num_computed: prompt tokens whose keys and values its slot holds (prefill progress, tokens); the prompt
+            is prefilled, and its first output token committed, once it equals ``len(prompt)``.
         estimator: its acceptance estimate (seeded from the engine's long-memory estimate).
         controller: its own K policy (:class:`~draftwise.speculation.controller.KController`, e.g. AutoK), or None when the
             engine plans K for the batch (fixed or load-aware; ``backoff``: the load-aware plan's probe schedule).
@@ -74,25 +84,56 @@ class BatchSequence:
     slot: int = -1
     num_computed: int = 0
     admitted_s: float = 0.0
-    first_token_done: bool = False  # the prompt is prefilled and its first output token committed
     plain_streak: int = 0  # load-aware K: consecutive steps planned at K = 0 while a draft was offered
     backoff: ProbeBackoff | None = None  # load-aware K: plain steps before a probe with K = 1
     probing: bool = False
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [rows, H] per prefill chunk (Medusa/EAGLE)
 
     @property
-    def state(self) -> str:
-        """``"waiting"``, ``"prefilling"``, ``"decoding"`` or ``"finished"``."""
+    def state(self) -> RequestState:
+        """Waiting, running or finished."""
         if self.finish_reason:
-            return FINISHED
-        if self.slot < 0:
-            return WAITING
-        return DECODING if self.first_token_done else PREFILLING
+            return RequestState.FINISHED
+        return RequestState.WAITING if self.slot < 0 else RequestState.RUNNING
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill (0: its steps decode)."""
+        return len(self.prompt) - self.num_computed
 
     @property
     def context(self) -> list[int]:
         """Prompt + committed output."""
         return self.prompt + self.generated
+
+
+@dataclass(frozen=True)
+class SequenceOutput:
+    """What one step did for one sequence: ``token_ids`` newly committed (possibly none) and whether it
+    finished (then ``sequence.result`` is set). ``error``: the exception that failed this sequence (its
+    ``finish_reason`` is then ``"error"``), None otherwise."""
+
+    sequence: BatchSequence
+    token_ids: list[int]
+    finished: bool
+    error: BaseException | None = None
+
+
+def check_prompt(prompt: Sequence[int], vocab_size: int, max_context: int) -> None:
+    """Refuse a prompt a request cannot run with.
+
+    Raises:
+        ValueError: an empty prompt, or a token id outside ``[0, vocab_size)``.
+        ContextOverflowError: ``max_context`` tokens leave no room for a new token after it.
+    """
+    if not prompt:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"prompt holds a token id outside [0, {vocab_size})")
+    if len(prompt) >= max_context:
+        raise ContextOverflowError(
+            f"the prompt has {len(prompt)} tokens; the context length is {max_context} tokens, "
+            "which leaves no room for new tokens")
 
 
 def commit_tokens(generated: list[int], tokens: Sequence[int], *, stop_ids: frozenset[int], max_tokens: int,
