@@ -1,36 +1,23 @@
 """The engine core: one loop for one or many requests, every proposer, every backend.
 
 :class:`EngineCore` drives a :class:`~draftwise.backends.slots.SlotBackend`: a lean target with many KV-cache
-slots (:class:`~draftwise.backends.slots.LeanSlots`), or any single-sequence backend as one slot
-(:class:`~draftwise.backends.slots.OneSlot`: transformers, llama.cpp, the lean runtime's one-sequence view). A
-single request is a batch of one (vLLM v1's engine core: there is no prefill phase nor decoding phase, each step
-gives every running request some rows). Each running request owns a slot, its proposer state, sampler and K.
-One step (:meth:`EngineCore.step`):
+slots, or any single-sequence backend as one slot (transformers, llama.cpp). A single request is a batch of one
+(vLLM v1's engine core: there is no prefill phase nor decoding phase). Each running request owns a slot, its
+proposer state, sampler and K. One :meth:`~EngineCore.step`:
 
-1. admit: waiting requests take the free slots, re-using a kept KV prefix (:mod:`draftwise.engine.prefix_reuse`);
-2. schedule: the step's token budget (:mod:`draftwise.engine.scheduler`) says how many draft rows it can hold;
-3. draft: every decoding sequence gets its K (fixed; its own :class:`~draftwise.speculation.controller.KController`
-   such as AutoK; or load-aware for the batch, :mod:`draftwise.speculation.batch_plan`) and its proposer drafts
-   up to K tokens deep (a chain, or a tree on backends that run trees);
-4. plan and ONE backend pass: per decoding sequence its last committed token and its draft, then chunks of the
-   prompts still being prefilled in the rows left (the :class:`~draftwise.engine.scheduler.StepPlan` says where
-   each sequence's logits and hidden states lie in the pass's output);
-5. per sequence: verify with the request's rule (:func:`draftwise.verification.verify`: greedy, coupled,
-   rejection; chains and trees), roll the slot back to the accepted tokens (a chain: setting its length; a tree:
-   keeping the accepted path, ``compact``), commit up to a stop condition; proposers that read the target's
-   hidden states (Medusa, EAGLE) observe those of the kept positions; a prompt whose last chunk ran samples its
-   first token; finished sequences free their slot at once.
+1. admit: waiting requests take free slots, with a kept KV prefix (:mod:`draftwise.engine.prefix_reuse`);
+2. schedule: the token budget says how many draft rows the step holds (:mod:`draftwise.engine.scheduler`);
+3. draft: each decoding sequence's K and its proposer's draft, a chain or a tree (:mod:`draftwise.engine.drafting`);
+4. one pass: per decoding sequence its last token and draft, then prompt chunks in the rows left, laid out by the
+   scheduler's :class:`~draftwise.engine.scheduler.StepPlan` (where each sequence's logits and hidden rows lie);
+5. per sequence: verify (:func:`draftwise.verification.verify`: greedy, coupled, rejection), roll its slot back to
+   the accepted tokens, commit up to a stop condition; a completed prompt samples its first token.
 
 A failure is confined to the sequence that caused it where that can be told apart (:mod:`draftwise.engine.faults`).
-
-Exactness: the lean runtime gives a row the same logits whatever other rows share the pass (bit for bit,
-:mod:`draftwise.backends.lean.attention`), and a k-token verification the same logits as one-token decoding.
-So a sequence's greedy output is identical whatever else is in the batch, with or without speculation, and
-under coupled sampling with a seed (:mod:`draftwise.sampling`) its text is the one it gets served alone.
-
-Not thread-safe: one thread calls :meth:`EngineCore.add`, :meth:`~EngineCore.step` and
-:meth:`~EngineCore.cancel` (the server's :class:`draftwise.server.batch_scheduler.BatchScheduler` does; the
-library's :class:`draftwise.engine.facade.SpeculativeEngine` does for one request at a time).
+Exactness: the lean runtime gives a row the same logits whatever shares the pass (bit for bit), so a sequence's
+greedy output, and its coupled-sampling text with a seed, is the one it gets served alone. Not thread-safe: one
+thread calls :meth:`~EngineCore.add`, :meth:`~EngineCore.step` and :meth:`~EngineCore.cancel` (the server's
+:class:`draftwise.server.batch_scheduler.BatchScheduler`, or :class:`draftwise.engine.facade.SpeculativeEngine`).
 """
 
 from __future__ import annotations
@@ -47,17 +34,15 @@ from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import PassOutput, SlotBackend, as_slot_backend
 from draftwise.config import SamplingParams
+from draftwise.engine.drafting import Drafter, check_k_options
 from draftwise.engine.faults import guarded, retry_alone
 from draftwise.engine.prefix_reuse import PrefixReuse
 from draftwise.engine.proposers import BatchProposer, StepPricing
-from draftwise.engine.scheduler import ScheduledSequence, Scheduler, StepBudget, StepInfo, StepPlan, fit_rows, \
-    within_rows
+from draftwise.engine.scheduler import ScheduledSequence, Scheduler, StepInfo, StepPlan
 from draftwise.engine.sequence import BatchSequence, GenerationResult, SequenceOutput, check_prompt, commit_tokens
-from draftwise.methods import K_POLICIES
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import DraftProposal
 from draftwise.sampling import Sampler
-from draftwise.speculation.batch_plan import learn_outcome, plan_with_probes
 from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.speculation.cost_model import PassCostCurve, StepOverhead
 from draftwise.speculation.pass_costs import StepClock, calibrate_step_costs, draft_pass_seconds, step_seconds
@@ -84,21 +69,19 @@ class EngineCore:
         num_speculative_tokens: K, the largest draft depth per sequence and step (ignored without a proposer).
         eos_token_ids: token ids that end a request (unless it sets ``ignore_eos``).
         max_num_seqs: sequences running at once (default: every slot of the backend).
-        max_num_batched_tokens: rows per target pass (decode rows, draft rows and prompt chunks together);
-            prompt chunks fill what decoding leaves, at least ``min_prefill_tokens`` per step while a prompt waits.
-        k_policy: ``"fixed"`` or ``"auto"`` (load-aware K for the batch, see :data:`K_POLICIES`).
-        controller_factory: makes a per-request :class:`~draftwise.speculation.controller.KController` (e.g. AutoK with
-            its probe schedule) for requests without their own K; then ``k_policy`` must be ``"fixed"``.
+        max_num_batched_tokens, min_prefill_tokens: rows per target pass (decode rows, draft rows and prompt
+            chunks together), and prompt rows per step at least while a prompt waits (:class:`Scheduler`).
+        k_policy: ``"fixed"`` or ``"auto"`` (load-aware K for the batch, :data:`draftwise.methods.K_POLICIES`).
+        controller_factory: makes a per-request :class:`~draftwise.speculation.controller.KController` (e.g. AutoK)
+            for requests without their own K; then ``k_policy`` must be ``"fixed"``.
         pass_costs: the target's pass seconds per row count (``"auto"``, and a proposer that ``wants_pricing``);
-            default: measured at construction by :func:`~draftwise.speculation.pass_costs.calibrate_step_costs` (a few passes; for a proposer that
-            only wants pricing, a failed measurement is logged and its steps go unpriced).
+            default: measured at construction (:meth:`calibrate`; for a proposer that only wants pricing, a failed
+            measurement is logged and its steps go unpriced).
         learn_costs: refine ``pass_costs`` (and a draft model's) with every pass, and price the engine's own time
             per step (:attr:`step_overhead`) into them; False: the given costs alone (scripted).
-        prefix_cache: keeps finished sequences' KV states (target and proposer) for later requests sharing a
-            prompt prefix in the same scope; None or disabled: every request prefills its whole prompt. Ignored
-            for proposers that read the target's hidden states (they need every prompt position's features). A
-            backend that cannot export its cache reuses only the sequence its slot still holds.
-        min_prefill_tokens: prompt tokens prefilled per step at least, whatever decoding takes.
+        prefix_cache: keeps finished sequences' KV states for later requests sharing a prompt prefix in the same
+            scope (:class:`PrefixReuse`); ignored for proposers that read the target's hidden states (they need
+            every prompt position's features).
         max_probe_interval: load-aware K: a sequence planned at K = 0 while drafts are offered gets a probe with
             K = 1 after 4, 8, ... up to this many plain steps (only when a fully accepted draft token would pay).
 
@@ -107,23 +90,12 @@ class EngineCore:
             backend cannot serve (hidden states).
     """
 
-    def __init__(
-        self,
-        target: SlotBackend | CausalLM,
-        proposer: BatchProposer | None = None,
-        num_speculative_tokens: int = 5,
-        eos_token_ids: Iterable[int] = (),
-        *,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int = 256,
-        k_policy: str = "fixed",
-        controller_factory: Callable[[], KController] | None = None,
-        pass_costs: PassCostCurve | None = None,
-        learn_costs: bool = True,
-        prefix_cache: PrefixCache | None = None,
-        min_prefill_tokens: int = 32,
-        max_probe_interval: int = 64,
-    ) -> None:
+    def __init__(self, target: SlotBackend | CausalLM, proposer: BatchProposer | None = None,
+                 num_speculative_tokens: int = 5, eos_token_ids: Iterable[int] = (), *,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int = 256, k_policy: str = "fixed",
+                 controller_factory: Callable[[], KController] | None = None, pass_costs: PassCostCurve | None = None,
+                 learn_costs: bool = True, prefix_cache: PrefixCache | None = None, min_prefill_tokens: int = 32,
+                 max_probe_interval: int = 64) -> None:
         self.target = target
         self.backend = as_slot_backend(target)
         self.model: LeanLlama | None = getattr(self.backend, "model", None)  # the lean decoder, when lean
@@ -131,18 +103,8 @@ class EngineCore:
         self.max_num_seqs = slots if max_num_seqs is None else max_num_seqs
         if not 1 <= self.max_num_seqs <= slots:
             raise ValueError(f"max_num_seqs must be in 1..{slots} (the target's cache slots), got {max_num_seqs}")
-        if proposer is not None and num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1 with a proposer, got {num_speculative_tokens}")
-        drafting = proposer.drafting_model if proposer is not None else None
-        if drafting is not None and drafting.num_slots < self.max_num_seqs:
-            raise ValueError(f"the draft model's cache has {drafting.num_slots} slots for {self.max_num_seqs} "
-                             "sequences")
-        if k_policy not in K_POLICIES:
-            raise ValueError(f"unknown k_policy {k_policy!r}; choose one of {K_POLICIES}")
-        if controller_factory is not None and k_policy != "fixed":
-            raise ValueError("per-request K controllers and a load-aware batch policy exclude each other")
-        if max_num_batched_tokens < 1 or min_prefill_tokens < 1 or max_probe_interval < 4:
-            raise ValueError("need max_num_batched_tokens >= 1, min_prefill_tokens >= 1 and max_probe_interval >= 4")
+        check_k_options(proposer, num_speculative_tokens, self.max_num_seqs, k_policy, controller_factory,
+                        max_probe_interval)
         self.needs_hidden = proposer is not None and proposer.needs_target_hidden
         if self.needs_hidden and not self.backend.supports_hidden_states:
             raise ValueError(f"proposer {proposer.name!r} reads the target's hidden states; {self.backend.name} is "
@@ -161,6 +123,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.max_num_seqs, max_num_batched_tokens, min_prefill_tokens,
                                    self.backend.max_pieces, self.backend.max_context, self.needs_hidden)
         self.prefix_reuse = PrefixReuse(self.backend, self.prefix_cache)
+        self.drafter = Drafter(proposer, self.scheduler.k_cap, k_policy, self.memory, self.backend.supports_tree,
+                               self.backend.name)
         self._next_id = 0
         self.last_step: StepInfo | None = None
         self.step_overhead = StepOverhead()  # the engine's own seconds per step, priced with the passes
@@ -212,9 +176,7 @@ class EngineCore:
         return curve
 
     def _calibrate_for_pricing(self) -> PassCostCurve | None:
-        """:meth:`calibrate` for a proposer that prices its drafts on the engine's measured step; when the backend
-        cannot be timed that way, its steps go unpriced (the proposer falls back to its own costs) instead of the
-        engine failing to build."""
+        """:meth:`calibrate`, or None (the steps go unpriced) where the backend cannot be timed that way."""
         try:
             return self.calibrate()
         except Exception as exc:  # noqa: BLE001 - pricing is an optimisation; decoding works without it
@@ -292,10 +254,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[SequenceOutput]:
-        """Admit waiting sequences, run one target pass over every running sequence's rows, verify and commit.
-
-        A sequence whose own part of the step raises fails alone; when the shared part (drafting and the pass)
-        raises, the step is retried one sequence at a time (:mod:`draftwise.engine.faults`).
+        """Admit waiting sequences, then schedule, draft, one pass, verify and commit (:meth:`_step_over`); a
+        failure is confined to the sequences that cause it (:mod:`draftwise.engine.faults`).
 
         Returns:
             one :class:`~draftwise.engine.sequence.SequenceOutput` per sequence that took part (decoding ones,
@@ -324,13 +284,15 @@ class EngineCore:
         commit each sequence. Raises what drafting or the pass raises, before any committed state changes; a
         sequence whose own part raises fails alone."""
         budget = self.scheduler.budget(running)
-        proposals, asked, draft_s = self._draft(budget)
-        plan = self.scheduler.plan(budget, proposals)
+        drafts = self.drafter.draft(budget, self._pricing)
+        plan = self.scheduler.plan(budget, drafts.proposals)
         out, pass_s = self._forward(plan)
-        outputs = [guarded(self._fail, s.sequence, partial(self._verify, s, out, pass_s, draft_s if was_asked else 0.0))
-                   for s, was_asked in zip(plan.decodes, asked)]
+        outputs = []
+        for scheduled, asked in zip(plan.decodes, drafts.asked):  # drafting time is charged to those asked
+            verify_one = partial(self._verify, scheduled, out, pass_s, drafts.seconds if asked else 0.0)
+            outputs.append(guarded(self._fail, scheduled.sequence, verify_one))
         outputs += [o for o in (self._prefilled(s, out) for s in plan.prefills) if o is not None]
-        self.last_step = plan.info(sum(len(o.token_ids) for o in outputs), pass_s, draft_s)
+        self.last_step = plan.info(sum(len(o.token_ids) for o in outputs), pass_s, drafts.seconds)
         return outputs
 
     def _forward(self, plan: StepPlan) -> tuple[PassOutput, float]:
@@ -343,10 +305,8 @@ class EngineCore:
         return out, pass_s
 
     def _measure_overhead(self, entered: float | None, start: float) -> None:
-        """Fold the step whose shared part began at ``start`` into :attr:`step_overhead` (the engine's own seconds,
-        :class:`~draftwise.speculation.pass_costs.StepClock`; ``entered``: when :meth:`step` was called while
-        sequences ran, else None). Admission is once per request, not per step, and stays out; a retried step is
-        not measured."""
+        """Fold the step begun (after admission) at ``start`` into :attr:`step_overhead` (:class:`StepClock`;
+        ``entered``: when :meth:`step` was called while sequences ran, else None); a retried step is not measured."""
         now = time.perf_counter()
         step = self.last_step
         if step is not None:
@@ -365,9 +325,7 @@ class EngineCore:
                 failed.append(failure)
                 continue
             sequence.stats.num_cached_prompt_tokens = sequence.num_computed
-            if sequence.controller is not None:
-                sequence.controller.start(len(sequence.prompt), sequence.params.max_tokens,
-                                          cached_tokens=sequence.num_computed)
+            self.drafter.start(sequence)
         return failed
 
     def _start(self, sequence: BatchSequence) -> None:
@@ -382,57 +340,10 @@ class EngineCore:
     def _proposer_of(self, sequence: BatchSequence) -> BatchProposer | None:
         return self.proposer if self._speculates(sequence) else None
 
-    # ------------------------------------------------------------------ drafting and K
-    def _draft(self, budget: StepBudget) -> tuple[list[DraftProposal], list[bool], float]:
-        """Every decoding sequence's proposal for this step within the step's draft rows, whether it was asked to
-        draft, and the drafting time (seconds). K is fixed (each sequence's cap), its own controller's (AutoK), or
-        load-aware for the batch (:func:`~draftwise.speculation.batch_plan.plan_with_probes`)."""
-        decoding, draft_rows, empty = budget.decoding, budget.draft_rows, DraftProposal(token_ids=())
-        caps = [self.scheduler.k_cap(s) for s in decoding]
-        for i, sequence in enumerate(decoding):  # a request's own policy chooses its K (AutoK)
-            if sequence.controller is not None:
-                caps[i] = max(0, min(caps[i], sequence.controller.choose_k()))
-        asked = [c > 0 for c in caps]
-        if self.proposer is None or not any(caps):
-            return [empty] * len(decoding), asked, 0.0
-        t0 = time.perf_counter()
-        pricing = self._pricing(budget.base_rows, budget.num_sequences)
-        given = pricing if self.proposer.wants_pricing else None
-        if self.k_policy == "fixed":  # a lookup drafts its cap, a model only what the row budget holds
-            ks = caps if self.proposer.drafts_first else within_rows(caps, draft_rows)
-            proposals = fit_rows(self._propose(decoding, ks, given), draft_rows)
-        elif self.proposer.drafts_first:  # a lookup offers its cap; the plan keeps what pays
-            offered = self._propose(decoding, caps, given)
-            ks = self._plan(decoding, [min(c, len(p)) for c, p in zip(caps, offered)], pricing, draft_rows)
-            proposals = [p.truncated(k) if k else empty for p, k in zip(offered, ks)]
-        else:  # a model drafts only the planned K
-            proposals = self._propose(decoding, self._plan(decoding, caps, pricing, draft_rows), given)
-        return proposals, asked, time.perf_counter() - t0
-
-    def _plan(self, decoding: list[BatchSequence], caps: list[int], pricing: StepPricing, draft_rows: int,
-              ) -> list[int]:
-        """Load-aware K per decoding sequence, with probes, on the step's measured costs (:meth:`_pricing`)."""
-        return plan_with_probes(decoding, caps, pricing.base_rows, pricing.pass_seconds, pricing.draft_pass_seconds,
-                                draft_rows)
-
-    def _propose(self, decoding: list[BatchSequence], ks: list[int], pricing: StepPricing | None = None,
-                 ) -> list[DraftProposal]:
-        """The proposer's drafts for the sequences with ``k > 0`` (an empty one for the others); ``pricing``
-        goes to a proposer that ``wants_pricing``."""
-        wanted = [i for i, k in enumerate(ks) if k > 0]
-        proposals = [DraftProposal(token_ids=())] * len(decoding)
-        for i, proposal in zip(wanted, self.proposer.propose([(decoding[i], ks[i]) for i in wanted], pricing)):
-            if proposal.is_tree and not self.backend.supports_tree:
-                raise RuntimeError(f"proposer {self.proposer.name!r} returned a draft tree; {self.backend.name} "
-                                   "verifies chains only")
-            proposals[i] = proposal
-        return proposals
-
+    # ------------------------------------------------------------------ drafting
     def _pricing(self, base_rows: int, sequences: int) -> StepPricing | None:
-        """The step's measured costs (None before any measurement): the target pass over ``sequences``
-        sequences with the engine's own time per step (:attr:`step_overhead`), and a draft model's passes (None
-        for a lookup, whose drafting costs nothing worth counting). The load-aware K plans on them; a proposer
-        that ``wants_pricing`` gets them."""
+        """The step's measured costs (None before any measurement): the pass over ``sequences`` sequences with the
+        engine's own time per step (:attr:`step_overhead`), and a draft model's passes (None for a lookup)."""
         if self.pass_costs is None or not len(self.pass_costs):
             return None
         drafting = self.proposer.drafting_model
@@ -458,9 +369,10 @@ class EngineCore:
         if out.hidden is not None and not reason and self._speculates(sequence):
             hidden = out.hidden[scheduled.hidden_rows]  # [1 + rows of the draft, H]
             draft_s += self._observe(sequence, hidden[keep], result.token_ids)
-        self._record_step(sequence, proposal, num_drafted, num_accepted, len(chunk), pass_s, draft_s)
+        sequence.record_step(proposal, num_drafted, num_accepted, len(chunk), pass_s, draft_s)
         if not reason:  # the last step (perhaps cut by a stop) tells nothing about later ones
-            self._learn(sequence, num_drafted, num_accepted, draft_s, pass_s, proposal.hybrid_side != "suffix")
+            self.drafter.learn(sequence, num_drafted, num_accepted, draft_s, pass_s, self.step_overhead.seconds,
+                               model_drafted=proposal.hybrid_side != "suffix")
         if num_drafted:
             sequence.plain_streak = 0
         return self._output(sequence, chunk, reason)
@@ -474,6 +386,7 @@ class EngineCore:
         return keep
 
     def _commit(self, sequence: BatchSequence, tokens: Sequence[int]) -> tuple[list[int], int, str]:
+        """Append ``tokens`` to the sequence's output up to a stop condition (:func:`commit_tokens`)."""
         return commit_tokens(sequence.generated, tokens, stop_ids=sequence.stop_ids,
                              max_tokens=sequence.params.max_tokens,
                              max_generated=self.backend.max_context - len(sequence.prompt))
@@ -510,27 +423,6 @@ class EngineCore:
         self.clock.exclude(seconds)
         return seconds
 
-    def _record_step(self, sequence: BatchSequence, proposal: DraftProposal, num_drafted: int, num_accepted: int,
-                     num_committed: int, pass_s: float, draft_s: float) -> None:
-        stats = sequence.stats
-        stats.target_time_s += pass_s
-        stats.draft_time_s += draft_s
-        stats.record_step(num_drafted, num_accepted, num_committed)
-        stats.num_tree_nodes += len(proposal) if proposal.is_tree else 0
-        if proposal.hybrid_side:
-            stats.record_hybrid_step(proposal.hybrid_side, num_drafted)
-        stats.step_end_s.append(time.perf_counter() - sequence.admitted_s)
-
-    def _learn(self, sequence: BatchSequence, num_drafted: int, num_accepted: int, draft_s: float,
-               pass_s: float, model_drafted: bool = True) -> None:
-        """Report a step's outcome to the sequence's K policy (its controller, or the acceptance estimates);
-        ``model_drafted``: False for a ``hybrid`` step the suffix side drafted (its draft model fell behind)."""
-        if sequence.controller is not None:
-            sequence.controller.observe(num_drafted, num_accepted, draft_s, pass_s,
-                                        overhead_s=self.step_overhead.seconds, model_drafted=model_drafted)
-        else:
-            learn_outcome(sequence, self.memory, num_drafted, num_accepted)
-
     # ------------------------------------------------------------------ finishing
     def _output(self, sequence: BatchSequence, chunk: list[int], reason: str) -> SequenceOutput:
         if reason:
@@ -555,17 +447,7 @@ class EngineCore:
             if not self.prefix_reuse.holds(sequence.slot):
                 self.backend.set_length(sequence.slot, 0)
             self.scheduler.release(sequence)
-        stats = sequence.stats
-        if sequence.controller is not None:
-            for note in sequence.controller.notes():
-                if note not in stats.warnings:
-                    stats.warnings.append(note)
-        stats.num_generated_tokens = len(sequence.generated)
-        stats.total_time_s = time.perf_counter() - sequence.admitted_s if sequence.admitted_s else 0.0
-        stats.finish_reason = reason
-        for warning in stats.warnings:
-            logger.warning("%s", warning)
-        sequence.result = GenerationResult(token_ids=list(sequence.generated), finish_reason=reason, stats=stats)
+        sequence.set_result(reason)
 
     def _keep(self, sequence: BatchSequence) -> None:
         """Keep the sequence's committed KV state for later requests (:meth:`PrefixReuse.keep`)."""

@@ -142,10 +142,15 @@ class Scheduler:
         max_pieces: sequences a pass can hold.
         max_context: the target's context length (tokens).
         needs_hidden: every piece asks for its rows' hidden states.
+
+    Raises:
+        ValueError: a budget < 1.
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, min_prefill_tokens: int, max_pieces: int,
                  max_context: int, needs_hidden: bool) -> None:
+        if max_num_batched_tokens < 1 or min_prefill_tokens < 1:
+            raise ValueError("need max_num_batched_tokens >= 1 and min_prefill_tokens >= 1")
         self.max_num_batched_tokens = max_num_batched_tokens
         self.min_prefill_tokens = min(min_prefill_tokens, max_num_batched_tokens)
         self.max_pieces = max_pieces

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -11,10 +13,13 @@ import torch
 from draftwise.backends.base import ContextOverflowError
 from draftwise.config import SamplingParams
 from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
+from draftwise.proposers.base import DraftProposal
 from draftwise.sampling import Sampler
 from draftwise.stats import SpeculativeStats
 
 __all__ = ["BatchSequence", "GenerationResult", "RequestState", "SequenceOutput", "check_prompt", "commit_tokens"]
+
+logger = logging.getLogger(__name__)
 
 
 class RequestState(enum.Enum):
@@ -105,6 +110,34 @@ class BatchSequence:
     def context(self) -> list[int]:
         """Prompt + committed output."""
         return self.prompt + self.generated
+
+    def record_step(self, proposal: DraftProposal, num_drafted: int, num_accepted: int, num_committed: int,
+                    pass_s: float, draft_s: float) -> None:
+        """Count a verified step in :attr:`stats`: its draft (``num_drafted`` tokens deep, ``num_accepted`` of them
+        accepted, up to a stop), ``num_committed`` output tokens, and the seconds of its pass and drafting."""
+        stats = self.stats
+        stats.target_time_s += pass_s
+        stats.draft_time_s += draft_s
+        stats.record_step(num_drafted, num_accepted, num_committed)
+        stats.num_tree_nodes += len(proposal) if proposal.is_tree else 0
+        if proposal.hybrid_side:
+            stats.record_hybrid_step(proposal.hybrid_side, num_drafted)
+        stats.step_end_s.append(time.perf_counter() - self.admitted_s)
+
+    def set_result(self, reason: str) -> None:
+        """Fill :attr:`result` for a request that ended with ``reason`` (its controller's notes join its warnings,
+        which are logged)."""
+        stats = self.stats
+        if self.controller is not None:
+            for note in self.controller.notes():
+                if note not in stats.warnings:
+                    stats.warnings.append(note)
+        stats.num_generated_tokens = len(self.generated)
+        stats.total_time_s = time.perf_counter() - self.admitted_s if self.admitted_s else 0.0
+        stats.finish_reason = reason
+        for warning in stats.warnings:
+            logger.warning("%s", warning)
+        self.result = GenerationResult(token_ids=list(self.generated), finish_reason=reason, stats=stats)
 
 
 @dataclass(frozen=True)
