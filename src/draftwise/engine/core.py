@@ -1,23 +1,18 @@
 """The engine core: one loop for one or many requests, every proposer, every backend.
 
-:class:`EngineCore` drives a :class:`~draftwise.backends.slots.SlotBackend`: a lean target with many KV-cache
-slots, or any single-sequence backend as one slot (transformers, llama.cpp). A single request is a batch of one
-(vLLM v1's engine core: there is no prefill phase nor decoding phase). Each running request owns a slot, its
-proposer state, sampler and K. One :meth:`~EngineCore.step`:
+:class:`EngineCore` drives a :class:`~draftwise.backends.slots.SlotBackend` (a lean target with many KV-cache
+slots, or any single-sequence backend as one slot). A request is a batch of one or joins a running batch, and as in
+vLLM v1 there is no prefill phase nor decoding phase. Each running request owns a slot, its proposer state, sampler
+and K. One :meth:`~EngineCore.step`: admit waiting requests into free slots with a kept KV prefix
+(:mod:`~draftwise.engine.prefix_reuse`); schedule the step's token budget (:mod:`~draftwise.engine.scheduler`);
+draft, K per sequence (:mod:`~draftwise.engine.drafting`); ONE pass over every decoding sequence's last token and
+draft and the prompt chunks that fit, laid out by a :class:`~draftwise.engine.scheduler.StepPlan`; per sequence,
+verify (:func:`draftwise.verification.verify`), roll its slot back to the accepted tokens and commit them up to a
+stop condition. A failure is confined to the sequence that caused it (:mod:`~draftwise.engine.faults`).
 
-1. admit: waiting requests take free slots, with a kept KV prefix (:mod:`draftwise.engine.prefix_reuse`);
-2. schedule: the token budget says how many draft rows the step holds (:mod:`draftwise.engine.scheduler`);
-3. draft: each decoding sequence's K and its proposer's draft, a chain or a tree (:mod:`draftwise.engine.drafting`);
-4. one pass: per decoding sequence its last token and draft, then prompt chunks in the rows left, laid out by the
-   scheduler's :class:`~draftwise.engine.scheduler.StepPlan` (where each sequence's logits and hidden rows lie);
-5. per sequence: verify (:func:`draftwise.verification.verify`: greedy, coupled, rejection), roll its slot back to
-   the accepted tokens, commit up to a stop condition; a completed prompt samples its first token.
-
-A failure is confined to the sequence that caused it where that can be told apart (:mod:`draftwise.engine.faults`).
 Exactness: the lean runtime gives a row the same logits whatever shares the pass (bit for bit), so a sequence's
 greedy output, and its coupled-sampling text with a seed, is the one it gets served alone. Not thread-safe: one
-thread calls :meth:`~EngineCore.add`, :meth:`~EngineCore.step` and :meth:`~EngineCore.cancel` (the server's
-:class:`draftwise.server.batch_scheduler.BatchScheduler`, or :class:`draftwise.engine.facade.SpeculativeEngine`).
+thread calls :meth:`~EngineCore.add`, :meth:`~EngineCore.step` and :meth:`~EngineCore.cancel`.
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from functools import partial
 
 import torch
@@ -34,18 +28,18 @@ from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import PassOutput, SlotBackend, as_slot_backend
 from draftwise.config import SamplingParams
-from draftwise.engine.drafting import Drafter, check_k_options
+from draftwise.engine.drafting import Drafter, check_k_options, step_pricing
 from draftwise.engine.faults import guarded, retry_alone
 from draftwise.engine.prefix_reuse import PrefixReuse
 from draftwise.engine.proposers import BatchProposer, StepPricing
 from draftwise.engine.scheduler import ScheduledSequence, Scheduler, StepInfo, StepPlan
-from draftwise.engine.sequence import BatchSequence, GenerationResult, SequenceOutput, check_prompt, commit_tokens
+from draftwise.engine.sequence import BatchSequence, GenerationResult, SequenceOutput, check_request
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import DraftProposal
 from draftwise.sampling import Sampler
 from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.speculation.cost_model import PassCostCurve, StepOverhead
-from draftwise.speculation.pass_costs import StepClock, calibrate_step_costs, draft_pass_seconds, step_seconds
+from draftwise.speculation.pass_costs import StepClock, calibrate_step_costs
 from draftwise.stats import SpeculativeStats
 from draftwise.verification import VerificationResult, verify
 
@@ -53,8 +47,7 @@ __all__ = ["EngineCore", "BATCHED_METHODS"]
 
 logger = logging.getLogger(__name__)
 
-#: Speculative methods that run many sequences per pass on a lean multi-slot target (every method runs on one
-#: slot).
+#: Methods that run many sequences per pass on a lean multi-slot target (every method runs on one slot).
 BATCHED_METHODS = ("ngram", "suffix", "draft_model", "hybrid")
 
 
@@ -62,26 +55,24 @@ class EngineCore:
     """Speculative decoding for one or many requests over one slot backend (see the module docstring).
 
     Args:
-        target: the target: a :class:`~draftwise.backends.slots.SlotBackend`, a lean target (its multi-slot
-            cache; the engine owns every slot, do not use its single-sequence interface at the same time) or any
-            :class:`~draftwise.backends.base.CausalLM` (one slot).
+        target: a :class:`~draftwise.backends.slots.SlotBackend`, a lean target (the engine owns every slot of its
+            cache) or any :class:`~draftwise.backends.base.CausalLM` (one slot).
         proposer: a :class:`~draftwise.engine.proposers.BatchProposer`, or None for plain decoding.
         num_speculative_tokens: K, the largest draft depth per sequence and step (ignored without a proposer).
         eos_token_ids: token ids that end a request (unless it sets ``ignore_eos``).
         max_num_seqs: sequences running at once (default: every slot of the backend).
-        max_num_batched_tokens, min_prefill_tokens: rows per target pass (decode rows, draft rows and prompt
-            chunks together), and prompt rows per step at least while a prompt waits (:class:`Scheduler`).
+        max_num_batched_tokens, min_prefill_tokens: rows per target pass (decode, draft and prompt rows), and
+            prompt rows per step at least while a prompt waits (:class:`~draftwise.engine.scheduler.Scheduler`).
         k_policy: ``"fixed"`` or ``"auto"`` (load-aware K for the batch, :data:`draftwise.methods.K_POLICIES`).
         controller_factory: makes a per-request :class:`~draftwise.speculation.controller.KController` (e.g. AutoK)
             for requests without their own K; then ``k_policy`` must be ``"fixed"``.
         pass_costs: the target's pass seconds per row count (``"auto"``, and a proposer that ``wants_pricing``);
-            default: measured at construction (:meth:`calibrate`; for a proposer that only wants pricing, a failed
-            measurement is logged and its steps go unpriced).
+            default: :meth:`calibrate` at construction (for pricing only, a failure leaves the steps unpriced).
         learn_costs: refine ``pass_costs`` (and a draft model's) with every pass, and price the engine's own time
             per step (:attr:`step_overhead`) into them; False: the given costs alone (scripted).
-        prefix_cache: keeps finished sequences' KV states for later requests sharing a prompt prefix in the same
-            scope (:class:`PrefixReuse`); ignored for proposers that read the target's hidden states (they need
-            every prompt position's features).
+        prefix_cache: kept KV states for requests sharing a prompt prefix in the same scope
+            (:class:`~draftwise.engine.prefix_reuse.PrefixReuse`); ignored for proposers that read the target's
+            hidden states (they need every prompt position's features).
         max_probe_interval: load-aware K: a sequence planned at K = 0 while drafts are offered gets a probe with
             K = 1 after 4, 8, ... up to this many plain steps (only when a fully accepted draft token would pay).
 
@@ -104,16 +95,12 @@ class EngineCore:
         if not 1 <= self.max_num_seqs <= slots:
             raise ValueError(f"max_num_seqs must be in 1..{slots} (the target's cache slots), got {max_num_seqs}")
         check_k_options(proposer, num_speculative_tokens, self.max_num_seqs, k_policy, controller_factory,
-                        max_probe_interval)
+                        max_probe_interval, self.backend)
         self.needs_hidden = proposer is not None and proposer.needs_target_hidden
-        if self.needs_hidden and not self.backend.supports_hidden_states:
-            raise ValueError(f"proposer {proposer.name!r} reads the target's hidden states; {self.backend.name} is "
-                             "not a PyTorch backend (use --backend torch)")
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.min_prefill_tokens = min(min_prefill_tokens, max_num_batched_tokens)
         self.k_policy = k_policy
         self.controller_factory = controller_factory
         self.learn_costs = learn_costs
@@ -123,12 +110,12 @@ class EngineCore:
         self.scheduler = Scheduler(self.max_num_seqs, max_num_batched_tokens, min_prefill_tokens,
                                    self.backend.max_pieces, self.backend.max_context, self.needs_hidden)
         self.prefix_reuse = PrefixReuse(self.backend, self.prefix_cache)
-        self.drafter = Drafter(proposer, self.scheduler.k_cap, k_policy, self.memory, self.backend.supports_tree,
-                               self.backend.name)
+        self.clock = StepClock()  # measures the engine's own seconds per step (:attr:`step_overhead`)
+        self.step_overhead = StepOverhead()  # priced into the passes
+        self.drafter = Drafter(proposer, self.scheduler.k_cap, k_policy, self.memory, self.clock,
+                               self.backend.supports_tree, self.backend.name)
         self._next_id = 0
         self.last_step: StepInfo | None = None
-        self.step_overhead = StepOverhead()  # the engine's own seconds per step, priced with the passes
-        self.clock = StepClock()  # measures them
         self.pass_costs = pass_costs
         priced = self.proposer is not None and (self.k_policy == "auto" or self.proposer.wants_pricing)
         if priced and (pass_costs is None or not len(pass_costs)):
@@ -159,9 +146,8 @@ class EngineCore:
         return self.scheduler.in_slot_order()
 
     def calibrate(self) -> PassCostCurve:
-        """Measure the target's (and a draft model's) pass seconds for row counts up to what a step can hold
-        (:func:`~draftwise.speculation.pass_costs.calibrate_step_costs`), on free slots. Call while the engine is
-        idle.
+        """Measure the target's (and a draft model's) pass seconds up to what a step can hold, on free slots
+        (:func:`~draftwise.speculation.pass_costs.calibrate_step_costs`). Call while the engine is idle.
 
         Raises:
             RuntimeError: sequences are running.
@@ -182,9 +168,7 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - pricing is an optimisation; decoding works without it
             logger.warning("engine: could not measure the pass costs for %s's pricing (%s: %s); it uses its own costs",
                            self.proposer.name, type(exc).__name__, exc)
-            for slot in range(self.max_num_seqs):
-                self.backend.set_length(slot, 0)
-            self.prefix_reuse.forget()
+            self.prefix_reuse.forget(num_slots=self.max_num_seqs)
             return None
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, *, scope: str = "",
@@ -204,14 +188,10 @@ class EngineCore:
             ContextOverflowError: the prompt leaves no room for a new token.
         """
         prompt = [int(t) for t in prompt_ids]
-        if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= self.num_speculative_tokens:
-            raise ValueError(f"num_speculative_tokens must be in 0..{self.num_speculative_tokens} (the engine's K), "
-                             f"got {num_speculative_tokens}")
-        check_prompt(prompt, self.backend.vocab_size, self.backend.max_context)
+        check_request(prompt, num_speculative_tokens, self.num_speculative_tokens, self.backend)
         max_k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        controller = None
-        if self.controller_factory is not None and num_speculative_tokens is None and self.proposer is not None:
-            controller = self.controller_factory()
+        own_policy = num_speculative_tokens is None and self.proposer is not None  # the engine's K policy
+        controller = self.controller_factory() if own_policy and self.controller_factory is not None else None
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         sequence = BatchSequence(
             seq_id=self._next_id, prompt=prompt, params=params, sampler=Sampler(params), scope=scope, max_k=max_k,
@@ -230,15 +210,13 @@ class EngineCore:
         committed KV state is kept in the prefix cache). Its result has ``finish_reason="cancelled"``."""
         if sequence.finish_reason:
             return
-        if sequence.slot < 0 and sequence in self.scheduler.waiting:
-            self.scheduler.waiting.remove(sequence)
+        self.scheduler.drop_waiting(sequence)
         self._finish(sequence, "cancelled")
 
     def abort_all(self, reason: str = "error") -> list[BatchSequence]:
         """Finish every waiting and running sequence with ``reason`` (e.g. after a failed pass; their KV states
         are not kept); returns them."""
-        ended = list(self.scheduler.waiting) + self.running()
-        self.scheduler.waiting.clear()
+        ended = self.scheduler.drain_waiting() + self.running()
         for sequence in ended:
             self._finish(sequence, reason, keep=False)
         return ended
@@ -272,14 +250,14 @@ class EngineCore:
         self.clock.start_step()
         t0 = time.perf_counter()
         try:
-            outputs = self._step_over(running)
+            outputs, step = self._step_over(running)
         except Exception as exc:  # noqa: BLE001 - confined to the sequences that cause it
-            outputs = retry_alone(running, exc, self._step_over, self._fail)
-            self.last_step = None  # several passes: no single step to report
-        self._measure_overhead(entered if was_busy else None, t0)
+            outputs, step = retry_alone(running, exc, lambda alone: self._step_over(alone)[0], self._fail), None
+        self.last_step = self.clock.end_step(step, self.step_overhead, entered if was_busy else None, t0,
+                                             busy=bool(self.scheduler.running))
         return failed + outputs
 
-    def _step_over(self, running: list[BatchSequence]) -> list[SequenceOutput]:
+    def _step_over(self, running: list[BatchSequence]) -> tuple[list[SequenceOutput], StepInfo]:
         """One step over ``running`` (some of the running sequences): schedule, draft, one pass, then verify and
         commit each sequence. Raises what drafting or the pass raises, before any committed state changes; a
         sequence whose own part raises fails alone."""
@@ -292,8 +270,7 @@ class EngineCore:
             verify_one = partial(self._verify, scheduled, out, pass_s, drafts.seconds if asked else 0.0)
             outputs.append(guarded(self._fail, scheduled.sequence, verify_one))
         outputs += [o for o in (self._prefilled(s, out) for s in plan.prefills) if o is not None]
-        self.last_step = plan.info(sum(len(o.token_ids) for o in outputs), pass_s, drafts.seconds)
-        return outputs
+        return outputs, plan.info(sum(len(o.token_ids) for o in outputs), pass_s, drafts.seconds)
 
     def _forward(self, plan: StepPlan) -> tuple[PassOutput, float]:
         """The step's one target pass (and its seconds), which refines the pass costs."""
@@ -303,16 +280,6 @@ class EngineCore:
         if self.learn_costs and self.pass_costs is not None:
             self.pass_costs.observe(plan.rows, max(pass_s, 1e-9), sequences=len(plan.pieces))
         return out, pass_s
-
-    def _measure_overhead(self, entered: float | None, start: float) -> None:
-        """Fold the step begun (after admission) at ``start`` into :attr:`step_overhead` (:class:`StepClock`;
-        ``entered``: when :meth:`step` was called while sequences ran, else None); a retried step is not measured."""
-        now = time.perf_counter()
-        step = self.last_step
-        if step is not None:
-            self.step_overhead.observe(self.clock.own_seconds(entered, start, now, step.pass_s, step.draft_s))
-            self.last_step = replace(step, overhead_s=self.step_overhead.seconds)
-        self.clock.busy_since = now if self.scheduler.running else None
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> list[SequenceOutput]:
@@ -342,14 +309,10 @@ class EngineCore:
 
     # ------------------------------------------------------------------ drafting
     def _pricing(self, base_rows: int, sequences: int) -> StepPricing | None:
-        """The step's measured costs (None before any measurement): the pass over ``sequences`` sequences with the
-        engine's own time per step (:attr:`step_overhead`), and a draft model's passes (None for a lookup)."""
-        if self.pass_costs is None or not len(self.pass_costs):
-            return None
-        drafting = self.proposer.drafting_model
+        """The step's measured costs (:func:`~draftwise.engine.drafting.step_pricing`), with the engine's own time
+        per step (:attr:`step_overhead`) when it learns its costs."""
         overhead = self.step_overhead.seconds if self.learn_costs else 0.0
-        return StepPricing(base_rows, step_seconds(self.pass_costs, sequences, overhead),
-                           draft_pass_seconds(drafting.pass_costs if drafting is not None else None))
+        return step_pricing(self.pass_costs, overhead, self.proposer.drafting_model, base_rows, sequences)
 
     # ------------------------------------------------------------------ verify, roll back, commit
     def _verify(self, scheduled: ScheduledSequence, out: PassOutput, pass_s: float, draft_s: float
@@ -362,19 +325,16 @@ class EngineCore:
         result = verify(proposal.token_ids, proposal.node_parents, proposal.draft_probs, logits, sequence.sampler,
                         context_len)
         keep = self._roll_back(sequence, context_len, result)
-        chunk, consumed, reason = self._commit(sequence, result.token_ids)
+        chunk, consumed, reason = sequence.commit(result.token_ids, self.backend.max_context)
         # a stop inside the accepted drafts ends the step there: count drafted and accepted up to it
         num_drafted = proposal.depth if consumed > result.num_accepted else consumed
         num_accepted = min(result.num_accepted, consumed)
         if out.hidden is not None and not reason and self._speculates(sequence):
             hidden = out.hidden[scheduled.hidden_rows]  # [1 + rows of the draft, H]
-            draft_s += self._observe(sequence, hidden[keep], result.token_ids)
+            draft_s += self.drafter.observe(sequence, hidden[keep], result.token_ids)
         sequence.record_step(proposal, num_drafted, num_accepted, len(chunk), pass_s, draft_s)
-        if not reason:  # the last step (perhaps cut by a stop) tells nothing about later ones
-            self.drafter.learn(sequence, num_drafted, num_accepted, draft_s, pass_s, self.step_overhead.seconds,
-                               model_drafted=proposal.hybrid_side != "suffix")
-        if num_drafted:
-            sequence.plain_streak = 0
+        self.drafter.learn(sequence, num_drafted, num_accepted, draft_s, pass_s, self.step_overhead.seconds,
+                           model_drafted=proposal.hybrid_side != "suffix", finished=bool(reason))
         return self._output(sequence, chunk, reason)
 
     def _roll_back(self, sequence: BatchSequence, context_len: int, result: VerificationResult) -> list[int]:
@@ -384,12 +344,6 @@ class EngineCore:
         self.backend.compact(sequence.slot, context_len - 1, keep)
         sequence.sampler.release(context_len + len(result.token_ids))
         return keep
-
-    def _commit(self, sequence: BatchSequence, tokens: Sequence[int]) -> tuple[list[int], int, str]:
-        """Append ``tokens`` to the sequence's output up to a stop condition (:func:`commit_tokens`)."""
-        return commit_tokens(sequence.generated, tokens, stop_ids=sequence.stop_ids,
-                             max_tokens=sequence.params.max_tokens,
-                             max_generated=self.backend.max_context - len(sequence.prompt))
 
     def _prefilled(self, scheduled: ScheduledSequence, out: PassOutput) -> SequenceOutput | None:
         """A prompt chunk ran: the prompt's progress advances; once it is whole, its first token is sampled."""
@@ -408,20 +362,12 @@ class EngineCore:
         stats = sequence.stats
         stats.prefill_time_s = time.perf_counter() - sequence.admitted_s
         first = sequence.sampler.sample(logits, len(sequence.prompt))
-        chunk, _, reason = self._commit(sequence, (first,))
+        chunk, _, reason = sequence.commit((first,), self.backend.max_context)
         if sequence.prompt_hidden and not reason and self._speculates(sequence):
-            hidden = torch.cat(sequence.prompt_hidden) if len(sequence.prompt_hidden) > 1 else sequence.prompt_hidden[0]
-            stats.draft_time_s += self._observe(sequence, hidden, sequence.prompt[1:] + [first])
+            hidden = torch.cat(sequence.prompt_hidden)  # [prompt, H]
+            stats.draft_time_s += self.drafter.observe(sequence, hidden, sequence.prompt[1:] + [first])
         sequence.prompt_hidden = []
         return self._output(sequence, chunk, reason)
-
-    def _observe(self, sequence: BatchSequence, hidden: torch.Tensor, next_token_ids: Sequence[int]) -> float:
-        """Hand the target's features to the proposer; returns the time it took (seconds, draft time)."""
-        t0 = time.perf_counter()
-        self.proposer.observe(sequence, hidden, next_token_ids)
-        seconds = time.perf_counter() - t0
-        self.clock.exclude(seconds)
-        return seconds
 
     # ------------------------------------------------------------------ finishing
     def _output(self, sequence: BatchSequence, chunk: list[int], reason: str) -> SequenceOutput:
@@ -444,8 +390,7 @@ class EngineCore:
                 self.clock.exclude(time.perf_counter() - t0)  # once per request, not per step
             if self._speculates(sequence):
                 self.proposer.close(sequence)
-            if not self.prefix_reuse.holds(sequence.slot):
-                self.backend.set_length(sequence.slot, 0)
+            self.prefix_reuse.release(sequence.slot)
             self.scheduler.release(sequence)
         sequence.set_result(reason)
 

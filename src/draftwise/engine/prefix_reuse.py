@@ -46,13 +46,17 @@ class PrefixReuse:
     def enabled(self) -> bool:
         return self.cache is not None and self.cache.enabled
 
-    def holds(self, slot: int) -> bool:
-        """The slot keeps a finished sequence's tokens for reuse (do not empty it)."""
-        return slot in self._live
+    def release(self, slot: int) -> None:
+        """A sequence left ``slot``: empty it, unless it keeps that sequence's tokens for reuse (:meth:`keep`)."""
+        if slot not in self._live:
+            self.backend.set_length(slot, 0)
 
-    def forget(self) -> None:
-        """The slots were overwritten (e.g. by calibration passes): nothing they held is reusable."""
+    def forget(self, num_slots: int = 0) -> None:
+        """The slots were overwritten (e.g. by calibration passes): nothing they held is reusable; the first
+        ``num_slots`` slots are emptied."""
         self._live.clear()
+        for slot in range(num_slots):
+            self.backend.set_length(slot, 0)
 
     def reuse(self, sequence: BatchSequence, proposer: BatchProposer | None) -> int:
         """Put the KV state of the longest kept prefix of the sequence's prompt (same scope) into its slot and its

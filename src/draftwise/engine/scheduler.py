@@ -171,6 +171,17 @@ class Scheduler:
             self.running[sequence.slot] = sequence
             yield sequence
 
+    def drop_waiting(self, sequence: BatchSequence) -> None:
+        """A waiting sequence leaves the queue (nothing when it is not waiting)."""
+        if sequence.slot < 0 and sequence in self.waiting:
+            self.waiting.remove(sequence)
+
+    def drain_waiting(self) -> list[BatchSequence]:
+        """Every waiting sequence leaves the queue; returns them, oldest first."""
+        drained = list(self.waiting)
+        self.waiting.clear()
+        return drained
+
     def release(self, sequence: BatchSequence) -> None:
         """A running sequence leaves: its slot is free again."""
         del self.running[sequence.slot]

@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 import torch
 
 from draftwise.backends.base import ContextOverflowError
+from draftwise.backends.slots import SlotBackend
 from draftwise.config import SamplingParams
 from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.proposers.base import DraftProposal
 from draftwise.sampling import Sampler
 from draftwise.stats import SpeculativeStats
 
-__all__ = ["BatchSequence", "GenerationResult", "RequestState", "SequenceOutput", "check_prompt", "commit_tokens"]
+__all__ = ["BatchSequence", "GenerationResult", "RequestState", "SequenceOutput", "check_request", "commit_tokens"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,9 @@ class BatchSequence:
         num_computed: prompt tokens whose keys and values its slot holds (prefill progress, tokens); the prompt
             is prefilled, and its first output token committed, once it equals ``len(prompt)``.
         estimator: its acceptance estimate (seeded from the engine's long-memory estimate).
-        controller: its own K policy (:class:`~draftwise.speculation.controller.KController`, e.g. AutoK), or None when the
-            engine plans K for the batch (fixed or load-aware; ``backoff``: the load-aware plan's probe schedule).
+        controller: its own K policy (:class:`~draftwise.speculation.controller.KController`, e.g. AutoK), or None
+            when the engine plans K for the batch (fixed or load-aware; ``backoff``: the load-aware plan's probe
+            schedule).
     """
 
     seq_id: int
@@ -110,6 +112,12 @@ class BatchSequence:
     def context(self) -> list[int]:
         """Prompt + committed output."""
         return self.prompt + self.generated
+
+    def commit(self, tokens: Sequence[int], max_context: int) -> tuple[list[int], int, str]:
+        """Append a step's ``tokens`` to :attr:`generated` up to a stop condition (:func:`commit_tokens`; the
+        context holds ``max_context`` tokens)."""
+        return commit_tokens(self.generated, tokens, stop_ids=self.stop_ids, max_tokens=self.params.max_tokens,
+                             max_generated=max_context - len(self.prompt))
 
     def record_step(self, proposal: DraftProposal, num_drafted: int, num_accepted: int, num_committed: int,
                     pass_s: float, draft_s: float) -> None:
@@ -152,20 +160,24 @@ class SequenceOutput:
     error: BaseException | None = None
 
 
-def check_prompt(prompt: Sequence[int], vocab_size: int, max_context: int) -> None:
-    """Refuse a prompt a request cannot run with.
+def check_request(prompt: Sequence[int], num_speculative_tokens: int | None, max_k: int,
+                  backend: SlotBackend) -> None:
+    """Refuse a request an engine over ``backend`` (whose K is ``max_k``) cannot run.
 
     Raises:
-        ValueError: an empty prompt, or a token id outside ``[0, vocab_size)``.
-        ContextOverflowError: ``max_context`` tokens leave no room for a new token after it.
+        ValueError: a ``num_speculative_tokens`` outside ``0..max_k``, an empty prompt, or a token id outside the
+            vocabulary.
+        ContextOverflowError: the context leaves no room for a new token after the prompt.
     """
+    if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= max_k:
+        raise ValueError(f"num_speculative_tokens must be in 0..{max_k} (the engine's K), got {num_speculative_tokens}")
     if not prompt:
         raise ValueError("the prompt is empty: at least one token is needed")
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise ValueError(f"prompt holds a token id outside [0, {vocab_size})")
-    if len(prompt) >= max_context:
+    if min(prompt) < 0 or max(prompt) >= backend.vocab_size:
+        raise ValueError(f"prompt holds a token id outside [0, {backend.vocab_size})")
+    if len(prompt) >= backend.max_context:
         raise ContextOverflowError(
-            f"the prompt has {len(prompt)} tokens; the context length is {max_context} tokens, "
+            f"the prompt has {len(prompt)} tokens; the context length is {backend.max_context} tokens, "
             "which leaves no room for new tokens")
 
 

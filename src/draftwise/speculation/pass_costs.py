@@ -8,17 +8,21 @@ price a step on these: ``pass_seconds(rows)`` is the target pass over ``rows`` r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import LOGITS_LAST, Piece, SlotBackend, as_slot_backend
-from draftwise.speculation.cost_model import PassCostCurve
+from draftwise.speculation.cost_model import PassCostCurve, StepOverhead
 
 __all__ = ["StepClock", "calibrate_pass_costs", "calibrate_step_costs", "draft_pass_seconds", "step_seconds"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")  # an engine's step record: a dataclass with ``pass_s``, ``draft_s`` and ``overhead_s``
 
 
 def calibrate_pass_costs(backend: SlotBackend | LeanLlama, counts: Iterable[int], slots: Sequence[int], *,
@@ -148,3 +152,15 @@ class StepClock:
         ``pass_s``, its drafting ``draft_s``), called at ``entered`` (None: the engine was idle before it)."""
         gap = entered - self.busy_since if entered is not None and self.busy_since is not None else 0.0
         return gap + (end - start) - pass_s - draft_s - self.excluded_s
+
+    def end_step(self, step: T | None, overhead: StepOverhead, entered: float | None, start: float, busy: bool,
+                 ) -> T | None:
+        """A step ends: fold its own seconds into ``overhead`` and return ``step`` (its ``pass_s`` and ``draft_s``
+        timed the shared part begun at ``start``) with ``overhead_s`` set to the new estimate; ``step`` None (a
+        failed or retried step) is not measured. ``busy``: sequences still run after it."""
+        now = time.perf_counter()
+        if step is not None:
+            overhead.observe(self.own_seconds(entered, start, now, step.pass_s, step.draft_s))
+            step = dataclasses.replace(step, overhead_s=overhead.seconds)
+        self.busy_since = now if busy else None
+        return step
