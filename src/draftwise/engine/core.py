@@ -28,7 +28,7 @@ from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import PassOutput, SlotBackend, as_slot_backend
 from draftwise.config import SamplingParams
-from draftwise.engine.drafting import Drafter, check_k_options, step_pricing
+from draftwise.engine.drafting import Drafter, check_speculation_options, step_pricing
 from draftwise.engine.faults import guarded, retry_alone
 from draftwise.engine.prefix_reuse import PrefixReuse
 from draftwise.engine.proposers import BatchProposer, StepPricing
@@ -94,8 +94,8 @@ class EngineCore:
         self.max_num_seqs = slots if max_num_seqs is None else max_num_seqs
         if not 1 <= self.max_num_seqs <= slots:
             raise ValueError(f"max_num_seqs must be in 1..{slots} (the target's cache slots), got {max_num_seqs}")
-        check_k_options(proposer, num_speculative_tokens, self.max_num_seqs, k_policy, controller_factory,
-                        max_probe_interval, self.backend)
+        check_speculation_options(proposer, num_speculative_tokens, self.max_num_seqs, k_policy, controller_factory,
+                                  max_probe_interval, self.backend)
         self.needs_hidden = proposer is not None and proposer.needs_target_hidden
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
@@ -291,7 +291,6 @@ class EngineCore:
             if failure is not None:
                 failed.append(failure)
                 continue
-            sequence.stats.num_cached_prompt_tokens = sequence.num_computed
             self.drafter.start(sequence)
         return failed
 
@@ -300,6 +299,7 @@ class EngineCore:
         if self._speculates(sequence):
             self.proposer.open(sequence)
         sequence.num_computed = self.prefix_reuse.reuse(sequence, self._proposer_of(sequence))
+        sequence.stats.num_cached_prompt_tokens = sequence.num_computed
 
     def _speculates(self, sequence: BatchSequence) -> bool:
         return self.proposer is not None and sequence.max_k > 0

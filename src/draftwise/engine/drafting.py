@@ -26,7 +26,7 @@ from draftwise.speculation.controller import AcceptanceEstimator, KController
 from draftwise.speculation.cost_model import PassCostCurve
 from draftwise.speculation.pass_costs import StepClock, draft_pass_seconds, step_seconds
 
-__all__ = ["Drafter", "Drafts", "check_k_options", "step_pricing"]
+__all__ = ["Drafter", "Drafts", "check_speculation_options", "step_pricing"]
 
 _EMPTY = DraftProposal(token_ids=())
 
@@ -52,9 +52,9 @@ def step_pricing(pass_costs: PassCostCurve | None, overhead_s: float, drafting: 
                        draft_pass_seconds(drafting.pass_costs if drafting is not None else None))
 
 
-def check_k_options(proposer: BatchProposer | None, num_speculative_tokens: int, max_num_seqs: int, k_policy: str,
-                    controller_factory: Callable[[], KController] | None, max_probe_interval: int,
-                    backend: SlotBackend) -> None:
+def check_speculation_options(proposer: BatchProposer | None, num_speculative_tokens: int, max_num_seqs: int,
+                              k_policy: str, controller_factory: Callable[[], KController] | None,
+                              max_probe_interval: int, backend: SlotBackend) -> None:
     """Refuse an engine's speculation options over ``backend`` (see :class:`~draftwise.engine.core.EngineCore`).
 
     Raises:

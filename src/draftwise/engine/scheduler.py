@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from draftwise.backends.slots import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, Piece, chunk_counts
 from draftwise.engine.sequence import BatchSequence
@@ -89,11 +90,6 @@ class ScheduledSequence:
     hidden_rows: slice
     proposal: DraftProposal | None = None
 
-    @property
-    def completes_prompt(self) -> bool:
-        """A prompt chunk that ends the prompt (its last row's logits give the first output token)."""
-        return self.proposal is None and self.piece.start + len(self.piece.token_ids) == len(self.sequence.prompt)
-
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -107,14 +103,14 @@ class StepPlan:
     decodes: tuple[ScheduledSequence, ...]
     prefills: tuple[ScheduledSequence, ...]
 
-    @property
+    @cached_property
     def pieces(self) -> list[Piece]:
         """The pass's pieces, in row order."""
         return [s.piece for s in self.decodes + self.prefills]
 
     @property
     def rows(self) -> int:
-        return sum(len(s.piece.token_ids) for s in self.decodes + self.prefills)
+        return sum(len(piece.token_ids) for piece in self.pieces)
 
     @property
     def draft_rows(self) -> int:

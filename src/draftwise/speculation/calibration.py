@@ -3,7 +3,8 @@
 The speed-up of speculative decoding depends on two measured quantities (Leviathan et al. 2023, Sec. 3.4):
 - the verify-cost curve ``v_k``: target forward time over k new tokens divided by one token's (k = 1..);
 - the cost ratio ``c``: the proposer's time per drafted token divided by one target token's time.
-With per-token acceptance alpha (:func:`draftwise.speculation.cost_model.token_acceptance`), the expected speed-up of K draft tokens per step is
+With per-token acceptance alpha (:func:`draftwise.speculation.cost_model.token_acceptance`), the expected speed-up
+of K draft tokens per step is
 ``(1 - alpha^(K+1)) / ((1 - alpha) * (K * c + v_(K+1)))``.
 
 :class:`draftwise.speculation.cost_model.CostModel` holds the same quantities in seconds (plus a draft model's
@@ -33,7 +34,7 @@ import torch
 from draftwise import progress
 from draftwise.backends.base import CausalLM
 from draftwise.config import SamplingParams
-from draftwise.speculation.cost_model import CostModel, predicted_speedup  # re-exported: defined in draftwise.speculation.cost_model
+from draftwise.speculation.cost_model import CostModel, predicted_speedup  # re-exported: defined in cost_model
 from draftwise.files import draftwise_home, write_json_atomic
 from draftwise.proposers.base import Proposer
 from draftwise.sampling import Sampler

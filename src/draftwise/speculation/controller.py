@@ -726,7 +726,8 @@ def k_controller_factory(k_policy: str, max_k: int, cost_model: CostModel | None
         return lambda: FixedK(max_k)
     if k_policy == "auto":
         if cost_model is None:
-            raise ValueError("k_policy 'auto' needs a cost model (see draftwise.speculation.calibration.calibrate_cost_model)")
+            raise ValueError("k_policy 'auto' needs a cost model "
+                             "(see draftwise.speculation.calibration.calibrate_cost_model)")
         memory = AutoKMemory.fresh(max_k, prior_strength)
         return lambda: AutoK(cost_model, max_k, memory=memory, **auto_options)
     raise ValueError(f"unknown k_policy {k_policy!r}; choose 'fixed' or 'auto'")
