@@ -202,7 +202,7 @@ class EngineCore:
         if max_k and self.proposer is not None and self.proposer.name == "hybrid":
             sequence.stats.start_hybrid_steps()
         self._next_id += 1
-        self.scheduler.waiting.append(sequence)
+        self.scheduler.add(sequence)
         return sequence
 
     def cancel(self, sequence: BatchSequence) -> None:

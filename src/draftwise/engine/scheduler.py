@@ -157,6 +157,10 @@ class Scheduler:
         self.free = list(range(max_num_seqs))
 
     # ------------------------------------------------------------------ admission
+    def add(self, sequence: BatchSequence) -> None:
+        """Queue a new sequence (it waits for a free slot)."""
+        self.waiting.append(sequence)
+
     def admit(self) -> Iterator[BatchSequence]:
         """Give waiting sequences free slots, one at a time (a slot freed while the caller handles one, e.g. by
         its failing, is offered to the next)."""
