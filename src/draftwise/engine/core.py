@@ -35,7 +35,6 @@ from draftwise.engine.proposers import BatchProposer, StepPricing
 from draftwise.engine.scheduler import ScheduledSequence, Scheduler, StepInfo, StepPlan
 from draftwise.engine.sequence import BatchSequence, GenerationResult, SequenceOutput, check_request
 from draftwise.prefix_cache import PrefixCache
-from draftwise.proposers.base import DraftProposal
 from draftwise.sampling import Sampler
 from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.speculation.cost_model import PassCostCurve, StepOverhead
