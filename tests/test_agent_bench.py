@@ -249,7 +249,7 @@ def test_each_server_pass_has_its_own_prefix_cache_scope():
     """Every request of a pass carries one ``user`` (the server's prefix-cache scope), another pass another one:
     the baseline's repeat reuses its own earlier turns, never the first pass's cached prompts (it once found
     every prompt cached and ran 17% faster than the first pass). A second run gets new scopes too."""
-    from draftwise.measurement import with_baseline_repeat
+    from draftwise.speculation.measurement import with_baseline_repeat
 
     seen: list = []
 

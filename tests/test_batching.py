@@ -15,11 +15,11 @@ from draftwise.engine import (
     BatchedDraftModel,
     EngineCore,
     PerSequenceProposers,
-    calibrate_pass_costs,
 )
 from draftwise.builder import build_batched_engine
 from draftwise.config import SamplingParams, SpeculativeConfig
-from draftwise.cost_model import PassCostCurve, plan_batch_k
+from draftwise.speculation.cost_model import PassCostCurve, plan_batch_k
+from draftwise.speculation.pass_costs import calibrate_pass_costs
 from draftwise.engine import SpeculativeEngine
 from draftwise.prefix_cache import PrefixCache
 from draftwise.engine.hybrid_slots import BatchedHybrid

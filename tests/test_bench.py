@@ -151,8 +151,8 @@ def test_summary_predicts_from_the_per_token_acceptance():
     """A draft right 90% of the time per token at K=8 (hand-built counts, 100 drafts): the summary reports
     accepted / drafted (0.64) as the acceptance rate but predicts the speed-up from a = 0.9; a plain row has
     no acceptance rate (None) and tau 1.0; records without rejection counts get them rebuilt."""
-    from draftwise.calibration import ForwardCosts
-    from draftwise.cost_model import predicted_speedup
+    from draftwise.speculation.calibration import ForwardCosts
+    from draftwise.speculation.cost_model import predicted_speedup
 
     accepted = [round(100 * 0.9 ** (i + 1)) for i in range(8)]
     rejected = [round(100 * 0.9**i * 0.1) for i in range(8)]
@@ -176,8 +176,8 @@ def test_summary_predicts_from_the_chains_actually_drafted():
     """A confidence stop drafts fewer than K tokens per step: the prediction prices the steps as drafted
     (``k_history``), not as K deep, so a K=8 run that drafted 2 tokens a step is predicted like one (the K-deep
     formula promised the tokens of 8-token chains it never drafted)."""
-    from draftwise.calibration import ForwardCosts
-    from draftwise.cost_model import predicted_speedup, predicted_speedup_of_steps
+    from draftwise.speculation.calibration import ForwardCosts
+    from draftwise.speculation.cost_model import predicted_speedup, predicted_speedup_of_steps
 
     costs = ForwardCosts({k: 0.1 * (1 + 0.1 * (k - 1)) for k in range(1, 10)}, context_len=200)
     plain = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_target_passes": 99}
@@ -202,8 +202,8 @@ def test_summary_prices_the_drafts_catch_up_of_each_prompt():
     K = 4 every step, c = 0.1, v_5 = 1.4: a step is worth 1 + .5 + .25 + .125 + .0625 = 1.9375 tokens and costs
     1.8 passes; two runs of 10 steps; prompts of 10 and 30 tokens (5 of them cached) at 2 ms a token against a
     100 ms target pass: 0.2 + 0.5 passes."""
-    from draftwise.calibration import ForwardCosts
-    from draftwise.cost_model import catch_up_passes, predicted_speedup_of_steps
+    from draftwise.speculation.calibration import ForwardCosts
+    from draftwise.speculation.cost_model import catch_up_passes, predicted_speedup_of_steps
 
     costs = ForwardCosts({k: 0.1 * (1 + 0.1 * (k - 1)) for k in range(1, 10)}, context_len=200)
     plain = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_target_passes": 99}
@@ -235,7 +235,7 @@ def test_bench_calibrates_the_drafts_prefill_as_a_catch_up_asks(monkeypatch):
     import argparse
     import types
 
-    from draftwise.calibration import PREFILL_CHUNK_TOKENS
+    from draftwise.speculation.calibration import PREFILL_CHUNK_TOKENS
     from draftwise.commands import bench
     from fakes import BigramLM, peaked_table
     from rich.console import Console

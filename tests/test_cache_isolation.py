@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import USER_DRAFTWISE_HOME, USER_MODELS_DIR, pulled_model_path, session_draftwise_home
 from draftwise.backends.kernels import kernel_cache_dir
-from draftwise.calibration import calibration_dir
+from draftwise.speculation.calibration import calibration_dir
 from draftwise.frspec import token_map_cache_dir
 from draftwise.models.loading import dequantized_cache_dir
 from draftwise.files import draftwise_home
@@ -49,7 +49,7 @@ def test_pulled_models_are_read_from_the_users_models_directory():
 
 def test_subprocesses_inherit_the_session_home():
     """``draftwise serve`` and the scripts run by tests in subprocesses write their caches there too."""
-    code = "from draftwise.calibration import calibration_dir; print(calibration_dir())"
+    code = "from draftwise.speculation.calibration import calibration_dir; print(calibration_dir())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout.strip()
     assert Path(out) == session_draftwise_home() / "calibration"

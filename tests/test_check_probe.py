@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from draftwise.benchmark import BenchPrompt, default_prompts_path
-from draftwise.calibration import ForwardCosts, predicted_speedup
+from draftwise.speculation.calibration import ForwardCosts, predicted_speedup
 from draftwise.check.probe import (
     DEFAULT_PROBE_CATEGORIES,
     CostMeasurement,
@@ -20,7 +20,7 @@ from draftwise.check.probe import (
 from draftwise.check.verdict import break_even_alpha, speculation_verdict
 from draftwise.commands.check import probe_prompts
 from draftwise.config import SamplingParams
-from draftwise.cost_model import expected_tokens_per_step
+from draftwise.speculation.cost_model import expected_tokens_per_step
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel
 from test_check_support import padded_copy, word_tokenizer

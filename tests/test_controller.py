@@ -7,7 +7,7 @@ import random
 import pytest
 
 from draftwise.config import SamplingParams, SpeculativeConfig
-from draftwise.controller import (
+from draftwise.speculation.controller import (
     CATCH_UP_NOTE,
     SPECULATION_DISABLED_NOTE,
     SPECULATION_UNPROFITABLE_NOTE,
@@ -20,7 +20,7 @@ from draftwise.controller import (
     k_controller_factory,
     leviathan_expected_tokens,
 )
-from draftwise.cost_model import CostModel
+from draftwise.speculation.cost_model import CostModel
 from draftwise.engine import SpeculativeEngine
 from fakes import BigramLM, ScriptedProposer, peaked_table
 
@@ -449,7 +449,7 @@ def test_a_draft_model_prior_survives_rejected_first_drafts():
     """Measured: a Qwen2.5-Coder 0.5B draft (acceptance 0.86 at fixed K) lost its first probe (the answer's
     opening token) and, with a prior worth one draft, decoded every later request plainly. The draft-model
     prior keeps speculating through more rejected first drafts than the weak prior, which still stops soon."""
-    from draftwise.controller import MODEL_PRIOR_STRENGTH, k_controller_factory
+    from draftwise.speculation.controller import MODEL_PRIOR_STRENGTH, k_controller_factory
 
     costs = CostModel((0.08, 0.085, 0.09, 0.095, 0.1), draft_seconds_per_token=0.025,
                       draft_prefill_seconds_per_token=0.001)
@@ -467,7 +467,7 @@ def test_a_draft_model_prior_survives_rejected_first_drafts():
 
 
 def test_draft_cost_fit_separates_a_step_overhead_from_the_cost_per_token():
-    from draftwise.controller import fit_draft_cost
+    from draftwise.speculation.controller import fit_draft_cost
 
     def moments(steps):
         n = len(steps)

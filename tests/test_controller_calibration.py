@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from draftwise import calibration
-from draftwise.calibration import (
+from draftwise.speculation import calibration
+from draftwise.speculation.calibration import (
     CostModel,
     ForwardCosts,
     cached_forward_costs,
@@ -162,7 +162,7 @@ def test_build_engine_with_auto_k_on_stories260k(stories_path, draftwise_home):
     """The builder wires an n-gram proposer and the controller; output equals plain decoding."""
     from draftwise.builder import build_engine
     from draftwise.config import SamplingParams, SpeculativeConfig
-    from draftwise.controller import AutoK
+    from draftwise.speculation.controller import AutoK
 
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, k_policy="auto")
     bundle = build_engine(str(stories_path), config, device="cpu")
@@ -221,7 +221,7 @@ def test_prefill_timing_asks_for_the_last_rows_logits_only(home):
 def test_draft_passes_and_seconds_give_the_one_token_cost_and_the_catch_up_rate():
     """A draft is timed on one token and a prefill chunk (fewer tokens where its context cannot hold them); the
     chunk's time per token is the catch-up rate, the one-token pass the drafting cost."""
-    from draftwise.calibration import PREFILL_CHUNK_TOKENS, ForwardCosts, draft_passes, draft_seconds
+    from draftwise.speculation.calibration import PREFILL_CHUNK_TOKENS, ForwardCosts, draft_passes, draft_seconds
 
     roomy = BigramLM(peaked_table(16, seed=0), max_context=4096, name="roomy")
     tight = BigramLM(peaked_table(16, seed=0), max_context=300, name="tight")

@@ -256,7 +256,7 @@ def test_a_gpu_run_is_not_judged_by_its_cpu_share():
     """A GPU-bound run leaves the CPU idle: the bench flagged every H200 run 'machine busy' (6% CPU share)."""
     from types import SimpleNamespace
 
-    from draftwise.measurement import backend_threads
+    from draftwise.speculation.measurement import backend_threads
 
     assert backend_threads(SimpleNamespace(device=torch.device("cuda", 0))) is None
     assert backend_threads(SimpleNamespace(device=torch.device("cpu"))) == torch.get_num_threads()

@@ -113,7 +113,7 @@ def test_per_depth_thresholds_stop_the_chain_at_the_first_depth_whose_threshold_
 def test_auto_thresholds_follow_the_costs():
     """``draft_stop_thresholds``: 1.5 x (c + the next verify row's relative cost) per depth, so a dearer draft or a
     steeper verify curve stops chains earlier."""
-    from draftwise.cost_model import DRAFT_STOP_VALUE, CostModel, draft_stop_thresholds
+    from draftwise.speculation.cost_model import DRAFT_STOP_VALUE, CostModel, draft_stop_thresholds
 
     flat = CostModel((0.05, 0.051, 0.052, 0.053, 0.054), 0.01)
     steep = CostModel((0.05, 0.051, 0.06, 0.075, 0.095), 0.01)
@@ -130,8 +130,8 @@ def test_auto_thresholds_follow_the_costs():
 
 def test_the_builder_turns_auto_into_per_depth_thresholds_from_the_calibrated_costs(target, draft, oracle):
     from draftwise.builder import draft_confidence
-    from draftwise.calibration import calibrate_cost_model
-    from draftwise.cost_model import draft_stop_thresholds
+    from draftwise.speculation.calibration import calibrate_cost_model
+    from draftwise.speculation.cost_model import draft_stop_thresholds
 
     thresholds = draft_confidence("auto", target, draft, 6)
     assert thresholds == draft_stop_thresholds(calibrate_cost_model(target, 6, draft=draft), 6)
@@ -146,9 +146,9 @@ def test_auto_warns_when_the_costs_stop_every_chain_short_of_k(target, caplog, m
     then looks ignored."""
     import logging
 
-    from draftwise import calibration
+    from draftwise.speculation import calibration
     from draftwise.builder import draft_confidence
-    from draftwise.cost_model import CostModel
+    from draftwise.speculation.cost_model import CostModel
 
     dear = CostModel((0.01, 0.0102, 0.0104, 0.0106, 0.0108), 0.01)
     cheap = CostModel((0.01, 0.0102, 0.0104, 0.0106, 0.0108), 0.001)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from draftwise import measurement as M
+from draftwise.speculation import measurement as M
 from draftwise.benchmark import MethodSpec, PromptRun, summarize
 from draftwise.cli import main
 
@@ -105,7 +105,7 @@ DRAFT_STATS = {"num_draft_tokens": 100, "num_accepted_tokens": 60, "num_target_p
 
 
 def summary_of(plain_s: float, plain_busy: bool, repeat_s: float, draft_s: float) -> dict[str, dict]:
-    from draftwise.calibration import ForwardCosts
+    from draftwise.speculation.calibration import ForwardCosts
 
     costs = ForwardCosts({k: 0.119 * (1 + 0.05 * (k - 1)) for k in range(1, 6)}, context_len=200)
     runs = [prompt_run("plain", plain_s, figures(cpu=5.0 if plain_busy else 19.0)),

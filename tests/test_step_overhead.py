@@ -11,8 +11,8 @@ import torch
 
 from draftwise.backends.base import ForwardOutput
 from draftwise.config import SamplingParams
-from draftwise.controller import AutoK
-from draftwise.cost_model import CostModel, PassCostCurve, StepOverhead
+from draftwise.speculation.controller import AutoK
+from draftwise.speculation.cost_model import CostModel, PassCostCurve, StepOverhead
 from draftwise.engine import EngineCore, PerSequenceProposers, SpeculativeEngine
 from draftwise.proposers.base import DraftProposal, Proposer
 from draftwise.proposers.draft_model import DraftModelProposer

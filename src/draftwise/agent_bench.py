@@ -36,9 +36,9 @@ Sessions file format (``.jsonl``: one session object per line; ``.json``: a list
 ``data/agent_sessions.jsonl`` ships four 4-turn coding sessions in this format; :func:`sessions_from_prompts`
 builds sessions from Spec-Bench coding questions (their own turns, then :data:`FOLLOW_UPS`).
 
-Trust (:mod:`draftwise.measurement`): every turn records its wall time, the process's CPU time (in process,
+Trust (:mod:`draftwise.speculation.measurement`): every turn records its wall time, the process's CPU time (in process,
 against the threads the engine may use) and the load average; the command repeats the baseline after the other
-methods (:func:`draftwise.measurement.with_baseline_repeat`), speed-ups are over the mean of its passes, and
+methods (:func:`draftwise.speculation.measurement.with_baseline_repeat`), speed-ups are over the mean of its passes, and
 each summary row carries the doubts of its figures (baseline moved, machine busy) as ``warnings``.
 """
 
@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from draftwise import measurement
+from draftwise.speculation import measurement
 from draftwise.benchmark import BenchPrompt, environment, first_difference
 from draftwise.config import SamplingParams
 from draftwise.files import write_json_atomic
@@ -304,7 +304,7 @@ class AgentTurn:
     The measured fields are :class:`TurnOutcome`'s; ``decode_tokens_per_s`` is :func:`decode_tokens_per_s` of
     them; ``identical_to_plain``: the output equals the baseline method's on the same session and turn (token
     ids in process, text over HTTP); ``first_difference``: the first differing token (or character) index;
-    ``measurement``: the turn's :class:`draftwise.measurement.Measurement` as a dict (CPU figures in process
+    ``measurement``: the turn's :class:`draftwise.speculation.measurement.Measurement` as a dict (CPU figures in process
     only); ``warnings``: its own doubts (machine busy); ``repeat_of``: the baseline's label on its second pass.
     """
 
@@ -713,7 +713,7 @@ def summarize_agent(turns: Sequence[AgentTurn], elapsed: dict[str, float] | None
     summed session wall time, the mean over its passes, / this method's), ``elapsed_s`` (the replay's real
     time; below the summed wall time when sessions ran concurrently), ``speedup_elapsed``, the baseline passes'
     wall times (``baseline_pass_s``) and spread, the row's combined ``measurement`` and its ``warnings``
-    (:func:`draftwise.measurement.comparison_doubts`: baseline moved, machine busy)."""
+    (:func:`draftwise.speculation.measurement.comparison_doubts`: baseline moved, machine busy)."""
     groups: dict[str, list[AgentTurn]] = {}
     for turn in turns:
         groups.setdefault(turn.method, []).append(turn)

@@ -2,10 +2,10 @@
 
 Every method runs on every prompt in one process, interleaved per prompt (plain first, then each
 speculative configuration, then plain again when the method list ends with the baseline's repeat,
-:func:`draftwise.measurement.with_baseline_repeat`), so machine drift hits all alike and shows as a spread
+:func:`draftwise.speculation.measurement.with_baseline_repeat`), so machine drift hits all alike and shows as a spread
 between the two plain passes. Greedy outputs are compared with plain decoding token for token; speed is
 reported as a ratio against the mean of the plain passes on the same prompt. Every run records its process CPU
-time and the load average (:mod:`draftwise.measurement`), and the summary marks the rows whose figures are
+time and the load average (:mod:`draftwise.speculation.measurement`), and the summary marks the rows whose figures are
 doubtful. Results are saved after every prompt so an interrupted run can be resumed.
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from draftwise import cost_model, measurement
-from draftwise.calibration import ForwardCosts
+from draftwise.speculation import cost_model, measurement
+from draftwise.speculation.calibration import ForwardCosts
 from draftwise.config import SamplingParams
 from draftwise.engine import GenerationResult, SpeculativeEngine
 from draftwise.files import write_json_atomic
@@ -89,8 +89,8 @@ class PromptRun:
     """One method on one turn of one prompt (times in seconds, memory in bytes).
 
     ``speedup``: tokens/s over the plain passes' on the same prompt and turn (their tokens over their time);
-    ``measurement``: :class:`draftwise.measurement.Measurement` as a dict (wall and CPU time, threads, load);
-    ``warnings``: :class:`draftwise.measurement.Doubt` dicts of this run alone (machine busy);
+    ``measurement``: :class:`draftwise.speculation.measurement.Measurement` as a dict (wall and CPU time, threads, load);
+    ``warnings``: :class:`draftwise.speculation.measurement.Doubt` dicts of this run alone (machine busy);
     ``repeat_of``: the baseline's label on its second pass.
     """
 
@@ -236,14 +236,14 @@ def run_benchmark(
     threads: int | None = None,
 ) -> list[PromptRun]:
     """Run every method on every prompt (and turn), interleaved per prompt; ``methods[0]`` must be plain, and
-    a method with ``repeat_of`` set (:func:`draftwise.measurement.with_baseline_repeat`) is a second plain pass.
+    a method with ``repeat_of`` set (:func:`draftwise.speculation.measurement.with_baseline_repeat`) is a second plain pass.
 
     Args:
         done: runs from an earlier, interrupted benchmark; prompts they complete are skipped.
         on_run: called after each (prompt, turn, method) run, before the turn's speed-ups are known;
             on_prompt: after each prompt with all runs.
         threads: threads the runs may use, for their CPU share (default:
-            :func:`draftwise.measurement.backend_threads` of the target).
+            :func:`draftwise.speculation.measurement.backend_threads` of the target).
 
     Returns:
         All runs, ``done`` included, each with greedy exactness against plain, the speed-up over the plain
@@ -378,7 +378,7 @@ def _method_row(label: str, mine: list[PromptRun], plain_time: float) -> dict:
 
 def _position_counts(runs: Sequence[PromptRun]) -> tuple[list[int], list[int], list[int]]:
     """Drafted, accepted and rejected counts per draft position, summed over runs (rejections rebuilt with
-    :func:`draftwise.cost_model.rejections_from_counts` for records that predate their counting)."""
+    :func:`draftwise.speculation.cost_model.rejections_from_counts` for records that predate their counting)."""
     totals: list[list[int]] = [[], [], []]
     for run in runs:
         drafted = run.stats.get("drafted_per_position", [])
@@ -405,14 +405,14 @@ def summarize(
     alpha, tau, acceptance by position, mean K, identical outputs, engine overhead share, peak memory; for
     fixed-K draft-model rows with calibration: c, v_(K+1) and the Leviathan-predicted speed-up (from the
     per-token acceptance and the tokens each step drafted, which a confidence stop makes fewer than K:
-    :func:`draftwise.cost_model.predicted_speedup_of_steps`), with the draft's catch-up of each prompt's
+    :func:`draftwise.speculation.cost_model.predicted_speedup_of_steps`), with the draft's catch-up of each prompt's
     uncached tokens priced in when ``draft_prefill_s`` (the draft's calibrated prefill seconds per token) is
     given (``catch_up_passes``: in one-token target passes, summed over the row's runs).
 
     Speed-ups are over the mean of the plain passes (the first method and its repeats): ``baseline_pass_s``
     lists each pass's total seconds and ``baseline_spread`` their relative spread. ``measurement`` is the
-    row's runs' :func:`draftwise.measurement.combine` d measurement, and ``warnings`` its doubts
-    (:mod:`draftwise.measurement`): baseline moved, machine busy during the row's runs or the plain passes it
+    row's runs' :func:`draftwise.speculation.measurement.combine` d measurement, and ``warnings`` its doubts
+    (:mod:`draftwise.speculation.measurement`): baseline moved, machine busy during the row's runs or the plain passes it
     is compared with, and a decode speed-up (the like-for-like figure: the prediction leaves the target's prefill
     out, as the decode time does, and counts the draft's catch-up, which falls in the decode time) far from its
     prediction."""
@@ -462,7 +462,7 @@ def _measurements(runs: Sequence[PromptRun]) -> list[measurement.Measurement | N
 
 def _row_doubts(row: dict, mine: Sequence[PromptRun], passes: Sequence[Sequence[PromptRun]],
                 is_baseline: bool) -> list[measurement.Doubt]:
-    """A summary row's doubts (:func:`draftwise.measurement.comparison_doubts`), judging its decode speed-up
+    """A summary row's doubts (:func:`draftwise.speculation.measurement.comparison_doubts`), judging its decode speed-up
     against the prediction."""
     measured = row["decode_speedup_total"] if row["decode_speedup_total"] is not None else row["speedup_total"]
     return measurement.comparison_doubts(

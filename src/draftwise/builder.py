@@ -24,7 +24,7 @@ from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.backend import LeanCausalLM
 from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM
 from draftwise.config import SpeculativeConfig
-from draftwise.controller import KController
+from draftwise.speculation.controller import KController
 from draftwise.engine import (
     BATCHED_METHODS,
     BatchedDraftModel,
@@ -444,7 +444,7 @@ def draft_confidence(value: float | str, target: CausalLM, draft: CausalLM, k: i
                      ) -> float | tuple[float, ...]:
     """A ``draft_confidence_threshold`` as the draft-model proposers take it: a number as it is; ``"auto"`` as one
     path-probability threshold per chain depth from the calibrated costs of ``target`` and ``draft``
-    (:func:`draftwise.cost_model.draft_stop_thresholds`; :func:`draftwise.calibration.calibrate_cost_model`
+    (:func:`draftwise.speculation.cost_model.draft_stop_thresholds`; :func:`draftwise.speculation.calibration.calibrate_cost_model`
     measures them once per model and machine and caches them). Where no thresholds apply (a tree, K = 1) or the
     costs cannot be measured (a context too short for the timing passes), ``"auto"`` is
     :data:`~draftwise.methods.FIXED_DRAFT_CONFIDENCE`.
@@ -458,8 +458,8 @@ def draft_confidence(value: float | str, target: CausalLM, draft: CausalLM, k: i
         return value
     if tree_width > 1 or k <= 1:
         return FIXED_DRAFT_CONFIDENCE
-    from draftwise.calibration import calibrate_cost_model
-    from draftwise.cost_model import draft_stop_thresholds
+    from draftwise.speculation.calibration import calibrate_cost_model
+    from draftwise.speculation.cost_model import draft_stop_thresholds
 
     try:
         costs = calibrate_cost_model(target, k, draft=draft)
@@ -481,11 +481,11 @@ def draft_confidence(value: float | str, target: CausalLM, draft: CausalLM, k: i
 def tree_verify_seconds(target: CausalLM, k: int, tree_width: int, tree_budget: int | None
                         ) -> Callable[[int], float] | None:
     """The target's ``rows -> seconds`` verification cost for sizing draft trees (None for a chain): the
-    calibrated verify curve over up to the tree's budget + 1 rows (:func:`draftwise.calibration.calibrate_cost_model`,
+    calibrated verify curve over up to the tree's budget + 1 rows (:func:`draftwise.speculation.calibration.calibrate_cost_model`,
     cached per model and machine)."""
     if tree_width <= 1:
         return None
-    from draftwise.calibration import calibrate_cost_model
+    from draftwise.speculation.calibration import calibrate_cost_model
 
     budget = tree_budget if tree_budget is not None else k * tree_width
     costs = calibrate_cost_model(target, budget)
@@ -520,8 +520,8 @@ def _build_suffix(config: SpeculativeConfig, target: LoadedModel, options: Build
 
 def _build_hybrid(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
     """``hybrid``: the draft model (as ``draft_model``), a suffix proposer, and the target's and draft's costs
-    from :func:`draftwise.calibration.calibrate_cost_model` (cached per model and machine)."""
-    from draftwise.calibration import calibrate_cost_model
+    from :func:`draftwise.speculation.calibration.calibrate_cost_model` (cached per model and machine)."""
+    from draftwise.speculation.calibration import calibrate_cost_model
     from draftwise.proposers.hybrid import HybridProposer
     from draftwise.proposers.suffix import suffix_proposer_from_config
 
@@ -586,7 +586,7 @@ def build_engine(
     Args:
         target: registry name, ``.gguf`` path, HF directory or hub id.
         speculative_config: proposer choice, K and the K policy (``"auto"`` calibrates the forward costs
-            once per model and machine; see :func:`draftwise.calibration.calibrate_cost_model`).
+            once per model and machine; see :func:`draftwise.speculation.calibration.calibrate_cost_model`).
         device, dtype: see :func:`draftwise.models.loading.load_model`.
         max_context: context length in tokens (default: the target config's).
         quantization: ``"none"`` or ``"int8"`` for the target and a draft model (see
@@ -646,8 +646,8 @@ def build_engine(
         return EngineBundle(target=target_model, engine=engine)
     proposer, draft = build_proposer(speculative_config, target_model, device=device, dtype=dtype,
                                      quantization=quantization, backend=backend, threads=threads, runtime=runtime)
-    from draftwise.calibration import calibrate_cost_model
-    from draftwise.controller import k_controller_factory
+    from draftwise.speculation.calibration import calibrate_cost_model
+    from draftwise.speculation.controller import k_controller_factory
 
     max_k = speculative_config.num_speculative_tokens
     cost_model = None
@@ -665,9 +665,9 @@ def build_engine(
 
 
 def _prior_strength(config: SpeculativeConfig) -> float:
-    """AutoK's acceptance-prior weight: :data:`~draftwise.controller.MODEL_PRIOR_STRENGTH` for the methods that
+    """AutoK's acceptance-prior weight: :data:`~draftwise.speculation.controller.MODEL_PRIOR_STRENGTH` for the methods that
     run a draft model, 1 otherwise."""
-    from draftwise.controller import MODEL_PRIOR_STRENGTH
+    from draftwise.speculation.controller import MODEL_PRIOR_STRENGTH
 
     return MODEL_PRIOR_STRENGTH if get_method(config.method).model == "draft" else 1.0
 
@@ -732,8 +732,8 @@ def _batched_hybrid(config: SpeculativeConfig, target: CausalLM, draft: LoadedMo
                     model: BatchedDraftModel) -> BatchProposer:
     """``hybrid`` in the batch: per-sequence suffix proposers (:func:`_suffix_factory`) and the batched draft
     model, chosen per step by one :class:`~draftwise.proposers.hybrid.HybridPolicy` priced by the cached
-    :func:`draftwise.calibration.calibrate_cost_model` (as the one-request hybrid)."""
-    from draftwise.calibration import calibrate_cost_model
+    :func:`draftwise.speculation.calibration.calibrate_cost_model` (as the one-request hybrid)."""
+    from draftwise.speculation.calibration import calibrate_cost_model
     from draftwise.engine.hybrid_slots import BatchedHybrid
     from draftwise.proposers.hybrid import HybridPolicy
 

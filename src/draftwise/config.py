@@ -106,7 +106,7 @@ class SpeculativeConfig:
         prompt_lookup_max: longest suffix n-gram to look up (``ngram`` only).
         k_policy: ``"fixed"`` (default: always K = ``num_speculative_tokens``) or ``"auto"`` (a cost-model
             controller picks K in 0..``num_speculative_tokens`` before every step; see
-            :class:`draftwise.controller.AutoK`). Not a vLLM field. Medusa and EAGLE use fixed K (the tree depth).
+            :class:`draftwise.speculation.controller.AutoK`). Not a vLLM field. Medusa and EAGLE use fixed K (the tree depth).
         tree_width: ``medusa`` / ``eagle`` / ``draft_model`` / ``hybrid``: candidates per expanded tree node
             (top-k) and, for the draft model and EAGLE, frontier nodes expanded per depth (one batched draft pass
             per depth, EAGLE-2's dynamic tree); 1 drafts a single chain of K tokens. Draft-model trees need the
@@ -129,7 +129,7 @@ class SpeculativeConfig:
             confidence; Hugging Face's ``assistant_confidence_threshold`` is a per-token form). ``"auto"``
             (default, :data:`DEFAULT_DRAFT_CONFIDENCE`): one threshold per depth from the calibrated costs,
             1.5 x the next token's cost (a draft pass and one more verify row) in one-token target passes
-            (:func:`draftwise.cost_model.draft_stop_thresholds`; measured once per model and machine, cached); a
+            (:func:`draftwise.speculation.cost_model.draft_stop_thresholds`; measured once per model and machine, cached); a
             number in [0, 1): that threshold at every depth; 0 drafts every chain K deep. Chains only: with
             ``tree_width`` > 1 the tree is sized by the verify cost, and setting a number is an error. The output
             is unchanged. Not a vLLM field.

@@ -145,8 +145,8 @@ def _check_draft(config: SpeculativeConfig) -> None:
 #: The smallest ``draft_window`` (tokens) accepted.
 MIN_DRAFT_WINDOW = 32
 #: ``draft_confidence_threshold``'s default (:class:`~draftwise.config.SpeculativeConfig`): ``"auto"``, thresholds
-#: per chain depth from the calibrated costs (:func:`draftwise.cost_model.draft_stop_thresholds`: a chain grows
-#: while its path probability is at least 1.5 x the next token's cost in target passes; how it compares with
+#: per chain depth from the calibrated costs (:func:`draftwise.speculation.cost_model.draft_stop_thresholds`:
+#: a chain grows while its path probability is at least 1.5 x the next token's cost in target passes; how it compares with
 #: constant thresholds: docs/benchmarks/draft_model.md).
 DEFAULT_DRAFT_CONFIDENCE = "auto"
 #: The constant threshold of a draft-model proposer built without costs (library use; ``"auto"`` where no
@@ -172,7 +172,7 @@ DRAFT_VOCAB_FIELDS = ("draft_vocab_size", "token_map")
 
 #: The draft model's own backend and its draft tree's shape (methods that run a draft model).
 DRAFT_FIELDS = ("backend", "tree_width", "tree_budget", "draft_window", "catch_up", "draft_confidence_threshold")
-#: How AutoK prices a draft model's catch-up (``catch_up``; draftwise.controller.AutoK): against the remaining
+#: How AutoK prices a draft model's catch-up (``catch_up``; draftwise.speculation.controller.AutoK): against the remaining
 #: ``max_tokens`` ("eager") or the tokens generated so far ("deferred", ski rental).
 CATCH_UP_MODES = ("eager", "deferred")
 #: ``catch_up``'s default: "deferred" (why: docs/benchmarks/draft_model.md, eager vs deferred catch-up).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from draftwise import measurement
+from draftwise.speculation import measurement
 from draftwise.benchmark import PromptRun, doubts_of
 from draftwise.stats import hybrid_steps_line
 
@@ -99,7 +99,7 @@ def measurement_lines(doubts: Sequence[tuple[str, dict]], summary: Sequence[dict
         f"{spread:.0%} apart; speed-ups are over their mean." if spread is not None else "not repeated."))
     lines.append("")
     if not doubts:
-        return [*lines, ("No figure in doubt by the rules of `draftwise.measurement` (baseline moved, machine "
+        return [*lines, ("No figure in doubt by the rules of `draftwise.speculation.measurement` (baseline moved, machine "
                          "busy, far from prediction).")]
     lines += [measurement.legend(d for _, d in doubts) or "", "", measurement.warning_line(doubts) or "", ""]
     return lines + [f"- {what}: {d['code']} {d['reason']}: {d['detail']}" for what, d in doubts]

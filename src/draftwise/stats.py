@@ -13,7 +13,7 @@ Terms (as in vLLM's spec-decode metrics):
   expected to pay); passes the hybrid was not asked to draft for (K = 0) are not counted.
 
 A stop token inside an accepted draft ends the step there: the drafted and accepted counts stop at it.
-The definitions live in :mod:`draftwise.cost_model`.
+The definitions live in :mod:`draftwise.speculation.cost_model`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
-from draftwise import cost_model
+from draftwise.speculation import cost_model
 
 __all__ = ["SpeculativeStats", "HYBRID_SIDES", "hybrid_step_side", "total_hybrid_steps", "hybrid_steps_line"]
 
@@ -108,19 +108,19 @@ class SpeculativeStats:
 
     @property
     def acceptance_rate(self) -> float | None:
-        """accepted / drafted (None when nothing was drafted); :func:`draftwise.cost_model.acceptance_rate`."""
+        """accepted / drafted (None when nothing was drafted); :func:`draftwise.speculation.cost_model.acceptance_rate`."""
         return cost_model.acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
 
     @property
     def token_acceptance(self) -> float | None:
         """Per-token acceptance probability ``a`` (None when nothing was judged);
-        :func:`draftwise.cost_model.token_acceptance`."""
+        :func:`draftwise.speculation.cost_model.token_acceptance`."""
         return cost_model.token_acceptance(self.accepted_per_position, self.rejected_per_position)
 
     @property
     def mean_accepted_length(self) -> float:
         """tau = 1 + accepted / decode-phase target passes (1.0 without any);
-        :func:`draftwise.cost_model.mean_accepted_length`."""
+        :func:`draftwise.speculation.cost_model.mean_accepted_length`."""
         return cost_model.mean_accepted_length(self.num_accepted_tokens, self.num_target_passes)
 
     @property

@@ -3,12 +3,12 @@ machine, and the speed-up they predict for each K (Leviathan et al. 2023, Sec. 3
 
 - acceptance probe: a :class:`~draftwise.engine.SpeculativeEngine` with a
   :class:`~draftwise.proposers.draft_model.DraftModelProposer` decodes a few prompts greedily at a fixed K;
-  the per-token acceptance ``a`` over all of them (:func:`draftwise.cost_model.token_acceptance`: accepted
+  the per-token acceptance ``a`` over all of them (:func:`draftwise.speculation.cost_model.token_acceptance`: accepted
   / (accepted + rejections), not accepted / drafted, which falls with K). Under the usual i.i.d. assumption
   one ``a`` serves every K.
-- costs: :func:`~draftwise.calibration.measure_forward_costs` for the target's verify curve
+- costs: :func:`~draftwise.speculation.calibration.measure_forward_costs` for the target's verify curve
   ``v_k`` (k = 1..max_k + 1) and the draft's one-token time, whose ratio to the target's is ``c``.
-- prediction: :meth:`draftwise.cost_model.CostModel.speedup` for K = 1..max_k.
+- prediction: :meth:`draftwise.speculation.cost_model.CostModel.speedup` for K = 1..max_k.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from draftwise.benchmark import BenchPrompt, encode_turn
-from draftwise import cost_model
-from draftwise.calibration import ForwardCosts, measure_forward_costs
-from draftwise.cost_model import CostModel
+from draftwise.speculation import cost_model
+from draftwise.speculation.calibration import ForwardCosts, measure_forward_costs
+from draftwise.speculation.cost_model import CostModel
 from draftwise.config import SamplingParams
 from draftwise.builder import assemble_engine
 from draftwise.models.loading import LoadedModel
@@ -213,8 +213,8 @@ class CostMeasurement:
         return self.draft_1_token_s / self.target.seconds[1]
 
     def cost_model(self) -> CostModel:
-        """The measurement as a :class:`~draftwise.cost_model.CostModel` (seconds at the timed context). Its
-        verify curve reads non-decreasing (:class:`~draftwise.cost_model.PassCostCurve`, the one rule for a
+        """The measurement as a :class:`~draftwise.speculation.cost_model.CostModel` (seconds at the timed context). Its
+        verify curve reads non-decreasing (:class:`~draftwise.speculation.cost_model.PassCostCurve`, the one rule for a
         noisy pass time), so a k-token pass timed faster than a shorter one counts as the shorter one."""
         return CostModel.from_forward_costs(self.target, self.draft_1_token_s)
 

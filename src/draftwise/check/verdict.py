@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from draftwise.check.probe import SpeedupPrediction
-from draftwise.cost_model import break_even_acceptance
+from draftwise.speculation.cost_model import break_even_acceptance
 
 __all__ = ["HELPS_AT_LEAST", "Verdict", "break_even_alpha", "speculation_verdict", "static_verdict"]
 
@@ -42,7 +42,7 @@ class Verdict:
         return asdict(self)
 
 
-#: The per-token acceptance at which K draft tokens per step break even (defined in draftwise.cost_model).
+#: The per-token acceptance at which K draft tokens per step break even (defined in draftwise.speculation.cost_model).
 break_even_alpha = break_even_acceptance
 
 

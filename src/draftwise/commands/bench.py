@@ -7,7 +7,7 @@ asked. Writes JSON (after every prompt; ``--resume`` continues it), a Markdown r
 
 Plain runs again after the other methods on every prompt (``plain (repeat)``: the order A B ... A) and every
 speed-up is over the mean of the two plain passes. Each run records its CPU time, wall time and the load
-average; a row whose figures are doubtful by :mod:`draftwise.measurement`'s rules (baseline moved, machine
+average; a row whose figures are doubtful by :mod:`draftwise.speculation.measurement`'s rules (baseline moved, machine
 busy, far from the cost model's prediction) carries a marker in the table, ``warnings`` in the JSON, and the
 command ends with a WARNING line saying why.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from draftwise import measurement
+from draftwise.speculation import measurement
 from draftwise.benchmark import (
     MethodSpec,
     PromptRun,
@@ -49,7 +49,7 @@ from draftwise.builder import (
     kv_cache_budget,
     load_draft_model,
 )
-from draftwise.calibration import ForwardCosts, draft_passes, draft_seconds, forward_pass_samples
+from draftwise.speculation.calibration import ForwardCosts, draft_passes, draft_seconds, forward_pass_samples
 from draftwise.commands.common import (
     CliError,
     add_backend_arg,
@@ -306,8 +306,8 @@ def _catch_up_modes(args: argparse.Namespace, policies: list[str]) -> list[str]:
 
 
 def _controller_factory(policy, k, kind, target, draft, proposer, calibrated, catch_up=DEFAULT_CATCH_UP):
-    from draftwise.calibration import calibrate_cost_model
-    from draftwise.controller import MODEL_PRIOR_STRENGTH, k_controller_factory
+    from draftwise.speculation.calibration import calibrate_cost_model
+    from draftwise.speculation.controller import MODEL_PRIOR_STRENGTH, k_controller_factory
 
     if policy == "fixed":
         return k_controller_factory("fixed", k)
@@ -415,7 +415,7 @@ def _output_file(path: str) -> Path:
 
 
 def print_warning(console: Console, doubts) -> None:
-    """End a command with :func:`draftwise.measurement.warning_line` of ``(what, doubt)`` pairs, if any."""
+    """End a command with :func:`draftwise.speculation.measurement.warning_line` of ``(what, doubt)`` pairs, if any."""
     line = measurement.warning_line(doubts)
     if line:
         console.print(line, style="bold yellow", markup=False, highlight=False, soft_wrap=True)
@@ -517,7 +517,7 @@ def _tree_widths(text: str) -> list[int]:
 
 def _calibrate(console, args, target, draft, ks) -> tuple[dict, ForwardCosts | None, float | None]:
     """The forward-cost calibration for the predictions: the target's verify curve, the draft's one-token pass
-    and its prefill rate (the passes of :func:`~draftwise.calibration.draft_passes`, timed as the cost model
+    and its prefill rate (the passes of :func:`~draftwise.speculation.calibration.draft_passes`, timed as the cost model
     times them; seconds per token under ``"draft_prefill_token_s"``: the predictions price each prompt's
     catch-up with it), with their measurement and doubts (machine busy, noisy repeated timings) under
     ``"measurement"`` and ``"warnings"``."""

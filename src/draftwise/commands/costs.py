@@ -10,7 +10,7 @@ bound of one token (bytes / bandwidth) next to the measured one-token time; ``--
 from its cache) the linear-kernel self-test for the model's layer shapes and prints its table
 (:func:`draftwise.backends.kernels.select_linear_kernel`).
 
-The timings record the process's CPU time and the load average (:mod:`draftwise.measurement`): a k whose
+The timings record the process's CPU time and the load average (:mod:`draftwise.speculation.measurement`): a k whose
 repeated timings spread too far is marked ``!N`` in the table, every row ``!C`` when the machine was busy, the
 JSON carries ``measurement``, ``spread`` (per k) and ``warnings``, and the command ends with a WARNING line.
 """
@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from draftwise import measurement
+from draftwise.speculation import measurement
 from draftwise.backends.kernels import (
     KERNEL_MODES,
     TIMED_ROWS,
@@ -38,7 +38,7 @@ from draftwise.backends.kernels import (
     select_linear_kernel,
 )
 from draftwise.builder import DEMO_TARGET
-from draftwise.calibration import ForwardCosts, forward_pass_samples
+from draftwise.speculation.calibration import ForwardCosts, forward_pass_samples
 from draftwise.commands.common import (
     CliError,
     add_quantization_arg,
@@ -46,7 +46,7 @@ from draftwise.commands.common import (
     check_device_args,
     default_speculative_backend,
 )
-from draftwise.cost_model import CostModel, draft_stop_thresholds
+from draftwise.speculation.cost_model import CostModel, draft_stop_thresholds
 from draftwise.models.loading import load_model
 
 __all__ = ["register", "run", "parse_token_counts"]
@@ -271,7 +271,7 @@ def _result_dict(args: argparse.Namespace, costs: ForwardCosts, draft_s: float |
 
 def _stop_thresholds(costs: ForwardCosts, draft_s: float) -> tuple[float, ...] | None:
     """The per-depth path-probability thresholds ``draft_confidence_threshold: "auto"`` derives from these costs
-    (:func:`draftwise.cost_model.draft_stop_thresholds`) for chains up to the longest measured pass - 1 tokens;
+    (:func:`draftwise.speculation.cost_model.draft_stop_thresholds`) for chains up to the longest measured pass - 1 tokens;
     None unless k = 1..n were all measured (n >= 3)."""
     n = max(costs.seconds)
     if n < 3 or sorted(costs.seconds) != list(range(1, n + 1)):

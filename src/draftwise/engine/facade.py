@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from draftwise.backends.base import CausalLM
 from draftwise.backends.slots import OneSlot
 from draftwise.config import SamplingParams
-from draftwise.controller import KController
+from draftwise.speculation.controller import KController
 from draftwise.engine.core import EngineCore
 from draftwise.engine.proposers import PerSequenceProposers
 from draftwise.engine.sequence import BatchSequence, GenerationResult
@@ -64,7 +64,8 @@ class SpeculativeEngine:
         proposer: draft proposer, or None for plain decoding.
         num_speculative_tokens: K, the maximum draft depth per step (ignored without a proposer).
         eos_token_ids: token ids that end generation (unless a request sets ``ignore_eos``).
-        controller_factory: builds a per-request :class:`~draftwise.controller.KController`; default: fixed K.
+        controller_factory: builds a per-request :class:`~draftwise.speculation.controller.KController`; default:
+            fixed K.
         prefix_cache: keeps finished sequences' KV states (target and proposer) so a request re-uses the
             longest token prefix it shares with one of the same scope and prefills only the rest (see
             :mod:`draftwise.prefix_cache`). None: every request starts from an empty cache. Ignored for proposers

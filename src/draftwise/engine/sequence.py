@@ -2,19 +2,34 @@
 
 from __future__ import annotations
 
+import enum
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from draftwise.backends.base import ContextOverflowError
+from draftwise.backends.slots import SlotBackend
 from draftwise.config import SamplingParams
-from draftwise.controller import AcceptanceEstimator, KController, ProbeBackoff
+from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
+from draftwise.proposers.base import DraftProposal
 from draftwise.sampling import Sampler
 from draftwise.stats import SpeculativeStats
 
-__all__ = ["BatchSequence", "GenerationResult", "commit_tokens", "WAITING", "PREFILLING", "DECODING", "FINISHED"]
+__all__ = ["BatchSequence", "GenerationResult", "RequestState", "SequenceOutput", "check_request", "commit_tokens"]
 
-WAITING, PREFILLING, DECODING, FINISHED = "waiting", "prefilling", "decoding", "finished"
+logger = logging.getLogger(__name__)
+
+
+class RequestState(enum.Enum):
+    """Where a request is in an engine core. A running request has no phase: its prefill progress is how many
+    prompt tokens its slot holds (:attr:`BatchSequence.num_computed` against the prompt's length)."""
+
+    WAITING = "waiting"  # added, no slot yet
+    RUNNING = "running"  # holds a slot: prompt chunks, then its last token and drafts, in each step
+    FINISHED = "finished"  # its result is set
 
 
 @dataclass
@@ -51,10 +66,12 @@ class BatchSequence:
         finish_reason: ``""`` while running; then ``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"``.
         result: the :class:`GenerationResult` once finished.
         slot: its KV-cache slot while running (-1 otherwise).
-        num_computed: prompt tokens whose keys and values its slot holds (prefill progress, tokens).
+        num_computed: prompt tokens whose keys and values its slot holds (prefill progress, tokens); the prompt
+            is prefilled, and its first output token committed, once it equals ``len(prompt)``.
         estimator: its acceptance estimate (seeded from the engine's long-memory estimate).
-        controller: its own K policy (:class:`~draftwise.controller.KController`, e.g. AutoK), or None when the
-            engine plans K for the batch (fixed or load-aware; ``backoff``: the load-aware plan's probe schedule).
+        controller: its own K policy (:class:`~draftwise.speculation.controller.KController`, e.g. AutoK), or None
+            when the engine plans K for the batch (fixed or load-aware; ``backoff``: the load-aware plan's probe
+            schedule).
     """
 
     seq_id: int
@@ -74,25 +91,94 @@ class BatchSequence:
     slot: int = -1
     num_computed: int = 0
     admitted_s: float = 0.0
-    first_token_done: bool = False  # the prompt is prefilled and its first output token committed
     plain_streak: int = 0  # load-aware K: consecutive steps planned at K = 0 while a draft was offered
     backoff: ProbeBackoff | None = None  # load-aware K: plain steps before a probe with K = 1
     probing: bool = False
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [rows, H] per prefill chunk (Medusa/EAGLE)
 
     @property
-    def state(self) -> str:
-        """``"waiting"``, ``"prefilling"``, ``"decoding"`` or ``"finished"``."""
+    def state(self) -> RequestState:
+        """Waiting, running or finished."""
         if self.finish_reason:
-            return FINISHED
-        if self.slot < 0:
-            return WAITING
-        return DECODING if self.first_token_done else PREFILLING
+            return RequestState.FINISHED
+        return RequestState.WAITING if self.slot < 0 else RequestState.RUNNING
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill (0: its steps decode)."""
+        return len(self.prompt) - self.num_computed
 
     @property
     def context(self) -> list[int]:
         """Prompt + committed output."""
         return self.prompt + self.generated
+
+    def commit(self, tokens: Sequence[int], max_context: int) -> tuple[list[int], int, str]:
+        """Append a step's ``tokens`` to :attr:`generated` up to a stop condition (:func:`commit_tokens`; the
+        context holds ``max_context`` tokens)."""
+        return commit_tokens(self.generated, tokens, stop_ids=self.stop_ids, max_tokens=self.params.max_tokens,
+                             max_generated=max_context - len(self.prompt))
+
+    def record_step(self, proposal: DraftProposal, num_drafted: int, num_accepted: int, num_committed: int,
+                    pass_s: float, draft_s: float) -> None:
+        """Count a verified step in :attr:`stats`: its draft (``num_drafted`` tokens deep, ``num_accepted`` of them
+        accepted, up to a stop), ``num_committed`` output tokens, and the seconds of its pass and drafting."""
+        stats = self.stats
+        stats.target_time_s += pass_s
+        stats.draft_time_s += draft_s
+        stats.record_step(num_drafted, num_accepted, num_committed)
+        stats.num_tree_nodes += len(proposal) if proposal.is_tree else 0
+        if proposal.hybrid_side:
+            stats.record_hybrid_step(proposal.hybrid_side, num_drafted)
+        stats.step_end_s.append(time.perf_counter() - self.admitted_s)
+
+    def set_result(self, reason: str) -> None:
+        """Fill :attr:`result` for a request that ended with ``reason`` (its controller's notes join its warnings,
+        which are logged)."""
+        stats = self.stats
+        if self.controller is not None:
+            for note in self.controller.notes():
+                if note not in stats.warnings:
+                    stats.warnings.append(note)
+        stats.num_generated_tokens = len(self.generated)
+        stats.total_time_s = time.perf_counter() - self.admitted_s if self.admitted_s else 0.0
+        stats.finish_reason = reason
+        for warning in stats.warnings:
+            logger.warning("%s", warning)
+        self.result = GenerationResult(token_ids=list(self.generated), finish_reason=reason, stats=stats)
+
+
+@dataclass(frozen=True)
+class SequenceOutput:
+    """What one step did for one sequence: ``token_ids`` newly committed (possibly none) and whether it
+    finished (then ``sequence.result`` is set). ``error``: the exception that failed this sequence (its
+    ``finish_reason`` is then ``"error"``), None otherwise."""
+
+    sequence: BatchSequence
+    token_ids: list[int]
+    finished: bool
+    error: BaseException | None = None
+
+
+def check_request(prompt: Sequence[int], num_speculative_tokens: int | None, max_k: int,
+                  backend: SlotBackend) -> None:
+    """Refuse a request an engine over ``backend`` (whose K is ``max_k``) cannot run.
+
+    Raises:
+        ValueError: a ``num_speculative_tokens`` outside ``0..max_k``, an empty prompt, or a token id outside the
+            vocabulary.
+        ContextOverflowError: the context leaves no room for a new token after the prompt.
+    """
+    if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= max_k:
+        raise ValueError(f"num_speculative_tokens must be in 0..{max_k} (the engine's K), got {num_speculative_tokens}")
+    if not prompt:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    if min(prompt) < 0 or max(prompt) >= backend.vocab_size:
+        raise ValueError(f"prompt holds a token id outside [0, {backend.vocab_size})")
+    if len(prompt) >= backend.max_context:
+        raise ContextOverflowError(
+            f"the prompt has {len(prompt)} tokens; the context length is {backend.max_context} tokens, "
+            "which leaves no room for new tokens")
 
 
 def commit_tokens(generated: list[int], tokens: Sequence[int], *, stop_ids: frozenset[int], max_tokens: int,

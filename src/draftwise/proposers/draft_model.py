@@ -40,7 +40,7 @@ from draftwise.backends.slots import (
 )
 from draftwise.config import SamplingParams
 from draftwise.methods import FIXED_DRAFT_CONFIDENCE, MIN_DRAFT_WINDOW, is_confidence_threshold
-from draftwise.cost_model import PassCostCurve
+from draftwise.speculation.cost_model import PassCostCurve
 from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
 from draftwise.sampling import Sampler
 from draftwise.tree import DraftNode, best_frontier, children_of, select_tree
@@ -116,7 +116,7 @@ def min_path_scores(confidence_threshold: float | str | Sequence[float]) -> tupl
 
     Raises:
         ValueError: not a number in [0, 1) nor a non-empty sequence of numbers >= 0; ``"auto"`` (the builder
-            resolves it with the calibrated costs, :func:`draftwise.cost_model.draft_stop_thresholds`).
+            resolves it with the calibrated costs, :func:`draftwise.speculation.cost_model.draft_stop_thresholds`).
     """
     if confidence_threshold == "auto":
         raise ValueError("confidence_threshold 'auto' (draft_confidence_threshold) needs the calibrated costs: build "
@@ -190,7 +190,7 @@ class DraftSlots:
             a threshold; the token that crossed it is kept. A number in [0, 1) is the threshold at every depth (0
             drafts every chain ``k`` deep); a sequence gives one per depth, ``thresholds[j - 1]`` after j
             proposed tokens (deeper ones take the last; values >= 1 stop there), as
-            :func:`draftwise.cost_model.draft_stop_thresholds` derives them from the measured costs. Each further
+            :func:`draftwise.speculation.cost_model.draft_stop_thresholds` derives them from the measured costs. Each further
             draft token costs a draft pass and a verify row and pays only if the path so far is right, which its
             probability estimates (the draft's confidence, as EAGLE-2 reads it for trees and Hugging Face's
             ``assistant_confidence_threshold`` per token). Trees are sized by :func:`sized_tree` instead.

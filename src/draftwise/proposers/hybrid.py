@@ -17,11 +17,11 @@ all decoding sequences at once over the step's measured pass costs (:func:`assig
 lengthens the pass every sequence waits for, and one draft pass serves every sequence drafting at that depth.
 
 ``verify(n)`` (seconds of a step whose target pass is over n tokens) is the engine's measured pass plus its own
-time per step (:class:`draftwise.cost_model.StepOverhead`, which favours drafting where passes are short), given
+time per step (:class:`draftwise.speculation.cost_model.StepOverhead`, which favours drafting where passes are short), given
 with each step (``pricing``); before the engine has measured, and for the initial ``c_d``, a :class:`StepCosts`
-object: the builder passes the cached :func:`draftwise.calibration.calibrate_cost_model` result (its
+object: the builder passes the cached :func:`draftwise.speculation.calibration.calibrate_cost_model` result (its
 ``verify_cost`` and ``draft_seconds_per_token``). Acceptance uses
-:class:`draftwise.controller.AcceptanceEstimator` and :func:`draftwise.controller.expected_tokens` (the
+:class:`draftwise.speculation.controller.AcceptanceEstimator` and :func:`draftwise.speculation.controller.expected_tokens` (the
 project's one definition of those quantities). The suffix lookup's own time is paid either way and left out.
 
 The engine does not report acceptance to proposers: at each call the proposer compares the newly committed
@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from draftwise.config import SamplingParams
-from draftwise.controller import AcceptanceEstimator, expected_tokens
+from draftwise.speculation.controller import AcceptanceEstimator, expected_tokens
 from draftwise.proposers.base import DraftProposal, Proposer
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.suffix import (
@@ -60,7 +60,7 @@ SUFFIX, DRAFT_MODEL = "suffix", "draft_model"
 
 
 class StepCosts(Protocol):
-    """What the hybrid reads of a cost model (:class:`draftwise.calibration.CostModel` fits)."""
+    """What the hybrid reads of a cost model (:class:`draftwise.speculation.calibration.CostModel` fits)."""
 
     draft_seconds_per_token: float
 

@@ -219,11 +219,11 @@ class CostModel:
         draft_step_seconds: a drafting step's fixed cost beyond K x ``draft_seconds_per_token`` (a draft
             model's first pass feeds the previous step's last draft token and the bonus token, which on
             llama.cpp costs about 1.4 one-token passes); 0 by default, learned online by
-            :class:`draftwise.controller.AutoK`.
+            :class:`draftwise.speculation.controller.AutoK`.
         step_overhead_seconds: the engine's own time per step beyond the model passes (verification, sampling,
             bookkeeping, the caller's work between steps; :class:`StepOverhead`), paid by a plain step too, so
             it favours fewer, longer steps; 0 by default, measured by the engine and handed to
-            :class:`draftwise.controller.AutoK`.
+            :class:`draftwise.speculation.controller.AutoK`.
 
     Raises:
         ValueError: empty or non-positive verify times, or negative costs.
@@ -345,7 +345,7 @@ class CostModel:
 
     @classmethod
     def from_forward_costs(cls, costs, draft_seconds_per_token: float, source: str = "measured", **extra) -> CostModel:
-        """Build from a measured :class:`draftwise.calibration.ForwardCosts` (``seconds`` by token count, at
+        """Build from a measured :class:`draftwise.speculation.calibration.ForwardCosts` (``seconds`` by token count, at
         ``context_len``); its token counts must be 1..n without gaps. ``extra``: further fields.
 
         Raises:

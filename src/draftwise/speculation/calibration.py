@@ -3,12 +3,13 @@
 The speed-up of speculative decoding depends on two measured quantities (Leviathan et al. 2023, Sec. 3.4):
 - the verify-cost curve ``v_k``: target forward time over k new tokens divided by one token's (k = 1..);
 - the cost ratio ``c``: the proposer's time per drafted token divided by one target token's time.
-With per-token acceptance alpha (:func:`draftwise.cost_model.token_acceptance`), the expected speed-up of K draft tokens per step is
+With per-token acceptance alpha (:func:`draftwise.speculation.cost_model.token_acceptance`), the expected speed-up
+of K draft tokens per step is
 ``(1 - alpha^(K+1)) / ((1 - alpha) * (K * c + v_(K+1)))``.
 
-:class:`draftwise.cost_model.CostModel` holds the same quantities in seconds (plus a draft model's
+:class:`draftwise.speculation.cost_model.CostModel` holds the same quantities in seconds (plus a draft model's
 catch-up prefill time and how pass times grow with the context) for the adaptive K controller
-(:class:`draftwise.controller.AutoK`). :func:`calibrate_cost_model` measures it once and caches each timing
+(:class:`draftwise.speculation.controller.AutoK`). :func:`calibrate_cost_model` measures it once and caches each timing
 as JSON under ``draftwise_home()/calibration/``, keyed by model identity, dtype, device, the backend's timing
 settings (llama.cpp threads, flash attention, batch invariance) and machine (platform, CPU count, torch
 version and threads), so start-up stays quick after the first run.
@@ -33,7 +34,7 @@ import torch
 from draftwise import progress
 from draftwise.backends.base import CausalLM
 from draftwise.config import SamplingParams
-from draftwise.cost_model import CostModel, predicted_speedup  # re-exported: defined in draftwise.cost_model
+from draftwise.speculation.cost_model import CostModel, predicted_speedup  # re-exported: defined in cost_model
 from draftwise.files import draftwise_home, write_json_atomic
 from draftwise.proposers.base import Proposer
 from draftwise.sampling import Sampler
@@ -115,7 +116,7 @@ def forward_pass_samples(
     num_logits: int | None = None,
 ) -> dict[int, list[float]]:
     """``{k: [seconds of each timed pass]}``, the timings :func:`measure_forward_costs` takes the medians of
-    (1 always included): for callers that judge their spread (:func:`draftwise.measurement.noisy_timings`).
+    (1 always included): for callers that judge their spread (:func:`draftwise.speculation.measurement.noisy_timings`).
 
     Raises:
         ContextOverflowError: if ``context_len + max(ks)`` exceeds the model's context.
@@ -322,10 +323,8 @@ def monotone_fit(values: Sequence[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
-#: Tokens in the draft pass timed for its catch-up prefill rate. A catch-up is a whole prompt (Spec-Bench's are
-#: 40-800 tokens) and the rate grows with the pass: the Qwen2.5-Coder 0.5B draft on llama.cpp (Q4_0, AMD EPYC Zen4,
-#: 2 threads) prefilled 206 tokens/s in 64-token passes, 337 in 256-token ones, and caught up on 200-740-token
-#: prompts at 285-310 tokens/s inside requests (2026-12-05; 64 before that day).
+#: Tokens in the draft pass timed for its catch-up prefill rate. A catch-up is a whole prompt, and a model's
+#: prefill rate grows with the tokens per pass, so the pass timed is prompt-sized rather than a few tokens.
 PREFILL_CHUNK_TOKENS = 256
 #: Context (tokens) of the second, longer timing that measures how pass times grow with the context.
 LONG_CONTEXT_TOKENS = 1024
@@ -344,8 +343,8 @@ def calibrate_cost_model(
     repeats: int = 5,
     cache_dir: Path | None = None,
 ) -> CostModel:
-    """Measure (or read from the cache) the :class:`~draftwise.cost_model.CostModel` that
-    :class:`draftwise.controller.AutoK` needs.
+    """Measure (or read from the cache) the :class:`~draftwise.speculation.cost_model.CostModel` that
+    :class:`draftwise.speculation.controller.AutoK` needs.
 
     - verify curve: the target's forward time over j = 1..max_k + 1 tokens at ``context_len``, made
       non-decreasing in j (:func:`monotone_fit`: a pass over more tokens never costs less; dips are noise);

@@ -2,7 +2,7 @@
 
 The engine asks a per-request controller for K before every step and reports each verification back.
 :class:`FixedK` always speculates the configured maximum. :class:`AutoK` picks K from the cost model and
-online acceptance estimates (:mod:`draftwise.cost_model`, Leviathan et al. 2023) to maximise expected
+online acceptance estimates (:mod:`draftwise.speculation.cost_model`, Leviathan et al. 2023) to maximise expected
 committed tokens per second, prices a draft model's catch-up prefill against what the remaining tokens can
 gain, and keeps what it learned in a per-engine :class:`AutoKMemory` across requests.
 """
@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from draftwise.cost_model import CostModel, expected_tokens, expected_tokens_per_step
+from draftwise.speculation.cost_model import CostModel, expected_tokens, expected_tokens_per_step
 from draftwise.methods import CATCH_UP_MODES, DEFAULT_CATCH_UP
 
 __all__ = [
@@ -36,7 +36,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Leviathan et al. 2023, Eq. 1 (the one definition lives in :mod:`draftwise.cost_model`).
+#: Leviathan et al. 2023, Eq. 1 (the one definition lives in :mod:`draftwise.speculation.cost_model`).
 leviathan_expected_tokens = expected_tokens_per_step
 
 
@@ -55,7 +55,7 @@ class KController(ABC):
     def observe(self, num_drafted: int, num_accepted: int, draft_time_s: float, target_time_s: float, *,
                 overhead_s: float = 0.0, model_drafted: bool = True) -> None:
         """Record the outcome of one step (tokens, seconds); ``overhead_s``: the engine's current estimate of its
-        own time per step beyond the passes (:class:`draftwise.cost_model.StepOverhead`); ``model_drafted``:
+        own time per step beyond the passes (:class:`draftwise.speculation.cost_model.StepOverhead`); ``model_drafted``:
         False when another proposer than the one the costs price drafted this step (``hybrid``'s suffix side: its
         draft model did not run and fell further behind). Default: ignore."""
 
@@ -93,7 +93,7 @@ class AcceptanceEstimator:
     """Online per-position conditional acceptance rates, split by what the previous draft did.
 
     Position i's rate is the probability that draft token i is accepted given tokens 1..i-1 were
-    (:func:`draftwise.cost_model.conditional_acceptance`). Acceptance comes in runs (an n-gram proposer
+    (:func:`draftwise.speculation.cost_model.conditional_acceptance`). Acceptance comes in runs (an n-gram proposer
     inside copied text, a draft model on boilerplate), so the counts are kept per *regime*: after a draft
     that was accepted in full, and after one that was rejected somewhere. Each regime's rate at a position
     shrinks toward the position's rate over both regimes (``regime_strength`` pseudo-trials), which shrinks
@@ -291,7 +291,7 @@ class AutoK(KController):
     """Picks K in 0..max_k before every step to maximise expected committed tokens per second.
 
     Model (Leviathan et al. 2023, Sec. 3.4, with measured costs instead of their linear one; see
-    :mod:`draftwise.cost_model`): a step with K draft tokens commits ``E(K) = 1 + sum_j prod_{i<=j} a_i``
+    :mod:`draftwise.speculation.cost_model`): a step with K draft tokens commits ``E(K) = 1 + sum_j prod_{i<=j} a_i``
     tokens on average (per-position conditional acceptance ``a_i`` from :class:`AcceptanceEstimator`, in the
     regime the previous draft left) and costs ``CostModel.step_cost(K)`` seconds at the request's current
     context length; K = 0 is a plain step. The controller returns ``argmax_K E(K) / cost(K)``, preferring
@@ -726,7 +726,8 @@ def k_controller_factory(k_policy: str, max_k: int, cost_model: CostModel | None
         return lambda: FixedK(max_k)
     if k_policy == "auto":
         if cost_model is None:
-            raise ValueError("k_policy 'auto' needs a cost model (see draftwise.calibration.calibrate_cost_model)")
+            raise ValueError("k_policy 'auto' needs a cost model "
+                             "(see draftwise.speculation.calibration.calibrate_cost_model)")
         memory = AutoKMemory.fresh(max_k, prior_strength)
         return lambda: AutoK(cost_model, max_k, memory=memory, **auto_options)
     raise ValueError(f"unknown k_policy {k_policy!r}; choose 'fixed' or 'auto'")
