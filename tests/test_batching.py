@@ -12,9 +12,7 @@ from conftest import first_layer_copy, tiny_llama
 from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
 from draftwise.engine import (
-    BatchedDraftModel,
     EngineCore,
-    PerSequenceProposers,
     calibrate_pass_costs,
 )
 from draftwise.builder import build_batched_engine
@@ -22,8 +20,9 @@ from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.cost_model import PassCostCurve, plan_batch_k
 from draftwise.engine import SpeculativeEngine
 from draftwise.prefix_cache import PrefixCache
-from draftwise.engine.hybrid_slots import BatchedHybrid
-from draftwise.proposers.hybrid import HybridPolicy
+from draftwise.proposers.base import PerSequenceProposers
+from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.proposers.hybrid import HybridPolicy, HybridProposer
 from draftwise.proposers.ngram import NgramProposer
 from draftwise.proposers.suffix import SuffixCache, SuffixProposer
 
@@ -94,10 +93,10 @@ def suffix_factory():
     return suffix
 
 
-def batched_hybrid(draft_hf, k: int = 4) -> BatchedHybrid:
+def batched_hybrid(draft_hf, k: int = 4) -> HybridProposer:
     """Per-sequence suffix proposers over one shared index, and the batched draft model ``draft_hf``."""
-    draft = BatchedDraftModel(build_lean(draft_hf, quantization=MODE, num_slots=SLOTS), 96)
-    return BatchedHybrid(suffix_factory(), draft, HybridPolicy(LinearCosts(), max_k=k, learn_costs=False))
+    draft = DraftModelProposer(build_lean(draft_hf, quantization=MODE, num_slots=SLOTS), 96, slot_per_sequence=True)
+    return HybridProposer(suffix_factory(), draft, HybridPolicy(LinearCosts(), max_k=k, learn_costs=False))
 
 
 def run_interleaved(engine: EngineCore, schedule: dict[int, list[list[int]]], params=GREEDY,
@@ -130,7 +129,7 @@ def test_greedy_outputs_equal_each_request_alone(single, multi, hf, weak_draft_h
     elif method == "suffix":
         proposer = PerSequenceProposers(SuffixProposer, "suffix")
     elif method.startswith("draft"):
-        proposer = BatchedDraftModel(build_lean(weak_draft_hf, quantization=MODE, num_slots=SLOTS), 96)
+        proposer = DraftModelProposer(build_lean(weak_draft_hf, quantization=MODE, num_slots=SLOTS), 96, slot_per_sequence=True)
         policy = method.split("-")[1]
     elif method.startswith("hybrid"):
         proposer, policy = batched_hybrid(weak_draft_hf), method.split("-")[1]
@@ -222,7 +221,7 @@ def test_hybrid_steps_are_counted_per_sequence(multi, weak_draft_hf, policy):
 
 
 def test_speculative_draft_of_the_target_itself_accepts_everything(single, multi, hf):
-    draft = BatchedDraftModel(build_lean(hf, quantization=MODE, num_slots=SLOTS), 96)
+    draft = DraftModelProposer(build_lean(hf, quantization=MODE, num_slots=SLOTS), 96, slot_per_sequence=True)
     engine = EngineCore(multi, draft, 3)
     batch = prompts([7, 40, 90], seed=2)
     results = engine.generate(batch, GREEDY)
@@ -295,7 +294,7 @@ def test_stops_max_tokens_and_statistics(single, multi):
 
 
 def test_prefix_cache_reuse_in_the_batch(single, multi, hf):
-    draft = BatchedDraftModel(build_lean(hf, quantization=MODE, num_slots=SLOTS), 96)
+    draft = DraftModelProposer(build_lean(hf, quantization=MODE, num_slots=SLOTS), 96, slot_per_sequence=True)
     engine = EngineCore(multi, draft, 3, prefix_cache=PrefixCache(64 << 20))
     first_prompt = prompts([40], seed=6)[0]
     first = engine.generate([first_prompt], GREEDY)[0]
@@ -328,7 +327,7 @@ def test_bad_requests_and_settings(multi, single):
     with pytest.raises(ValueError, match="k_policy"):
         EngineCore(multi, ngram(), k_policy="sometimes")
     with pytest.raises(ValueError, match="slots"):
-        EngineCore(multi, BatchedDraftModel(single, 96), 3)
+        EngineCore(multi, DraftModelProposer(single, 96, slot_per_sequence=True), 3)
 
 
 # ---------------------------------------------------------------------------------------------- load-aware K
@@ -456,7 +455,7 @@ def test_stories_batch_equals_alone(stories_batch, stories_path, method):
         assert engine.proposer.name == method
     else:
         hf_draft = derive_layer_draft(load_model(str(stories_path), device="cpu"), 2).backend.model
-        draft = BatchedDraftModel(build_lean(hf_draft, quantization=MODE, num_slots=SLOTS), target.backend.vocab_size)
+        draft = DraftModelProposer(build_lean(hf_draft, quantization=MODE, num_slots=SLOTS), target.backend.vocab_size, slot_per_sequence=True)
         engine = EngineCore(target.backend, draft, 4, eos_token_ids=target.eos_token_ids)
     results = engine.generate(prompt_ids, params)
     for ids, result in zip(prompt_ids, results):

@@ -19,7 +19,8 @@ import pytest
 from conftest import tiny_llama
 from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
-from draftwise.engine import EngineCore, PerSequenceProposers
+from draftwise.engine import EngineCore
+from draftwise.proposers.base import PerSequenceProposers
 from draftwise.builder import EngineBundle
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.engine import SpeculativeEngine

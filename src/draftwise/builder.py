@@ -25,21 +25,15 @@ from draftwise.backends.lean.backend import LeanCausalLM
 from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM
 from draftwise.config import SpeculativeConfig
 from draftwise.controller import KController
-from draftwise.engine import (
-    BATCHED_METHODS,
-    BatchedDraftModel,
-    BatchProposer,
-    EngineCore,
-    PerSequenceProposers,
-    SpeculativeEngine,
-)
+from draftwise.engine import BATCHED_METHODS, EngineCore, SpeculativeEngine
 from draftwise.methods import DEFAULT_CATCH_UP, FIXED_DRAFT_CONFIDENCE, METHODS, get_method
 from draftwise.models.loading import LoadedModel, check_model_source, load_model
 from draftwise.prefix_cache import PrefixCache
-from draftwise.proposers.base import Proposer
+from draftwise.proposers.base import PerSequenceProposers, Proposer, SequenceProposer
 from draftwise.units import format_bytes
 
 if TYPE_CHECKING:
+    from draftwise.proposers.draft_model import DraftModelProposer
     from draftwise.proposers.suffix import SuffixProposer
 
 __all__ = ["assemble_engine", "BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS",
@@ -136,7 +130,7 @@ class BuildOptions:
 class BuiltProposer:
     """A proposer ready for the engine, and the draft model it runs (None for model-free methods and heads)."""
 
-    proposer: Proposer
+    proposer: Proposer | SequenceProposer
     draft: LoadedModel | None = None
 
 
@@ -160,7 +154,7 @@ class EngineBundle:
         return self.engine.core if isinstance(self.engine, SpeculativeEngine) else self.engine
 
 
-def assemble_engine(target: LoadedModel, proposer: Proposer | None = None, num_speculative_tokens: int = 5, *,
+def assemble_engine(target: LoadedModel, proposer: Proposer | SequenceProposer | None = None, num_speculative_tokens: int = 5, *,
                     controller_factory: Callable[[], KController] | None = None,
                     prefix_cache: PrefixCache | None = None) -> SpeculativeEngine:
     """The one-request engine (:class:`~draftwise.engine.SpeculativeEngine`, a core of one slot) over a loaded
@@ -248,7 +242,7 @@ def build_proposer(
     backend: str = "torch",
     threads: int | None = None,
     runtime: str = "auto",
-) -> tuple[Proposer, LoadedModel | None]:
+) -> tuple[Proposer | SequenceProposer, LoadedModel | None]:
     """Create the proposer a speculative config names (through :data:`PROPOSER_BUILDERS`); returns
     it and its draft model (if any).
 
@@ -412,7 +406,7 @@ def load_target_heads(config: SpeculativeConfig, target: LoadedModel):
     return heads, heads_config, model
 
 
-def build_head_proposer(config: SpeculativeConfig, target: LoadedModel) -> Proposer:
+def build_head_proposer(config: SpeculativeConfig, target: LoadedModel) -> SequenceProposer:
     """A Medusa or EAGLE proposer from the heads directory ``config.model``, on the target's device and dtype.
 
     Raises:
@@ -706,7 +700,7 @@ def build_batched_engine(
         from draftwise.proposers.ngram import NgramProposer
 
         low, high = config.prompt_lookup_min, config.prompt_lookup_max
-        proposer: BatchProposer = PerSequenceProposers(lambda: NgramProposer(low, high), "ngram")
+        proposer: Proposer = PerSequenceProposers(lambda: NgramProposer(low, high), "ngram")
     elif config.method == "suffix":
         proposer = _suffix_proposers(config)
     else:
@@ -719,9 +713,12 @@ def build_batched_engine(
         verify = tree_verify_seconds(backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
         stop = draft_confidence(config.draft_confidence_threshold, backend, draft.backend,
                                 config.num_speculative_tokens, config.tree_width)
-        proposer = BatchedDraftModel(draft.backend, backend.vocab_size, tree_width=config.tree_width,
-                                     tree_budget=config.tree_budget, verify_seconds=verify,
-                                     window=config.draft_window, confidence_threshold=stop)
+        from draftwise.proposers.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer(draft.backend, backend.vocab_size, tree_width=config.tree_width,
+                                      tree_budget=config.tree_budget, verify_seconds=verify,
+                                      window=config.draft_window, confidence_threshold=stop,
+                                      slot_per_sequence=True)
         if config.method == "hybrid":
             proposer = _batched_hybrid(config, backend, draft, proposer)
     engine = EngineCore(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
@@ -729,17 +726,16 @@ def build_batched_engine(
 
 
 def _batched_hybrid(config: SpeculativeConfig, target: CausalLM, draft: LoadedModel,
-                    model: BatchedDraftModel) -> BatchProposer:
+                    model: DraftModelProposer) -> Proposer:
     """``hybrid`` in the batch: per-sequence suffix proposers (:func:`_suffix_factory`) and the batched draft
     model, chosen per step by one :class:`~draftwise.proposers.hybrid.HybridPolicy` priced by the cached
     :func:`draftwise.calibration.calibrate_cost_model` (as the one-request hybrid)."""
     from draftwise.calibration import calibrate_cost_model
-    from draftwise.engine.hybrid_slots import BatchedHybrid
-    from draftwise.proposers.hybrid import HybridPolicy
+    from draftwise.proposers.hybrid import HybridProposer
 
     k = config.num_speculative_tokens
     costs = calibrate_cost_model(target, k, draft=draft.backend)
-    return BatchedHybrid(_suffix_factory(config), model, HybridPolicy(costs, max_k=k))
+    return HybridProposer(_suffix_factory(config), model, costs, max_k=k)
 
 
 def _suffix_proposers(config: SpeculativeConfig) -> PerSequenceProposers:

@@ -56,11 +56,10 @@ from draftwise.backends.slots import (
 from draftwise.config import SamplingParams
 from draftwise.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.cost_model import PassCostCurve, StepOverhead, batch_step_rate, expected_tokens, plan_batch_k
-from draftwise.engine.proposers import BatchProposer, StepPricing
 from draftwise.engine.sequence import DECODING, PREFILLING, BatchSequence, GenerationResult, commit_tokens
 from draftwise.methods import K_POLICIES
 from draftwise.prefix_cache import PrefixCache, PrefixEntry
-from draftwise.proposers.base import DraftProposal, common_prefix_length
+from draftwise.proposers.base import DraftProposal, Proposer, StepPricing, common_prefix_length
 from draftwise.sampling import Sampler
 from draftwise.stats import SpeculativeStats
 from draftwise.verification import verify
@@ -196,7 +195,7 @@ class EngineCore:
         target: the target: a :class:`~draftwise.backends.slots.SlotBackend`, a lean target (its multi-slot
             cache; the engine owns every slot, do not use its single-sequence interface at the same time) or any
             :class:`~draftwise.backends.base.CausalLM` (one slot).
-        proposer: a :class:`~draftwise.engine.proposers.BatchProposer`, or None for plain decoding.
+        proposer: a :class:`~draftwise.proposers.base.Proposer`, or None for plain decoding.
         num_speculative_tokens: K, the largest draft depth per sequence and step (ignored without a proposer).
         eos_token_ids: token ids that end a request (unless it sets ``ignore_eos``).
         max_num_seqs: sequences running at once (default: every slot of the backend).
@@ -226,7 +225,7 @@ class EngineCore:
     def __init__(
         self,
         target: SlotBackend | CausalLM,
-        proposer: BatchProposer | None = None,
+        proposer: Proposer | None = None,
         num_speculative_tokens: int = 5,
         eos_token_ids: Iterable[int] = (),
         *,
@@ -386,7 +385,7 @@ class EngineCore:
             stats=SpeculativeStats(num_prompt_tokens=len(prompt)),
             arrival_s=time.perf_counter() if arrival_s is None else arrival_s, controller=controller,
             backoff=ProbeBackoff(4, self.max_probe_interval))
-        if max_k and self.proposer is not None and self.proposer.name == "hybrid":
+        if max_k and self.proposer is not None and self.proposer.has_sides:
             sequence.stats.start_hybrid_steps()
         self._next_id += 1
         self._waiting.append(sequence)
@@ -846,7 +845,9 @@ class EngineCore:
             stats.record_hybrid_step(proposal.hybrid_side, num_drafted)
         stats.step_end_s.append(time.perf_counter() - sequence.admitted_s)
         if not reason:  # the last step (perhaps cut by a stop) tells nothing about later ones
-            self._learn(sequence, num_drafted, num_accepted, draft_s, pass_s, proposal.hybrid_side != "suffix")
+            if self._speculates(sequence):
+                self.proposer.accept(sequence, num_accepted)
+            self._learn(sequence, num_drafted, num_accepted, draft_s, pass_s, proposal.model_drafted)
         if num_drafted:
             sequence.plain_streak = 0
         return self._output(sequence, chunk, reason)

@@ -18,10 +18,9 @@ from draftwise.backends.slots import OneSlot
 from draftwise.config import SamplingParams
 from draftwise.controller import KController
 from draftwise.engine.core import EngineCore
-from draftwise.engine.proposers import PerSequenceProposers
 from draftwise.engine.sequence import BatchSequence, GenerationResult
 from draftwise.prefix_cache import PrefixCache
-from draftwise.proposers.base import Proposer
+from draftwise.proposers.base import PerSequenceProposers, Proposer, SequenceProposer
 
 __all__ = ["SpeculativeEngine", "Generation", "EngineBusyError"]
 
@@ -61,7 +60,9 @@ class SpeculativeEngine:
 
     Args:
         target: the target model backend; its output is the oracle.
-        proposer: draft proposer, or None for plain decoding.
+        proposer: draft proposer (a :class:`~draftwise.proposers.base.SequenceProposer` runs through
+            :meth:`PerSequenceProposers.of <draftwise.proposers.base.PerSequenceProposers.of>`), or None for plain
+            decoding.
         num_speculative_tokens: K, the maximum draft depth per step (ignored without a proposer).
         eos_token_ids: token ids that end generation (unless a request sets ``ignore_eos``).
         controller_factory: builds a per-request :class:`~draftwise.controller.KController`; default: fixed K.
@@ -80,7 +81,7 @@ class SpeculativeEngine:
     def __init__(
         self,
         target: CausalLM,
-        proposer: Proposer | None = None,
+        proposer: Proposer | SequenceProposer | None = None,
         num_speculative_tokens: int = 5,
         eos_token_ids: Iterable[int] = (),
         controller_factory: Callable[[], KController] | None = None,
@@ -89,7 +90,7 @@ class SpeculativeEngine:
         self.target = target
         self.proposer = proposer
         self.core = EngineCore(
-            OneSlot(target), PerSequenceProposers.of(proposer) if proposer is not None else None,
+            OneSlot(target), _as_proposer(proposer),
             num_speculative_tokens, eos_token_ids, max_num_batched_tokens=target.max_context,
             controller_factory=controller_factory, prefix_cache=prefix_cache)
         self._active: weakref.ref[Generation] | None = None
@@ -166,3 +167,10 @@ class SpeculativeEngine:
         self.core.cancel(sequence)  # no-op when it already finished
         assert sequence.result is not None
         return sequence.result
+
+
+def _as_proposer(proposer: Proposer | SequenceProposer | None) -> Proposer | None:
+    """The engine's face of ``proposer``: itself, or a one-sequence proposer shared by every request."""
+    if isinstance(proposer, SequenceProposer):
+        return PerSequenceProposers.of(proposer)
+    return proposer
