@@ -10,6 +10,7 @@ import torch
 
 from conftest import first_layer_copy, tiny_llama
 from draftwise.backends.lean import build_lean
+from draftwise.backends.slots import OneSlot
 from draftwise.backends.quantization import int8_kernels_available
 from draftwise.engine import (
     EngineCore,
@@ -478,23 +479,23 @@ def test_build_engine_batches_lean_targets_only(stories_path, draftwise_home, ca
     ngram_config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     bundle = build_engine(str(stories_path), ngram_config, quantization=MODE, runtime="lean", max_num_seqs=3,
                           max_num_batched_tokens=100)
-    engine = bundle.engine
+    engine = bundle.core
     assert isinstance(engine, EngineCore) and engine.max_num_seqs == 3 and engine.max_num_batched_tokens == 100
     assert engine.proposer.name == "ngram" and engine.k_policy == "fixed" and engine.prefix_cache is not None
-    plain = build_engine(str(stories_path), None, quantization=MODE, runtime="lean", max_num_seqs=2).engine
+    plain = build_engine(str(stories_path), None, quantization=MODE, runtime="lean", max_num_seqs=2).core
     assert isinstance(plain, EngineCore) and plain.proposer is None
-    one = build_engine(str(stories_path), ngram_config, quantization=MODE, runtime="lean").engine
-    assert isinstance(one, SpeculativeEngine)  # max_num_seqs 1: the single-sequence engine
+    one = build_engine(str(stories_path), ngram_config, quantization=MODE, runtime="lean").core
+    assert isinstance(one.backend, OneSlot)  # max_num_seqs 1: the single-sequence engine
     hybrid = SpeculativeConfig(method="hybrid", model=str(stories_path), num_speculative_tokens=3)
     batched_hybrid = build_engine(str(stories_path), hybrid, quantization=MODE, runtime="lean", max_num_seqs=2)
-    assert isinstance(batched_hybrid.engine, EngineCore) and batched_hybrid.engine.proposer.name == "hybrid"
+    assert isinstance(batched_hybrid.core, EngineCore) and batched_hybrid.core.proposer.name == "hybrid"
     monkeypatch.setattr("draftwise.builder.BATCHED_METHODS", ("ngram",))  # a method the batch does not run
     suffix_config = SpeculativeConfig(method="suffix", num_speculative_tokens=3)
     with caplog.at_level("WARNING"):
         assert isinstance(build_engine(str(stories_path), suffix_config, quantization=MODE, runtime="lean",
-                                       max_num_seqs=2).engine, SpeculativeEngine)
+                                       max_num_seqs=2).core.backend, OneSlot)
         assert isinstance(build_engine(str(stories_path), ngram_config, runtime="transformers",
-                                       max_num_seqs=2).engine, SpeculativeEngine)
+                                       max_num_seqs=2).core.backend, OneSlot)
     assert "does not run in the batched engine" in caplog.text and "needs the lean runtime" in caplog.text
 
 
@@ -506,7 +507,7 @@ def test_a_batched_engine_whose_k_outgrows_the_context_calibrates_what_fits(stor
 
     config = SpeculativeConfig(method="suffix", num_speculative_tokens=64, k_policy="auto")
     engine = build_engine(str(stories_path), config, quantization=MODE, runtime="lean", max_num_seqs=2,
-                          max_context=40).engine
+                          max_context=40).core
     assert isinstance(engine, EngineCore)
     assert max(engine.pass_costs.points) <= 40
     [result] = engine.generate([[1, 400, 500]], SamplingParams(max_tokens=8, ignore_eos=True))

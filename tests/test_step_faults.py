@@ -144,7 +144,7 @@ def test_health_is_503_after_repeated_engine_failures_and_200_after_a_success(dr
 
     target = load_model(str(stories_path), quantization=MODE, runtime="lean", num_slots=2)
     engine = engine_for(target.backend)
-    bundle = EngineBundle(target=target, engine=engine,
+    bundle = EngineBundle(target=target, core=engine,
                           speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
     settings = ServerSettings(served_model_names=("stories",), chat_template=CHAT_TEMPLATE)
     body = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}

@@ -5,6 +5,7 @@ Used by the CLI, the server and the benchmarks, so every entry point builds engi
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from draftwise.backends.lean.backend import LeanCausalLM
 from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM
 from draftwise.config import SpeculativeConfig
 from draftwise.controller import KController
-from draftwise.engine import BATCHED_METHODS, EngineCore, SpeculativeEngine
+from draftwise.engine import BATCHED_METHODS, EngineCore, SpeculativeEngine, one_slot_core
 from draftwise.methods import DEFAULT_CATCH_UP, FIXED_DRAFT_CONFIDENCE, METHODS, get_method
 from draftwise.models.loading import LoadedModel, check_model_source, load_model
 from draftwise.prefix_cache import PrefixCache
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from draftwise.proposers.draft_model import DraftModelProposer
     from draftwise.proposers.suffix import SuffixProposer
 
-__all__ = ["assemble_engine", "BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS",
+__all__ = ["assemble_engine", "per_request_k", "BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS",
            "TokenizerMismatchError", "backend_kind", "build_batched_engine", "build_engine", "build_proposer",
            "build_head_proposer", "check_same_tokenizer", "draft_confidence", "draft_load_options", "load_draft_model",
            "load_target_heads", "require_target_ids_across_backends", "DEFAULT_KV_CACHE_MEMORY", "KvCacheBudget",
@@ -136,10 +137,16 @@ class BuiltProposer:
 
 @dataclass
 class EngineBundle:
-    """A target model, its optional draft model, and the engine driving them."""
+    """A target model, its optional draft model, and the engine core driving them.
+
+    Attributes:
+        core: the :class:`~draftwise.engine.core.EngineCore` (one slot, or many with continuous batching).
+        engine: the library facade over it (:class:`~draftwise.engine.SpeculativeEngine`: ``generate`` /
+            ``stream``, one request at a time), made on first use.
+    """
 
     target: LoadedModel
-    engine: SpeculativeEngine | EngineCore
+    core: EngineCore
     speculative_config: SpeculativeConfig | None = None
     draft: LoadedModel | None = None
 
@@ -148,18 +155,18 @@ class EngineBundle:
         """``"plain"`` or the speculative method name."""
         return self.speculative_config.method if self.speculative_config else "plain"
 
-    @property
-    def core(self) -> EngineCore:
-        """The engine core (a :class:`SpeculativeEngine` is a facade over one)."""
-        return self.engine.core if isinstance(self.engine, SpeculativeEngine) else self.engine
+    @functools.cached_property
+    def engine(self) -> SpeculativeEngine:
+        """The one-request facade over :attr:`core`."""
+        return SpeculativeEngine.over(self.core, self.target.backend)
 
 
-def assemble_engine(target: LoadedModel, proposer: Proposer | SequenceProposer | None = None, num_speculative_tokens: int = 5, *,
+def assemble_engine(target: LoadedModel, proposer: Proposer | SequenceProposer | None = None,
+                    num_speculative_tokens: int = 5, *,
                     controller_factory: Callable[[], KController] | None = None,
                     prefix_cache: PrefixCache | None = None) -> SpeculativeEngine:
-    """The one-request engine (:class:`~draftwise.engine.SpeculativeEngine`, a core of one slot) over a loaded
-    target, its proposer (None: plain decoding) and K, with the target's EOS ids; every command that needs one
-    (generate, serve, bench, check, heads data) gets it here.
+    """The one-request facade over :func:`~draftwise.engine.one_slot_core` for a loaded target, a proposer built
+    by the caller (None: plain decoding) and K, with the target's EOS ids (bench, check, heads data).
 
     Raises:
         ValueError: see :class:`~draftwise.engine.SpeculativeEngine`.
@@ -575,7 +582,8 @@ def build_engine(
     max_num_seqs: int = 1,
     max_num_batched_tokens: int = 256,
 ) -> EngineBundle:
-    """Load the target (and draft) and build the engine. Without a speculative config: plain decoding.
+    """Load the target (and draft) and build the engine core (:attr:`EngineBundle.core`, with its one-request
+    facade :attr:`EngineBundle.engine`). Without a speculative config: plain decoding.
 
     Args:
         target: registry name, ``.gguf`` path, HF directory or hub id.
@@ -596,10 +604,10 @@ def build_engine(
             reuse by later requests sharing a prefix (:mod:`draftwise.prefix_cache`); 0 turns reuse off; None: the
             commands' default, :func:`default_kv_cache_memory` (read when the engine is built).
         max_num_seqs: requests decoded together. Above 1, a target on the lean runtime with plain decoding or a
-            batchable method (:data:`draftwise.engine.BATCHED_METHODS`) gets a
-            :class:`~draftwise.engine.core.EngineCore` (continuous batching, one KV-cache slot per request, with
-            ``k_policy="auto"`` the load-aware K); any other target or method the one-request-at-a-time
-            :class:`SpeculativeEngine` (logged).
+            batchable method (:data:`draftwise.engine.BATCHED_METHODS`) gets a core of that many slots
+            (continuous batching, one KV-cache slot per request, with ``k_policy="auto"`` the load-aware K for the
+            batch: :func:`build_batched_engine`); any other target or method a core of one slot serving one
+            request at a time (logged), with each request's own K policy (:func:`per_request_k`).
         max_num_batched_tokens: the batched engine's rows per target pass (prompt chunks included).
 
     Raises:
@@ -622,40 +630,63 @@ def build_engine(
     target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
                               quantization=quantization, backend=backend, threads=threads, runtime=target_runtime,
                               num_slots=max_num_seqs if batch else 1)
+    options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend, threads=threads,
+                           runtime=runtime)
+    if batch and not isinstance(target_model.backend, LeanCausalLM):
+        logger.warning("continuous batching needs the lean runtime (int8 on the CPU, a Llama-family model); "
+                       "%s runs one request at a time", target_model.name)
+        batch = False
     if batch:
         if speculative_config is not None and speculative_config.catch_up != DEFAULT_CATCH_UP:
             logger.warning("catch_up %r is AutoK's, which runs one request at a time; the batched engine's "
                            "load-aware K ignores it", speculative_config.catch_up)
-        if isinstance(target_model.backend, LeanCausalLM):
-            options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend,
-                                   threads=threads, runtime=runtime)
-            engine, draft = build_batched_engine(
-                target_model, speculative_config, options, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, prefix_cache=PrefixCache(kv_cache_memory))
-            return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
-        logger.warning("continuous batching needs the lean runtime (int8 on the CPU, a Llama-family model); "
-                       "%s runs one request at a time", target_model.name)
-    if speculative_config is None:
-        engine = assemble_engine(target_model, prefix_cache=PrefixCache(kv_cache_memory))
-        return EngineBundle(target=target_model, engine=engine)
-    proposer, draft = build_proposer(speculative_config, target_model, device=device, dtype=dtype,
-                                     quantization=quantization, backend=backend, threads=threads, runtime=runtime)
+        core, draft = build_batched_engine(target_model, speculative_config, options, max_num_seqs=max_num_seqs,
+                                           max_num_batched_tokens=max_num_batched_tokens,
+                                           prefix_cache=PrefixCache(kv_cache_memory))
+    else:
+        core, draft = _one_slot_engine(target_model, speculative_config, options, PrefixCache(kv_cache_memory))
+    return EngineBundle(target=target_model, core=core, speculative_config=speculative_config, draft=draft)
+
+
+def _one_slot_engine(target: LoadedModel, config: SpeculativeConfig | None, options: BuildOptions,
+                     prefix_cache: PrefixCache) -> tuple[EngineCore, LoadedModel | None]:
+    """An engine core of one slot (:func:`~draftwise.engine.one_slot_core`) for a loaded target and a speculative
+    config (None: plain decoding), with each request's own K policy (:func:`per_request_k`); returns it and the
+    draft model it loaded (if any)."""
+    if config is None:
+        return one_slot_core(target.backend, eos_token_ids=target.eos_token_ids, prefix_cache=prefix_cache), None
+    proposer, draft = build_proposer(config, target, device=options.device, dtype=options.dtype,
+                                     quantization=options.quantization, backend=options.backend,
+                                     threads=options.threads, runtime=options.runtime)
+    controller_factory = per_request_k(config, target, proposer, draft)
+    core = one_slot_core(target.backend, proposer, config.num_speculative_tokens, target.eos_token_ids,
+                         controller_factory=controller_factory, prefix_cache=prefix_cache)
+    return core, draft
+
+
+def per_request_k(config: SpeculativeConfig, target: LoadedModel, proposer: Proposer | SequenceProposer,
+                  draft: LoadedModel | None) -> Callable[[], KController]:
+    """``k_policy`` on an engine of one slot: each request's own :class:`~draftwise.controller.KController`.
+
+    ``"fixed"``: always K. ``"auto"``: :class:`~draftwise.controller.AutoK` on the cost model of the target and
+    the draft (:func:`draftwise.calibration.calibrate_cost_model`, cached per model and machine), with what the
+    engine's requests learn carried to the next. On an engine of many slots ``"auto"`` is instead the load-aware
+    plan for the batch (:func:`draftwise.cost_model.plan_batch_k`, :class:`~draftwise.engine.core.EngineCore`'s
+    ``k_policy``): the two answer the same question, the K with the most committed tokens per second, but AutoK
+    also defers a draft model's catch-up after plain steps (``catch_up``, a ski-rental rule) and learns one
+    request's costs, which the batch plan does not (see ``docs/batching.md``).
+    """
     from draftwise.calibration import calibrate_cost_model
     from draftwise.controller import k_controller_factory
 
-    max_k = speculative_config.num_speculative_tokens
+    max_k = config.num_speculative_tokens
     cost_model = None
-    if speculative_config.k_policy == "auto":
+    if config.k_policy == "auto":
         cost_model = calibrate_cost_model(  # cached per model and machine after the first run
-            target_model.backend, max_k, draft=draft.backend if draft else None, proposer=proposer
+            target.backend, max_k, draft=draft.backend if draft else None, proposer=proposer
         )
-    engine = assemble_engine(target_model, proposer, max_k,
-                             controller_factory=k_controller_factory(
-                                 speculative_config.k_policy, max_k, cost_model,
-                                 prior_strength=_prior_strength(speculative_config),
-                                 catch_up=speculative_config.catch_up),
-                             prefix_cache=PrefixCache(kv_cache_memory))
-    return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
+    return k_controller_factory(config.k_policy, max_k, cost_model, prior_strength=_prior_strength(config),
+                                catch_up=config.catch_up)
 
 
 def _prior_strength(config: SpeculativeConfig) -> float:

@@ -2,7 +2,8 @@
 
 - :mod:`draftwise.engine.core`: :class:`EngineCore` (``add`` / ``step`` / ``cancel``) over a slot backend
   (:mod:`draftwise.backends.slots`);
-- :mod:`draftwise.engine.facade`: :class:`SpeculativeEngine` (``generate`` / ``stream``), a batch of one;
+- :mod:`draftwise.engine.facade`: :class:`SpeculativeEngine` (``generate`` / ``stream``), one request at a time
+  over a core (:func:`one_slot_core`: the target as one slot);
 - :mod:`draftwise.engine.sequence`: a request's state and result, and the commit rule.
 
 The core asks for drafts through the one proposer interface, :class:`draftwise.proposers.base.Proposer`.
@@ -16,10 +17,10 @@ from draftwise.engine.core import (
     UnattributedStepError,
     calibrate_pass_costs,
 )
-from draftwise.engine.facade import EngineBusyError, Generation, SpeculativeEngine
+from draftwise.engine.facade import EngineBusyError, Generation, SpeculativeEngine, one_slot_core
 from draftwise.engine.sequence import BatchSequence, GenerationResult, commit_tokens
 
 __all__ = [
     "EngineCore", "SequenceOutput", "StepInfo", "UnattributedStepError", "calibrate_pass_costs", "BATCHED_METHODS",
-    "SpeculativeEngine", "Generation", "EngineBusyError", "BatchSequence", "GenerationResult", "commit_tokens",
+    "SpeculativeEngine", "one_slot_core", "Generation", "EngineBusyError", "BatchSequence", "GenerationResult", "commit_tokens",
 ]

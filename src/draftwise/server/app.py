@@ -80,7 +80,7 @@ class ServerState:
     def usage(self, request: GenerationRequest, finished: Finished) -> Usage:
         """The response's usage object (OpenAI's counts, cached prompt tokens, and the speculative statistics:
         the method and K this request used, ``"plain"`` and 0 when it turned speculation off)."""
-        k = self.bundle.engine.num_speculative_tokens
+        k = self.bundle.core.num_speculative_tokens
         if request.num_speculative_tokens is not None:
             k = request.num_speculative_tokens
         method = self.bundle.method if k > 0 else "plain"
@@ -149,7 +149,7 @@ def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
     target = bundle.target
     codec = TextCodec(target, settings.chat_template, settings.tokenizer_copies)
     builder = RequestBuilder(codec, target.name, target.backend.max_context, target.backend.vocab_size, settings,
-                             max_k=bundle.engine.num_speculative_tokens)
+                             max_k=bundle.core.num_speculative_tokens)
     metrics = ServerMetrics(builder.served_names[0])
     scheduler = BatchScheduler(bundle.core, codec.decode, metrics.record, settings.max_waiting_requests,
                                record_step=metrics.record_step)
