@@ -346,9 +346,10 @@ def _spy_proposals(proposer, seen: list[int]):
     original = proposer.propose
 
     def propose(*args, **kwargs):
-        proposal = original(*args, **kwargs)
-        seen.extend(proposal.token_ids)
-        return proposal
+        proposals = original(*args, **kwargs)
+        for proposal in proposals:
+            seen.extend(proposal.token_ids)
+        return proposals
 
     proposer.propose = propose
 
