@@ -429,16 +429,23 @@ def build_head_proposer(config: SpeculativeConfig, target: LoadedModel) -> Seque
 def _build_draft_model(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
     """``draft_model``: load the draft model ``config.model`` like the target (``options``) and check its
     tokenizer against the target's (:func:`load_draft_model`)."""
-    from draftwise.proposers.draft_model import DraftModelProposer
-
     draft = load_draft_model(config, target, options)
     _check_tree_verifier(config, target)
-    verify = tree_verify_seconds(target.backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
-    stop = draft_confidence(config.draft_confidence_threshold, target.backend, draft.backend,
-                            config.num_speculative_tokens, config.tree_width)
-    return BuiltProposer(DraftModelProposer(draft.backend, target.backend.vocab_size, config.tree_width,
-                                            config.tree_budget, verify, window=config.draft_window,
-                                            confidence_threshold=stop), draft)
+    return BuiltProposer(_draft_model(config, target.backend, draft), draft)
+
+
+def _draft_model(config: SpeculativeConfig, target: CausalLM, draft: LoadedModel, *,
+                 slot_per_sequence: bool = False) -> DraftModelProposer:
+    """The draft-model proposer over a loaded draft: the config's tree shape (sized by the target's verify cost,
+    :func:`tree_verify_seconds`), window and confidence stop (:func:`draft_confidence`)."""
+    from draftwise.proposers.draft_model import DraftModelProposer
+
+    verify = tree_verify_seconds(target, config.num_speculative_tokens, config.tree_width, config.tree_budget)
+    stop = draft_confidence(config.draft_confidence_threshold, target, draft.backend, config.num_speculative_tokens,
+                            config.tree_width)
+    return DraftModelProposer(draft.backend, target.vocab_size, config.tree_width, config.tree_budget, verify,
+                              window=config.draft_window, confidence_threshold=stop,
+                              slot_per_sequence=slot_per_sequence)
 
 
 def draft_confidence(value: float | str, target: CausalLM, draft: CausalLM, k: int, tree_width: int = 1
@@ -520,18 +527,27 @@ def _build_suffix(config: SpeculativeConfig, target: LoadedModel, options: Build
 
 
 def _build_hybrid(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
-    """``hybrid``: the draft model (as ``draft_model``), a suffix proposer, and the target's and draft's costs
-    from :func:`draftwise.calibration.calibrate_cost_model` (cached per model and machine)."""
-    from draftwise.calibration import calibrate_cost_model
-    from draftwise.proposers.hybrid import HybridProposer
+    """``hybrid`` on one slot: the draft model (as ``draft_model``) and one suffix proposer shared by the
+    consecutive requests (:func:`_hybrid`)."""
     from draftwise.proposers.suffix import suffix_proposer_from_config
 
     built = _build_draft_model(config, target, options)
     suffix = suffix_proposer_from_config(config, supports_tree=bool(getattr(target.backend, "supports_tree", False)))
-    k = config.num_speculative_tokens
-    costs = calibrate_cost_model(target.backend, k, draft=built.draft.backend)
-    built.proposer = HybridProposer(suffix, built.proposer, costs, max_k=k)
+    built.proposer = _hybrid(config, target.backend, built.draft, built.proposer, suffix)
     return built
+
+
+def _hybrid(config: SpeculativeConfig, target: CausalLM, draft: LoadedModel, model: DraftModelProposer,
+            suffix: SuffixProposer | Callable[[], SuffixProposer]) -> Proposer:
+    """The hybrid proposer over a draft-model proposer and ``suffix`` (one shared proposer, or a factory of one per
+    sequence), priced by the target's and draft's costs from :func:`draftwise.calibration.calibrate_cost_model`
+    (cached per model and machine)."""
+    from draftwise.calibration import calibrate_cost_model
+    from draftwise.proposers.hybrid import HybridProposer
+
+    k = config.num_speculative_tokens
+    costs = calibrate_cost_model(target, k, draft=draft.backend)
+    return HybridProposer(suffix, model, costs, max_k=k)
 
 
 def _build_medusa(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
@@ -741,32 +757,11 @@ def build_batched_engine(
             raise ValueError(f"{draft.name}: a draft model in the batched engine needs the lean runtime or "
                              "llama.cpp (--quantization int8 on the CPU and a Llama-family model, or a .gguf draft "
                              "with --speculative-backend llama.cpp or auto)")
-        verify = tree_verify_seconds(backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
-        stop = draft_confidence(config.draft_confidence_threshold, backend, draft.backend,
-                                config.num_speculative_tokens, config.tree_width)
-        from draftwise.proposers.draft_model import DraftModelProposer
-
-        proposer = DraftModelProposer(draft.backend, backend.vocab_size, tree_width=config.tree_width,
-                                      tree_budget=config.tree_budget, verify_seconds=verify,
-                                      window=config.draft_window, confidence_threshold=stop,
-                                      slot_per_sequence=True)
+        proposer = _draft_model(config, backend, draft, slot_per_sequence=True)
         if config.method == "hybrid":
-            proposer = _batched_hybrid(config, backend, draft, proposer)
+            proposer = _hybrid(config, backend, draft, proposer, _suffix_factory(config))
     engine = EngineCore(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
     return engine, draft
-
-
-def _batched_hybrid(config: SpeculativeConfig, target: CausalLM, draft: LoadedModel,
-                    model: DraftModelProposer) -> Proposer:
-    """``hybrid`` in the batch: per-sequence suffix proposers (:func:`_suffix_factory`) and the batched draft
-    model, chosen per step by one :class:`~draftwise.proposers.hybrid.HybridPolicy` priced by the cached
-    :func:`draftwise.calibration.calibrate_cost_model` (as the one-request hybrid)."""
-    from draftwise.calibration import calibrate_cost_model
-    from draftwise.proposers.hybrid import HybridProposer
-
-    k = config.num_speculative_tokens
-    costs = calibrate_cost_model(target, k, draft=draft.backend)
-    return HybridProposer(_suffix_factory(config), model, costs, max_k=k)
 
 
 def _suffix_proposers(config: SpeculativeConfig) -> PerSequenceProposers:

@@ -37,7 +37,6 @@ from draftwise.backends.slots import (
     as_slot_backend,
     chunk_counts,
 )
-from draftwise.config import SamplingParams
 from draftwise.methods import FIXED_DRAFT_CONFIDENCE, MIN_DRAFT_WINDOW, is_confidence_threshold
 from draftwise.cost_model import PassCostCurve
 from draftwise.proposers.base import DraftProposal, DraftSequence, Proposer, StepPricing, common_prefix_length
