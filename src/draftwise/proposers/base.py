@@ -2,7 +2,7 @@
 
 A :class:`Proposer` drafts for a batch of sequences at once (:meth:`Proposer.propose`: up to k tokens deep per
 sequence) and is told, after the target verified a sequence's draft, how many of its tokens were accepted
-(:meth:`Proposer.accept`; llama.cpp's ``common_speculative_draft`` / ``accept``, transformers'
+(:meth:`Proposer.accept`; llama.cpp's speculative ``draft`` / ``accept``, transformers'
 ``update_candidate_strategy``). A draft carries its draft distributions ``draft_probs`` when it was sampled from
 a distribution (a draft model at temperature > 0 under rejection sampling), or ``None`` when it is deterministic
 (greedy draft model, n-gram lookup, heads, or a draft chosen with the request's Gumbel noise under coupled
@@ -33,6 +33,7 @@ from draftwise.tree import chain_parents, check_parents, node_depths
 
 __all__ = ["DraftProposal", "DraftSequence", "PerSequenceProposers", "Proposer", "SequenceProposer", "StepPricing",
            "check_proposal", "common_prefix_length"]
+
 
 @dataclass(frozen=True)
 class DraftProposal:
@@ -209,9 +210,10 @@ class Proposer(ABC):
 
     def accept(self, sequence: DraftSequence, num_accepted: int) -> None:
         """The target verified the sequence's last proposal and accepted its first ``num_accepted`` tokens (a
-        tree: the accepted root path's length); the token after them is the target's own. Called for every
-        decoding sequence after its verification (also when it drafted nothing) unless the step ended it.
-        Default: nothing (a proposer reconciles its state with the context at its next :meth:`propose`)."""
+        tree: the accepted root path's length); the token after them is the target's own. Called after every
+        verification of a sequence that speculates (also when it drafted nothing this step), except the step that
+        ended it (a stop cuts it; it tells nothing of later steps). Default: nothing (a proposer reconciles its
+        state with the context at its next :meth:`propose`)."""
 
 
 class SequenceProposer(ABC):
