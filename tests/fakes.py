@@ -11,7 +11,7 @@ import torch
 
 from draftwise.backends.base import CausalLM, ForwardOutput
 from draftwise.config import SamplingParams
-from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.proposers.base import DraftProposal, SequenceProposer
 
 
 class BigramLM(CausalLM):
@@ -112,7 +112,7 @@ def peaked_table(vocab: int, seed: int, scale: float = 4.0) -> torch.Tensor:
     return torch.randn(vocab, vocab, generator=generator) * scale
 
 
-class ScriptedProposer(Proposer):
+class ScriptedProposer(SequenceProposer):
     """Proposes the oracle continuation, but with a wrong token at draft position ``wrong_at`` (0-based)
     of every draft (None: always right). ``oracle`` is the full expected output after the prompt."""
 
@@ -135,7 +135,7 @@ class ScriptedProposer(Proposer):
         return DraftProposal(token_ids=tuple(tokens))
 
 
-class ScriptedTreeProposer(Proposer):
+class ScriptedTreeProposer(SequenceProposer):
     """Proposes a tree of depth k: ``width`` siblings at every depth below the correct node, the oracle token
     at sibling rank ``rank`` (the others wrong), and no correct child at depth index ``wrong_at`` (0-based;
     None: every depth has one). Exactly ``min(wrong_at, k)`` tokens are accepted per step."""

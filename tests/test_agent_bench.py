@@ -377,10 +377,10 @@ def servers(draftwise_home, stories_path):
     from draftwise.server import ServerSettings, create_app
 
     plain_model, ngram_model = (load_model(str(stories_path), device="cpu") for _ in range(2))
-    plain = EngineBundle(target=plain_model, engine=SpeculativeEngine(plain_model.backend,
-                                                                      eos_token_ids=plain_model.eos_token_ids))
-    ngram = EngineBundle(target=ngram_model, engine=SpeculativeEngine(ngram_model.backend, NgramProposer(), 3,
-                                                                      eos_token_ids=ngram_model.eos_token_ids),
+    plain = EngineBundle(target=plain_model, core=SpeculativeEngine(plain_model.backend,
+                                                                      eos_token_ids=plain_model.eos_token_ids).core)
+    ngram = EngineBundle(target=ngram_model, core=SpeculativeEngine(ngram_model.backend, NgramProposer(), 3,
+                                                                      eos_token_ids=ngram_model.eos_token_ids).core,
                          speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
     with live_server(create_app(plain, ServerSettings(served_model_names=("stories",), chat_template=CHAT_TEMPLATE))) \
             as plain_url, live_server(create_app(ngram, ServerSettings(served_model_names=("stories",),

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from draftwise.builder import EngineBundle
-from draftwise.engine import SpeculativeEngine
+from draftwise.engine import one_slot_core
 from draftwise.server import ServerSettings, create_app
 from test_server import live_server
 from tool_agents import HERMES_TEMPLATE, tool_model
@@ -20,7 +20,7 @@ from tool_agents import HERMES_TEMPLATE, tool_model
 @pytest.fixture(scope="module")
 def agent_url(stories):
     model = tool_model(stories)
-    bundle = EngineBundle(target=model, engine=SpeculativeEngine(model.backend, eos_token_ids=model.eos_token_ids))
+    bundle = EngineBundle(target=model, core=one_slot_core(model.backend, eos_token_ids=model.eos_token_ids))
     settings = ServerSettings(served_model_names=("tool-model",), chat_template=HERMES_TEMPLATE)
     with live_server(create_app(bundle, settings)) as url:
         yield f"{url}/v1"

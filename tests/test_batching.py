@@ -10,20 +10,18 @@ import torch
 
 from conftest import first_layer_copy, tiny_llama
 from draftwise.backends.lean import build_lean
+from draftwise.backends.slots import OneSlot
 from draftwise.backends.quantization import int8_kernels_available
-from draftwise.engine import (
-    BatchedDraftModel,
-    EngineCore,
-    PerSequenceProposers,
-)
+from draftwise.engine import EngineCore
+from draftwise.speculation.pass_costs import calibrate_pass_costs
 from draftwise.builder import build_batched_engine
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.speculation.cost_model import PassCostCurve, plan_batch_k
-from draftwise.speculation.pass_costs import calibrate_pass_costs
 from draftwise.engine import SpeculativeEngine
 from draftwise.prefix_cache import PrefixCache
-from draftwise.engine.hybrid_slots import BatchedHybrid
-from draftwise.proposers.hybrid import HybridPolicy
+from draftwise.proposers.base import PerSequenceProposers
+from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.proposers.hybrid import HybridPolicy, HybridProposer
 from draftwise.proposers.ngram import NgramProposer
 from draftwise.proposers.suffix import SuffixCache, SuffixProposer
 
@@ -94,10 +92,10 @@ def suffix_factory():
     return suffix
 
 
-def batched_hybrid(draft_hf, k: int = 4) -> BatchedHybrid:
+def batched_hybrid(draft_hf, k: int = 4) -> HybridProposer:
     """Per-sequence suffix proposers over one shared index, and the batched draft model ``draft_hf``."""
-    draft = BatchedDraftModel(build_lean(draft_hf, quantization=MODE, num_slots=SLOTS), 96)
-    return BatchedHybrid(suffix_factory(), draft, HybridPolicy(LinearCosts(), max_k=k, learn_costs=False))
+    draft = DraftModelProposer(build_lean(draft_hf, quantization=MODE, num_slots=SLOTS), 96, slot_per_sequence=True)
+    return HybridProposer(suffix_factory(), draft, HybridPolicy(LinearCosts(), max_k=k, learn_costs=False))
 
 
 def run_interleaved(engine: EngineCore, schedule: dict[int, list[list[int]]], params=GREEDY,
@@ -130,7 +128,7 @@ def test_greedy_outputs_equal_each_request_alone(single, multi, hf, weak_draft_h
     elif method == "suffix":
         proposer = PerSequenceProposers(SuffixProposer, "suffix")
     elif method.startswith("draft"):
-        proposer = BatchedDraftModel(build_lean(weak_draft_hf, quantization=MODE, num_slots=SLOTS), 96)
+        proposer = DraftModelProposer(build_lean(weak_draft_hf, quantization=MODE, num_slots=SLOTS), 96, slot_per_sequence=True)
         policy = method.split("-")[1]
     elif method.startswith("hybrid"):
         proposer, policy = batched_hybrid(weak_draft_hf), method.split("-")[1]
@@ -222,7 +220,7 @@ def test_hybrid_steps_are_counted_per_sequence(multi, weak_draft_hf, policy):
 
 
 def test_speculative_draft_of_the_target_itself_accepts_everything(single, multi, hf):
-    draft = BatchedDraftModel(build_lean(hf, quantization=MODE, num_slots=SLOTS), 96)
+    draft = DraftModelProposer(build_lean(hf, quantization=MODE, num_slots=SLOTS), 96, slot_per_sequence=True)
     engine = EngineCore(multi, draft, 3)
     batch = prompts([7, 40, 90], seed=2)
     results = engine.generate(batch, GREEDY)
@@ -295,7 +293,7 @@ def test_stops_max_tokens_and_statistics(single, multi):
 
 
 def test_prefix_cache_reuse_in_the_batch(single, multi, hf):
-    draft = BatchedDraftModel(build_lean(hf, quantization=MODE, num_slots=SLOTS), 96)
+    draft = DraftModelProposer(build_lean(hf, quantization=MODE, num_slots=SLOTS), 96, slot_per_sequence=True)
     engine = EngineCore(multi, draft, 3, prefix_cache=PrefixCache(64 << 20))
     first_prompt = prompts([40], seed=6)[0]
     first = engine.generate([first_prompt], GREEDY)[0]
@@ -328,7 +326,7 @@ def test_bad_requests_and_settings(multi, single):
     with pytest.raises(ValueError, match="k_policy"):
         EngineCore(multi, ngram(), k_policy="sometimes")
     with pytest.raises(ValueError, match="slots"):
-        EngineCore(multi, BatchedDraftModel(single, 96), 3)
+        EngineCore(multi, DraftModelProposer(single, 96, slot_per_sequence=True), 3)
 
 
 # ---------------------------------------------------------------------------------------------- load-aware K
@@ -456,7 +454,7 @@ def test_stories_batch_equals_alone(stories_batch, stories_path, method):
         assert engine.proposer.name == method
     else:
         hf_draft = derive_layer_draft(load_model(str(stories_path), device="cpu"), 2).backend.model
-        draft = BatchedDraftModel(build_lean(hf_draft, quantization=MODE, num_slots=SLOTS), target.backend.vocab_size)
+        draft = DraftModelProposer(build_lean(hf_draft, quantization=MODE, num_slots=SLOTS), target.backend.vocab_size, slot_per_sequence=True)
         engine = EngineCore(target.backend, draft, 4, eos_token_ids=target.eos_token_ids)
     results = engine.generate(prompt_ids, params)
     for ids, result in zip(prompt_ids, results):
@@ -479,23 +477,23 @@ def test_build_engine_batches_lean_targets_only(stories_path, draftwise_home, ca
     ngram_config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     bundle = build_engine(str(stories_path), ngram_config, quantization=MODE, runtime="lean", max_num_seqs=3,
                           max_num_batched_tokens=100)
-    engine = bundle.engine
+    engine = bundle.core
     assert isinstance(engine, EngineCore) and engine.max_num_seqs == 3 and engine.max_num_batched_tokens == 100
     assert engine.proposer.name == "ngram" and engine.k_policy == "fixed" and engine.prefix_cache is not None
-    plain = build_engine(str(stories_path), None, quantization=MODE, runtime="lean", max_num_seqs=2).engine
+    plain = build_engine(str(stories_path), None, quantization=MODE, runtime="lean", max_num_seqs=2).core
     assert isinstance(plain, EngineCore) and plain.proposer is None
-    one = build_engine(str(stories_path), ngram_config, quantization=MODE, runtime="lean").engine
-    assert isinstance(one, SpeculativeEngine)  # max_num_seqs 1: the single-sequence engine
+    one = build_engine(str(stories_path), ngram_config, quantization=MODE, runtime="lean").core
+    assert isinstance(one.backend, OneSlot)  # max_num_seqs 1: the single-sequence engine
     hybrid = SpeculativeConfig(method="hybrid", model=str(stories_path), num_speculative_tokens=3)
     batched_hybrid = build_engine(str(stories_path), hybrid, quantization=MODE, runtime="lean", max_num_seqs=2)
-    assert isinstance(batched_hybrid.engine, EngineCore) and batched_hybrid.engine.proposer.name == "hybrid"
+    assert isinstance(batched_hybrid.core, EngineCore) and batched_hybrid.core.proposer.name == "hybrid"
     monkeypatch.setattr("draftwise.builder.BATCHED_METHODS", ("ngram",))  # a method the batch does not run
     suffix_config = SpeculativeConfig(method="suffix", num_speculative_tokens=3)
     with caplog.at_level("WARNING"):
         assert isinstance(build_engine(str(stories_path), suffix_config, quantization=MODE, runtime="lean",
-                                       max_num_seqs=2).engine, SpeculativeEngine)
+                                       max_num_seqs=2).core.backend, OneSlot)
         assert isinstance(build_engine(str(stories_path), ngram_config, runtime="transformers",
-                                       max_num_seqs=2).engine, SpeculativeEngine)
+                                       max_num_seqs=2).core.backend, OneSlot)
     assert "does not run in the batched engine" in caplog.text and "needs the lean runtime" in caplog.text
 
 
@@ -507,7 +505,7 @@ def test_a_batched_engine_whose_k_outgrows_the_context_calibrates_what_fits(stor
 
     config = SpeculativeConfig(method="suffix", num_speculative_tokens=64, k_policy="auto")
     engine = build_engine(str(stories_path), config, quantization=MODE, runtime="lean", max_num_seqs=2,
-                          max_context=40).engine
+                          max_context=40).core
     assert isinstance(engine, EngineCore)
     assert max(engine.pass_costs.points) <= 40
     [result] = engine.generate([[1, 400, 500]], SamplingParams(max_tokens=8, ignore_eos=True))

@@ -303,9 +303,9 @@ def test_server_same_seed_same_text_with_and_without_speculation(stories_path, d
     draft = derive_layer_draft(target, 2)
     spec_engine = SpeculativeEngine(target.backend, DraftModelProposer(draft.backend, target.backend.vocab_size), 4,
                                     eos_token_ids=target.eos_token_ids)
-    spec = EngineBundle(target=target, engine=spec_engine, draft=draft,
+    spec = EngineBundle(target=target, core=spec_engine.core, draft=draft,
                         speculative_config=SpeculativeConfig(model=draft.name, num_speculative_tokens=4))
-    plain = EngineBundle(target=target, engine=SpeculativeEngine(target.backend, eos_token_ids=target.eos_token_ids))
+    plain = EngineBundle(target=target, core=SpeculativeEngine(target.backend, eos_token_ids=target.eos_token_ids).core)
     body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.8, "top_p": 0.95}
     with TestClient(create_app(spec)) as spec_client, TestClient(create_app(plain)) as plain_client:
         for seed in (1, 2):

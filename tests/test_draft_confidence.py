@@ -15,7 +15,7 @@ from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
 from draftwise.commands.bench import CliError, draft_confidences, method_label
 from draftwise.config import DEFAULT_DRAFT_CONFIDENCE, SamplingParams, SpeculativeConfig
-from draftwise.engine import BatchedDraftModel, EngineCore, SpeculativeEngine
+from draftwise.engine import EngineCore, SpeculativeEngine
 from draftwise.proposers.draft_model import DraftModelProposer, DraftRequest, DraftSlots
 from draftwise.sampling import Sampler
 
@@ -171,7 +171,7 @@ def test_greedy_output_is_the_targets_alone_and_batched(target, hf, weak_hf, dra
     assert sum(r.stats.num_draft_tokens for r in alone) < sum(r.stats.num_draft_tokens for r in full)
     multi = build_lean(hf, quantization=MODE, name="tiny-batch", num_slots=2)
     batched_draft = build_lean(weak_hf, quantization=MODE, name="weak-batch", num_slots=2)
-    engine = EngineCore(multi, BatchedDraftModel(batched_draft, 96, confidence_threshold=threshold), 6)
+    engine = EngineCore(multi, DraftModelProposer(batched_draft, 96, confidence_threshold=threshold, slot_per_sequence=True), 6)
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == oracle  # 3 requests through 2 slots
 
 

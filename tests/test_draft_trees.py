@@ -14,7 +14,7 @@ from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
 from draftwise.backends.slots import LOGITS_ALL, LOGITS_LAST, Expansion, LeanSlots, Piece
 from draftwise.config import SamplingParams, SpeculativeConfig
-from draftwise.engine import BatchedDraftModel, EngineCore, SpeculativeEngine
+from draftwise.engine import EngineCore, SpeculativeEngine
 from draftwise.proposers.draft_model import DraftModelProposer, DraftRequest, DraftSlots
 from draftwise.sampling import Sampler
 from draftwise.tree import DraftNode, node_depths, select_tree
@@ -54,7 +54,7 @@ def test_greedy_tree_drafts_are_exact_alone_and_batched(target, hf, weak_hf, ora
     assert sum(r.stats.num_tree_nodes for r in alone) > 0  # trees really ran
     multi = build_lean(hf, quantization=MODE, name="tiny-batch", num_slots=3)
     batched_draft = build_lean(weak_hf, quantization=MODE, name="weak-batch", num_slots=3)
-    engine = EngineCore(multi, BatchedDraftModel(batched_draft, 96, tree_width=width, tree_budget=budget), k)
+    engine = EngineCore(multi, DraftModelProposer(batched_draft, 96, tree_width=width, tree_budget=budget, slot_per_sequence=True), k)
     batched = engine.generate(PROMPTS, GREEDY)  # 4 requests through 3 slots
     assert [r.token_ids for r in batched] == oracle
 
@@ -178,7 +178,7 @@ def test_tree_fields_are_validated_and_refused_where_they_cannot_run(weak_hf):
     from fakes import BigramLM
 
     with pytest.raises(ValueError, match="lean runtime"):
-        BatchedDraftModel(BigramLM(torch.zeros(4, 4)), 4, tree_width=2)
+        DraftModelProposer(BigramLM(torch.zeros(4, 4)), 4, tree_width=2, slot_per_sequence=True)
     chain = DraftModelProposer(BigramLM(torch.zeros(4, 4)), 4, tree_width=2)  # a one-slot draft: chains
     assert chain.tree_width == 1
 

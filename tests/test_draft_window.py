@@ -13,7 +13,7 @@ from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
 from draftwise.commands.bench import CliError, draft_windows, method_label
 from draftwise.config import SamplingParams, SpeculativeConfig
-from draftwise.engine import BatchedDraftModel, EngineCore, SpeculativeEngine
+from draftwise.engine import EngineCore, SpeculativeEngine
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.draft_model import WINDOW_SINKS, DraftModelProposer, DraftRequest, DraftSlots, window_view
 from draftwise.sampling import Sampler
@@ -62,7 +62,7 @@ def test_greedy_windowed_drafts_are_exact_alone_and_batched(target, hf, weak_hf,
     assert [r.token_ids for r in alone] == oracle
     multi = build_lean(hf, quantization=MODE, name="tiny-batch", num_slots=2)
     batched_draft = build_lean(weak_hf, quantization=MODE, name="weak-batch", num_slots=2)
-    engine = EngineCore(multi, BatchedDraftModel(batched_draft, 96, window=WINDOW), k)
+    engine = EngineCore(multi, DraftModelProposer(batched_draft, 96, window=WINDOW, slot_per_sequence=True), k)
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == oracle  # 3 requests through 2 slots
 
 
@@ -132,11 +132,11 @@ def test_turns_with_prefix_reuse_keep_the_window_and_stay_exact(hf, weak_hf):
     """A kept draft state carries its cut: the next turn's draft catches up on the new tokens only."""
     multi = build_lean(hf, quantization=MODE, name="tiny-turns", num_slots=1)
     draft = build_lean(weak_hf, quantization=MODE, name="weak-turns", num_slots=1)
-    proposer = BatchedDraftModel(draft, 96, window=64)
+    proposer = DraftModelProposer(draft, 96, window=64, slot_per_sequence=True)
     warm = EngineCore(multi, proposer, 4, prefix_cache=PrefixCache(1 << 30))
     cold = EngineCore(build_lean(hf, quantization=MODE, name="tiny-cold", num_slots=1),
-                      BatchedDraftModel(build_lean(weak_hf, quantization=MODE, name="weak-cold", num_slots=1), 96,
-                                        window=64), 4)
+                      DraftModelProposer(build_lean(weak_hf, quantization=MODE, name="weak-cold", num_slots=1), 96,
+                                        window=64, slot_per_sequence=True), 4)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     fed = []
     forward = proposer.slots.backend.forward

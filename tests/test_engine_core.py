@@ -13,7 +13,8 @@ from draftwise.backends.slots import LeanSlots, OneSlot, chunk_counts
 from draftwise.builder import _suffix_proposers
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.speculation.controller import ProbeBackoff
-from draftwise.engine import EngineCore, PerSequenceProposers, SpeculativeEngine
+from draftwise.engine import EngineCore, SpeculativeEngine
+from draftwise.proposers.base import PerSequenceProposers
 from draftwise.prefix_cache import PrefixCache
 from fakes import BigramLM, ScriptedLM, ScriptedTreeProposer, peaked_table
 

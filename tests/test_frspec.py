@@ -300,10 +300,10 @@ class RecordingProposer(DraftModelProposer):
         super().__init__(*args)
         self.proposals = []
 
-    def propose(self, context_ids, k, params, sampler):
-        proposal = super().propose(context_ids, k, params, sampler)
-        self.proposals.append(proposal)
-        return proposal
+    def propose(self, requests, pricing=None):
+        proposals = super().propose(requests, pricing)
+        self.proposals.extend(proposals)
+        return proposals
 
 
 def stories_ranked(stories) -> list[int]:

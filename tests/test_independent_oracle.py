@@ -33,7 +33,8 @@ from draftwise.backends.lean import LeanCausalLM, build_lean
 from draftwise.backends.lean.rows import chain_rows
 from draftwise.backends.quantization import int8_kernels_available
 from draftwise.backends.torch_backend import TorchCausalLM
-from draftwise.engine import BatchedDraftModel, EngineCore, PerSequenceProposers
+from draftwise.engine import EngineCore
+from draftwise.proposers.base import PerSequenceProposers
 from draftwise.config import SamplingParams
 from draftwise.engine import SpeculativeEngine
 from draftwise.models.loading import LoadedModel, derive_layer_draft, load_model
@@ -445,7 +446,7 @@ def batch_proposer(method: str, drafts, vocab: int):
         return PerSequenceProposers(lambda: NgramProposer(1, 3), "ngram")
     if method == "suffix":
         return PerSequenceProposers(SuffixProposer, "suffix")
-    return BatchedDraftModel(drafts[method.split("-", 1)[1]], vocab)
+    return DraftModelProposer(drafts[method.split("-", 1)[1]], vocab, slot_per_sequence=True)
 
 
 @pytest.mark.parametrize("k", KS)
@@ -489,7 +490,7 @@ def test_batched_engine_context_length_and_first_token_stops(method):
 
     target, next_token = lean(SLOTS), lean_full_recompute(lean(1).model)
     proposer = (PerSequenceProposers(lambda: NgramProposer(1, 3), "ngram") if method == "ngram"
-                else BatchedDraftModel(lean(SLOTS), target.vocab_size))
+                else DraftModelProposer(lean(SLOTS), target.vocab_size, slot_per_sequence=True))
     engine = EngineCore(target, proposer, 8, eos_token_ids=(1,), prefix_cache=PrefixCache(1 << 30))
     prompts = [TINY_PROMPTS["repeat"], TINY_PROMPTS["once"], TINY_PROMPTS["lily"], [5] * 30, list(range(2, 40))]
     free = SamplingParams(max_tokens=100, ignore_eos=True)

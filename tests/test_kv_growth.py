@@ -74,7 +74,8 @@ def stories_lean_one_slot(draftwise_home, stories_path):
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_batched_session_past_the_slot_capacity_matches_a_cold_engine(stories_lean_two_slots, method):
-    from draftwise.engine import EngineCore, PerSequenceProposers
+    from draftwise.engine import EngineCore
+    from draftwise.proposers.base import PerSequenceProposers
     from draftwise.proposers.ngram import NgramProposer
     from draftwise.proposers.suffix import SuffixProposer
 
@@ -98,15 +99,16 @@ def test_batched_session_past_the_slot_capacity_matches_a_cold_engine(stories_le
 
 
 def test_batched_draft_model_session_past_the_slot_capacity(draftwise_home, stories_path, stories_lean_two_slots):
-    """The draft model's slot cache grows and is re-imported too (BatchedDraftModel.import_state)."""
-    from draftwise.engine import BatchedDraftModel, EngineCore
+    """The draft model's slot cache grows and is re-imported too (DraftModelProposer.import_state)."""
+    from draftwise.engine import EngineCore
+    from draftwise.proposers.draft_model import DraftModelProposer
     from draftwise.models.loading import load_model
 
     model = stories_lean_two_slots
     draft = load_model(str(stories_path), quantization=MODE, runtime="lean", num_slots=2)
 
     def engine(prefix_cache):
-        return EngineCore(model.backend, BatchedDraftModel(draft.backend, model.backend.vocab_size), 3,
+        return EngineCore(model.backend, DraftModelProposer(draft.backend, model.backend.vocab_size, slot_per_sequence=True), 3,
                              eos_token_ids=model.eos_token_ids, prefix_cache=prefix_cache)
 
     warm, cold = engine(PrefixCache(1 << 30)), engine(None)

@@ -346,9 +346,10 @@ def _spy_proposals(proposer, seen: list[int]):
     original = proposer.propose
 
     def propose(*args, **kwargs):
-        proposal = original(*args, **kwargs)
-        seen.extend(proposal.token_ids)
-        return proposal
+        proposals = original(*args, **kwargs)
+        for proposal in proposals:
+            seen.extend(proposal.token_ids)
+        return proposals
 
     proposer.propose = propose
 
@@ -580,7 +581,7 @@ def test_batched_engine_with_a_llama_cpp_draft_equals_plain(stories_path, draftw
                                backend=speculative_backend)
     bundle = build_engine(str(stories_path), config, quantization="int8", runtime="lean", threads=1, max_num_seqs=3,
                           kv_cache_memory=64 << 20)
-    engine = bundle.engine
+    engine = bundle.core
     assert isinstance(engine, EngineCore) and engine.max_num_seqs == 3
     if speculative_backend == "llama.cpp":
         assert isinstance(bundle.draft.backend, LlamaCppCausalLM) and bundle.draft.backend.num_slots == 3

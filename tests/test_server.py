@@ -88,7 +88,7 @@ def spec_bundle(draftwise_home, stories_path):
     config = SpeculativeConfig(model=draft.name, num_speculative_tokens=3)
     engine = SpeculativeEngine(target.backend, DraftModelProposer(draft.backend, target.backend.vocab_size), 3,
                                eos_token_ids=target.eos_token_ids)
-    return EngineBundle(target=target, engine=engine, speculative_config=config, draft=draft)
+    return EngineBundle(target=target, core=engine.core, speculative_config=config, draft=draft)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def plain_bundle(draftwise_home, stories_path):
     from draftwise.models.loading import load_model
 
     target = load_model(str(stories_path), device="cpu")
-    return EngineBundle(target=target, engine=SpeculativeEngine(target.backend, eos_token_ids=target.eos_token_ids))
+    return EngineBundle(target=target, core=SpeculativeEngine(target.backend, eos_token_ids=target.eos_token_ids).core)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def hybrid_url(draftwise_home, stories_path):
                               max_k=3, priced_by_engine=False)
     engine = SpeculativeEngine(target.backend, proposer, 3, eos_token_ids=target.eos_token_ids)
     config = SpeculativeConfig(method="hybrid", model=draft.name, num_speculative_tokens=3)
-    bundle = EngineBundle(target=target, engine=engine, speculative_config=config, draft=draft)
+    bundle = EngineBundle(target=target, core=engine.core, speculative_config=config, draft=draft)
     with live_server(create_app(bundle, ServerSettings(served_model_names=("stories",)))) as url:
         yield url
 

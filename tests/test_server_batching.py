@@ -19,7 +19,8 @@ import pytest
 from conftest import tiny_llama
 from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
-from draftwise.engine import EngineCore, PerSequenceProposers
+from draftwise.engine import EngineCore
+from draftwise.proposers.base import PerSequenceProposers
 from draftwise.builder import EngineBundle
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.engine import SpeculativeEngine
@@ -265,7 +266,7 @@ def batch_bundle(stories_lean):
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, k_policy="auto")
     engine = GatedEngine(stories_lean.backend, PerSequenceProposers(NgramProposer, "ngram"), 4,
                          eos_token_ids=stories_lean.eos_token_ids, max_num_batched_tokens=64, k_policy="auto")
-    return EngineBundle(target=stories_lean, engine=engine, speculative_config=config)
+    return EngineBundle(target=stories_lean, core=engine, speculative_config=config)
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +331,7 @@ def test_concurrent_streaming_clients_get_the_sequential_texts(stories_lean, sto
 
 
 def test_queue_full_is_a_503_and_disconnects_free_slots(batch_bundle, batch_url):
-    engine = batch_bundle.engine
+    engine = batch_bundle.core
     wait_idle(batch_url)
     statuses: list[int] = []
 

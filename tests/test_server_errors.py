@@ -82,7 +82,7 @@ def test_a_value_error_inside_the_engine_step_is_a_500_counted_by_health(monkeyp
 ])
 def test_a_request_the_engine_would_refuse_is_a_400_naming_the_field_and_never_queued(body, param, code):
     engine, model = small_model()
-    with TestClient(create_app(EngineBundle(target=model, engine=engine))) as client:
+    with TestClient(create_app(EngineBundle(target=model, core=engine.core))) as client:
         assert_openai_error(client.post("/v1/completions", json=body), 400, param, code)
         health = client.get("/health")
         assert health.status_code == 200 and health.json()["consecutive_engine_failures"] == 0

@@ -85,7 +85,7 @@ class ScriptedEngine(SpeculativeEngine):
 def fake_bundle(engine: ScriptedEngine | None = None, name: str = SECRET_PATH) -> EngineBundle:
     engine = engine or ScriptedEngine()
     target = LoadedModel(backend=engine.target, tokenizer=CharTokenizer(), name=name, eos_token_ids=())
-    return EngineBundle(target=target, engine=engine)
+    return EngineBundle(target=target, core=engine.core)
 
 
 @contextmanager
@@ -309,7 +309,7 @@ def test_a_long_tokenization_stalls_neither_the_engine_nor_other_clients(stories
     model = gated(stories)
     engine = SpeculativeEngine(model.backend, eos_token_ids=model.eos_token_ids)
     order: list[str] = []
-    with live(create_app(EngineBundle(target=model, engine=engine))) as (url, _):
+    with live(create_app(EngineBundle(target=model, core=engine.core))) as (url, _):
         def big():
             response = httpx.post(f"{url}/v1/completions", json={"prompt": "BIG Once upon a time", "max_tokens": 4,
                                                                  "temperature": 0}, timeout=90)

@@ -25,7 +25,7 @@ def url(draftwise_home, stories_path):
     target = load_model(str(stories_path), device="cpu")
     engine = SpeculativeEngine(target.backend, NgramProposer(1, 3), 3, eos_token_ids=target.eos_token_ids,
                                prefix_cache=PrefixCache(1 << 30))
-    bundle = EngineBundle(target=target, engine=engine,
+    bundle = EngineBundle(target=target, core=engine.core,
                           speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
     settings = ServerSettings(served_model_names=("stories",), chat_template=CHAT_TEMPLATE, api_key=KEY)
     with live_server(create_app(bundle, settings)) as served:

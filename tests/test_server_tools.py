@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from draftwise.builder import EngineBundle
-from draftwise.engine import SpeculativeEngine
+from draftwise.engine import one_slot_core
 from draftwise.server import ServerSettings, create_app
 from test_server import live_server
 from tool_agents import HERMES_TEMPLATE, tool_model
@@ -27,7 +27,7 @@ QUESTION = [{"role": "user", "content": "What is 2 + 3? Use the tool."}]
 @pytest.fixture(scope="module")
 def tool_url(stories):
     model = tool_model(stories)
-    bundle = EngineBundle(target=model, engine=SpeculativeEngine(model.backend, eos_token_ids=model.eos_token_ids))
+    bundle = EngineBundle(target=model, core=one_slot_core(model.backend, eos_token_ids=model.eos_token_ids))
     settings = ServerSettings(served_model_names=("tool-model",), chat_template=HERMES_TEMPLATE)
     with live_server(create_app(bundle, settings)) as url:
         yield url

@@ -13,7 +13,8 @@ import pytest
 from conftest import tiny_llama
 from draftwise.backends.lean import build_lean
 from draftwise.backends.quantization import int8_kernels_available
-from draftwise.engine import EngineCore, PerSequenceProposers, UnattributedStepError
+from draftwise.engine import EngineCore, UnattributedStepError
+from draftwise.proposers.base import PerSequenceProposers
 from draftwise.builder import EngineBundle
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.prefix_cache import PrefixCache
@@ -145,7 +146,7 @@ def test_health_is_503_after_repeated_engine_failures_and_200_after_a_success(dr
 
     target = load_model(str(stories_path), quantization=MODE, runtime="lean", num_slots=2)
     engine = engine_for(target.backend)
-    bundle = EngineBundle(target=target, engine=engine,
+    bundle = EngineBundle(target=target, core=engine,
                           speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
     settings = ServerSettings(served_model_names=("stories",), chat_template=CHAT_TEMPLATE)
     body = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}

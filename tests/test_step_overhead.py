@@ -13,8 +13,9 @@ from draftwise.backends.base import ForwardOutput
 from draftwise.config import SamplingParams
 from draftwise.speculation.controller import AutoK
 from draftwise.speculation.cost_model import CostModel, PassCostCurve, StepOverhead
-from draftwise.engine import EngineCore, PerSequenceProposers, SpeculativeEngine
-from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.engine import EngineCore, SpeculativeEngine
+from draftwise.proposers.base import PerSequenceProposers
+from draftwise.proposers.base import DraftProposal, SequenceProposer
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.hybrid import HybridProposer
 from draftwise.proposers.ngram import NgramProposer
@@ -103,7 +104,7 @@ class _HiddenBigram(BigramLM):
         return ForwardOutput(out.logits, torch.zeros(rows, 4) if return_hidden else None)
 
 
-class _SlowObserver(Proposer):
+class _SlowObserver(SequenceProposer):
     """Reads the target's features (as Medusa and EAGLE do), slowly, and never drafts."""
 
     name = "slow-observer"

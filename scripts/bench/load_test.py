@@ -336,7 +336,7 @@ def in_process_server(args: argparse.Namespace):
             raise SystemExit("the in-process server did not start")
         time.sleep(0.05)
     logger.info("in-process server for %s (%s, up to %d at once) at port %d", args.serve, bundle.method,
-                getattr(bundle.engine, "max_num_seqs", 1), port)
+                bundle.core.max_num_seqs, port)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -21,7 +21,7 @@ import time
 
 from draftwise.backends.slots import as_slot_backend
 from draftwise.config import SamplingParams
-from draftwise.engine import EngineCore, PerSequenceProposers
+from draftwise.engine import EngineCore
 from draftwise.machine import cpu_model_name
 from draftwise.models.loading import load_model
 from draftwise.proposers.draft_model import DraftModelProposer
@@ -89,7 +89,7 @@ def main() -> None:
         return out
 
     draft_slots.forward = timed_forward
-    engine = EngineCore(as_slot_backend(tb), PerSequenceProposers.of(proposer), args.k, target.eos_token_ids,
+    engine = EngineCore(as_slot_backend(tb), proposer, args.k, target.eos_token_ids,
                         max_num_batched_tokens=tb.max_context)
     plain = EngineCore(as_slot_backend(tb), None, 1, target.eos_token_ids, max_num_batched_tokens=tb.max_context)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)

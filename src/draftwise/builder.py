@@ -5,6 +5,7 @@ Used by the CLI, the server and the benchmarks, so every entry point builds engi
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,24 +26,18 @@ from draftwise.backends.lean.backend import LeanCausalLM
 from draftwise.backends.llama_cpp_backend import LlamaCppCausalLM
 from draftwise.config import SpeculativeConfig
 from draftwise.speculation.controller import KController
-from draftwise.engine import (
-    BATCHED_METHODS,
-    BatchedDraftModel,
-    BatchProposer,
-    EngineCore,
-    PerSequenceProposers,
-    SpeculativeEngine,
-)
+from draftwise.engine import BATCHED_METHODS, EngineCore, SpeculativeEngine, one_slot_core
 from draftwise.methods import DEFAULT_CATCH_UP, FIXED_DRAFT_CONFIDENCE, METHODS, get_method
 from draftwise.models.loading import LoadedModel, check_model_source, load_model
 from draftwise.prefix_cache import PrefixCache
-from draftwise.proposers.base import Proposer
+from draftwise.proposers.base import PerSequenceProposers, Proposer, SequenceProposer
 from draftwise.units import format_bytes
 
 if TYPE_CHECKING:
+    from draftwise.proposers.draft_model import DraftModelProposer
     from draftwise.proposers.suffix import SuffixProposer
 
-__all__ = ["assemble_engine", "BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS",
+__all__ = ["assemble_engine", "per_request_k", "BuildOptions", "BuiltProposer", "EngineBundle", "PROPOSER_BUILDERS",
            "TokenizerMismatchError", "backend_kind", "build_batched_engine", "build_engine", "build_proposer",
            "build_head_proposer", "check_same_tokenizer", "draft_confidence", "draft_load_options", "load_draft_model",
            "load_target_heads", "require_target_ids_across_backends", "DEFAULT_KV_CACHE_MEMORY", "KvCacheBudget",
@@ -136,16 +131,22 @@ class BuildOptions:
 class BuiltProposer:
     """A proposer ready for the engine, and the draft model it runs (None for model-free methods and heads)."""
 
-    proposer: Proposer
+    proposer: Proposer | SequenceProposer
     draft: LoadedModel | None = None
 
 
 @dataclass
 class EngineBundle:
-    """A target model, its optional draft model, and the engine driving them."""
+    """A target model, its optional draft model, and the engine core driving them.
+
+    Attributes:
+        core: the :class:`~draftwise.engine.core.EngineCore` (one slot, or many with continuous batching).
+        engine: the library facade over it (:class:`~draftwise.engine.SpeculativeEngine`: ``generate`` /
+            ``stream``, one request at a time), made on first use.
+    """
 
     target: LoadedModel
-    engine: SpeculativeEngine | EngineCore
+    core: EngineCore
     speculative_config: SpeculativeConfig | None = None
     draft: LoadedModel | None = None
 
@@ -154,18 +155,18 @@ class EngineBundle:
         """``"plain"`` or the speculative method name."""
         return self.speculative_config.method if self.speculative_config else "plain"
 
-    @property
-    def core(self) -> EngineCore:
-        """The engine core (a :class:`SpeculativeEngine` is a facade over one)."""
-        return self.engine.core if isinstance(self.engine, SpeculativeEngine) else self.engine
+    @functools.cached_property
+    def engine(self) -> SpeculativeEngine:
+        """The one-request facade over :attr:`core`."""
+        return SpeculativeEngine.over(self.core, self.target.backend)
 
 
-def assemble_engine(target: LoadedModel, proposer: Proposer | None = None, num_speculative_tokens: int = 5, *,
+def assemble_engine(target: LoadedModel, proposer: Proposer | SequenceProposer | None = None,
+                    num_speculative_tokens: int = 5, *,
                     controller_factory: Callable[[], KController] | None = None,
                     prefix_cache: PrefixCache | None = None) -> SpeculativeEngine:
-    """The one-request engine (:class:`~draftwise.engine.SpeculativeEngine`, a core of one slot) over a loaded
-    target, its proposer (None: plain decoding) and K, with the target's EOS ids; every command that needs one
-    (generate, serve, bench, check, heads data) gets it here.
+    """The one-request facade over :func:`~draftwise.engine.one_slot_core` for a loaded target, a proposer built
+    by the caller (None: plain decoding) and K, with the target's EOS ids (bench, check, heads data).
 
     Raises:
         ValueError: see :class:`~draftwise.engine.SpeculativeEngine`.
@@ -248,7 +249,7 @@ def build_proposer(
     backend: str = "torch",
     threads: int | None = None,
     runtime: str = "auto",
-) -> tuple[Proposer, LoadedModel | None]:
+) -> tuple[Proposer | SequenceProposer, LoadedModel | None]:
     """Create the proposer a speculative config names (through :data:`PROPOSER_BUILDERS`); returns
     it and its draft model (if any).
 
@@ -412,7 +413,7 @@ def load_target_heads(config: SpeculativeConfig, target: LoadedModel):
     return heads, heads_config, model
 
 
-def build_head_proposer(config: SpeculativeConfig, target: LoadedModel) -> Proposer:
+def build_head_proposer(config: SpeculativeConfig, target: LoadedModel) -> SequenceProposer:
     """A Medusa or EAGLE proposer from the heads directory ``config.model``, on the target's device and dtype.
 
     Raises:
@@ -428,16 +429,23 @@ def build_head_proposer(config: SpeculativeConfig, target: LoadedModel) -> Propo
 def _build_draft_model(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
     """``draft_model``: load the draft model ``config.model`` like the target (``options``) and check its
     tokenizer against the target's (:func:`load_draft_model`)."""
-    from draftwise.proposers.draft_model import DraftModelProposer
-
     draft = load_draft_model(config, target, options)
     _check_tree_verifier(config, target)
-    verify = tree_verify_seconds(target.backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
-    stop = draft_confidence(config.draft_confidence_threshold, target.backend, draft.backend,
-                            config.num_speculative_tokens, config.tree_width)
-    return BuiltProposer(DraftModelProposer(draft.backend, target.backend.vocab_size, config.tree_width,
-                                            config.tree_budget, verify, window=config.draft_window,
-                                            confidence_threshold=stop), draft)
+    return BuiltProposer(_draft_model(config, target.backend, draft), draft)
+
+
+def _draft_model(config: SpeculativeConfig, target: CausalLM, draft: LoadedModel, *,
+                 slot_per_sequence: bool = False) -> DraftModelProposer:
+    """The draft-model proposer over a loaded draft: the config's tree shape (sized by the target's verify cost,
+    :func:`tree_verify_seconds`), window and confidence stop (:func:`draft_confidence`)."""
+    from draftwise.proposers.draft_model import DraftModelProposer
+
+    verify = tree_verify_seconds(target, config.num_speculative_tokens, config.tree_width, config.tree_budget)
+    stop = draft_confidence(config.draft_confidence_threshold, target, draft.backend, config.num_speculative_tokens,
+                            config.tree_width)
+    return DraftModelProposer(draft.backend, target.vocab_size, config.tree_width, config.tree_budget, verify,
+                              window=config.draft_window, confidence_threshold=stop,
+                              slot_per_sequence=slot_per_sequence)
 
 
 def draft_confidence(value: float | str, target: CausalLM, draft: CausalLM, k: int, tree_width: int = 1
@@ -519,18 +527,27 @@ def _build_suffix(config: SpeculativeConfig, target: LoadedModel, options: Build
 
 
 def _build_hybrid(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
-    """``hybrid``: the draft model (as ``draft_model``), a suffix proposer, and the target's and draft's costs
-    from :func:`draftwise.speculation.calibration.calibrate_cost_model` (cached per model and machine)."""
-    from draftwise.speculation.calibration import calibrate_cost_model
-    from draftwise.proposers.hybrid import HybridProposer
+    """``hybrid`` on one slot: the draft model (as ``draft_model``) and one suffix proposer shared by the
+    consecutive requests (:func:`_hybrid`)."""
     from draftwise.proposers.suffix import suffix_proposer_from_config
 
     built = _build_draft_model(config, target, options)
     suffix = suffix_proposer_from_config(config, supports_tree=bool(getattr(target.backend, "supports_tree", False)))
-    k = config.num_speculative_tokens
-    costs = calibrate_cost_model(target.backend, k, draft=built.draft.backend)
-    built.proposer = HybridProposer(suffix, built.proposer, costs, max_k=k)
+    built.proposer = _hybrid(config, target.backend, built.draft, built.proposer, suffix)
     return built
+
+
+def _hybrid(config: SpeculativeConfig, target: CausalLM, draft: LoadedModel, model: DraftModelProposer,
+            suffix: SuffixProposer | Callable[[], SuffixProposer]) -> Proposer:
+    """The hybrid proposer over a draft-model proposer and ``suffix`` (one shared proposer, or a factory of one per
+    sequence), priced by the target's and draft's costs from :func:`draftwise.speculation.calibration.calibrate_cost_model`
+    (cached per model and machine)."""
+    from draftwise.speculation.calibration import calibrate_cost_model
+    from draftwise.proposers.hybrid import HybridProposer
+
+    k = config.num_speculative_tokens
+    costs = calibrate_cost_model(target, k, draft=draft.backend)
+    return HybridProposer(suffix, model, costs, max_k=k)
 
 
 def _build_medusa(config: SpeculativeConfig, target: LoadedModel, options: BuildOptions) -> BuiltProposer:
@@ -581,7 +598,8 @@ def build_engine(
     max_num_seqs: int = 1,
     max_num_batched_tokens: int = 256,
 ) -> EngineBundle:
-    """Load the target (and draft) and build the engine. Without a speculative config: plain decoding.
+    """Load the target (and draft) and build the engine core (:attr:`EngineBundle.core`, with its one-request
+    facade :attr:`EngineBundle.engine`). Without a speculative config: plain decoding.
 
     Args:
         target: registry name, ``.gguf`` path, HF directory or hub id.
@@ -602,10 +620,10 @@ def build_engine(
             reuse by later requests sharing a prefix (:mod:`draftwise.prefix_cache`); 0 turns reuse off; None: the
             commands' default, :func:`default_kv_cache_memory` (read when the engine is built).
         max_num_seqs: requests decoded together. Above 1, a target on the lean runtime with plain decoding or a
-            batchable method (:data:`draftwise.engine.BATCHED_METHODS`) gets a
-            :class:`~draftwise.engine.core.EngineCore` (continuous batching, one KV-cache slot per request, with
-            ``k_policy="auto"`` the load-aware K); any other target or method the one-request-at-a-time
-            :class:`SpeculativeEngine` (logged).
+            batchable method (:data:`draftwise.engine.BATCHED_METHODS`) gets a core of that many slots
+            (continuous batching, one KV-cache slot per request, with ``k_policy="auto"`` the load-aware K for the
+            batch: :func:`build_batched_engine`); any other target or method a core of one slot serving one
+            request at a time (logged), with each request's own K policy (:func:`per_request_k`).
         max_num_batched_tokens: the batched engine's rows per target pass (prompt chunks included).
 
     Raises:
@@ -628,40 +646,63 @@ def build_engine(
     target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
                               quantization=quantization, backend=backend, threads=threads, runtime=target_runtime,
                               num_slots=max_num_seqs if batch else 1)
+    options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend, threads=threads,
+                           runtime=runtime)
+    if batch and not isinstance(target_model.backend, LeanCausalLM):
+        logger.warning("continuous batching needs the lean runtime (int8 on the CPU, a Llama-family model); "
+                       "%s runs one request at a time", target_model.name)
+        batch = False
     if batch:
         if speculative_config is not None and speculative_config.catch_up != DEFAULT_CATCH_UP:
             logger.warning("catch_up %r is AutoK's, which runs one request at a time; the batched engine's "
                            "load-aware K ignores it", speculative_config.catch_up)
-        if isinstance(target_model.backend, LeanCausalLM):
-            options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend,
-                                   threads=threads, runtime=runtime)
-            engine, draft = build_batched_engine(
-                target_model, speculative_config, options, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, prefix_cache=PrefixCache(kv_cache_memory))
-            return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
-        logger.warning("continuous batching needs the lean runtime (int8 on the CPU, a Llama-family model); "
-                       "%s runs one request at a time", target_model.name)
-    if speculative_config is None:
-        engine = assemble_engine(target_model, prefix_cache=PrefixCache(kv_cache_memory))
-        return EngineBundle(target=target_model, engine=engine)
-    proposer, draft = build_proposer(speculative_config, target_model, device=device, dtype=dtype,
-                                     quantization=quantization, backend=backend, threads=threads, runtime=runtime)
+        core, draft = build_batched_engine(target_model, speculative_config, options, max_num_seqs=max_num_seqs,
+                                           max_num_batched_tokens=max_num_batched_tokens,
+                                           prefix_cache=PrefixCache(kv_cache_memory))
+    else:
+        core, draft = _one_slot_engine(target_model, speculative_config, options, PrefixCache(kv_cache_memory))
+    return EngineBundle(target=target_model, core=core, speculative_config=speculative_config, draft=draft)
+
+
+def _one_slot_engine(target: LoadedModel, config: SpeculativeConfig | None, options: BuildOptions,
+                     prefix_cache: PrefixCache) -> tuple[EngineCore, LoadedModel | None]:
+    """An engine core of one slot (:func:`~draftwise.engine.one_slot_core`) for a loaded target and a speculative
+    config (None: plain decoding), with each request's own K policy (:func:`per_request_k`); returns it and the
+    draft model it loaded (if any)."""
+    if config is None:
+        return one_slot_core(target.backend, eos_token_ids=target.eos_token_ids, prefix_cache=prefix_cache), None
+    proposer, draft = build_proposer(config, target, device=options.device, dtype=options.dtype,
+                                     quantization=options.quantization, backend=options.backend,
+                                     threads=options.threads, runtime=options.runtime)
+    controller_factory = per_request_k(config, target, proposer, draft)
+    core = one_slot_core(target.backend, proposer, config.num_speculative_tokens, target.eos_token_ids,
+                         controller_factory=controller_factory, prefix_cache=prefix_cache)
+    return core, draft
+
+
+def per_request_k(config: SpeculativeConfig, target: LoadedModel, proposer: Proposer | SequenceProposer,
+                  draft: LoadedModel | None) -> Callable[[], KController]:
+    """``k_policy`` on an engine of one slot: each request's own :class:`~draftwise.speculation.controller.KController`.
+
+    ``"fixed"``: always K. ``"auto"``: :class:`~draftwise.speculation.controller.AutoK` on the cost model of the target and
+    the draft (:func:`draftwise.speculation.calibration.calibrate_cost_model`, cached per model and machine), with what the
+    engine's requests learn carried to the next. On an engine of many slots ``"auto"`` is instead the load-aware
+    plan for the batch (:func:`draftwise.speculation.cost_model.plan_batch_k`, :class:`~draftwise.engine.core.EngineCore`'s
+    ``k_policy``): the two answer the same question, the K with the most committed tokens per second, but AutoK
+    also defers a draft model's catch-up after plain steps (``catch_up``, a ski-rental rule) and learns one
+    request's costs, which the batch plan does not (see ``docs/batching.md``).
+    """
     from draftwise.speculation.calibration import calibrate_cost_model
     from draftwise.speculation.controller import k_controller_factory
 
-    max_k = speculative_config.num_speculative_tokens
+    max_k = config.num_speculative_tokens
     cost_model = None
-    if speculative_config.k_policy == "auto":
+    if config.k_policy == "auto":
         cost_model = calibrate_cost_model(  # cached per model and machine after the first run
-            target_model.backend, max_k, draft=draft.backend if draft else None, proposer=proposer
+            target.backend, max_k, draft=draft.backend if draft else None, proposer=proposer
         )
-    engine = assemble_engine(target_model, proposer, max_k,
-                             controller_factory=k_controller_factory(
-                                 speculative_config.k_policy, max_k, cost_model,
-                                 prior_strength=_prior_strength(speculative_config),
-                                 catch_up=speculative_config.catch_up),
-                             prefix_cache=PrefixCache(kv_cache_memory))
-    return EngineBundle(target=target_model, engine=engine, speculative_config=speculative_config, draft=draft)
+    return k_controller_factory(config.k_policy, max_k, cost_model, prior_strength=_prior_strength(config),
+                                catch_up=config.catch_up)
 
 
 def _prior_strength(config: SpeculativeConfig) -> float:
@@ -706,7 +747,7 @@ def build_batched_engine(
         from draftwise.proposers.ngram import NgramProposer
 
         low, high = config.prompt_lookup_min, config.prompt_lookup_max
-        proposer: BatchProposer = PerSequenceProposers(lambda: NgramProposer(low, high), "ngram")
+        proposer: Proposer = PerSequenceProposers(lambda: NgramProposer(low, high), "ngram")
     elif config.method == "suffix":
         proposer = _suffix_proposers(config)
     else:
@@ -716,30 +757,11 @@ def build_batched_engine(
             raise ValueError(f"{draft.name}: a draft model in the batched engine needs the lean runtime or "
                              "llama.cpp (--quantization int8 on the CPU and a Llama-family model, or a .gguf draft "
                              "with --speculative-backend llama.cpp or auto)")
-        verify = tree_verify_seconds(backend, config.num_speculative_tokens, config.tree_width, config.tree_budget)
-        stop = draft_confidence(config.draft_confidence_threshold, backend, draft.backend,
-                                config.num_speculative_tokens, config.tree_width)
-        proposer = BatchedDraftModel(draft.backend, backend.vocab_size, tree_width=config.tree_width,
-                                     tree_budget=config.tree_budget, verify_seconds=verify,
-                                     window=config.draft_window, confidence_threshold=stop)
+        proposer = _draft_model(config, backend, draft, slot_per_sequence=True)
         if config.method == "hybrid":
-            proposer = _batched_hybrid(config, backend, draft, proposer)
+            proposer = _hybrid(config, backend, draft, proposer, _suffix_factory(config))
     engine = EngineCore(backend, proposer, config.num_speculative_tokens, k_policy=config.k_policy, **common)
     return engine, draft
-
-
-def _batched_hybrid(config: SpeculativeConfig, target: CausalLM, draft: LoadedModel,
-                    model: BatchedDraftModel) -> BatchProposer:
-    """``hybrid`` in the batch: per-sequence suffix proposers (:func:`_suffix_factory`) and the batched draft
-    model, chosen per step by one :class:`~draftwise.proposers.hybrid.HybridPolicy` priced by the cached
-    :func:`draftwise.speculation.calibration.calibrate_cost_model` (as the one-request hybrid)."""
-    from draftwise.speculation.calibration import calibrate_cost_model
-    from draftwise.engine.hybrid_slots import BatchedHybrid
-    from draftwise.proposers.hybrid import HybridPolicy
-
-    k = config.num_speculative_tokens
-    costs = calibrate_cost_model(target, k, draft=draft.backend)
-    return BatchedHybrid(_suffix_factory(config), model, HybridPolicy(costs, max_k=k))
 
 
 def _suffix_proposers(config: SpeculativeConfig) -> PerSequenceProposers:

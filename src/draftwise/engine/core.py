@@ -31,10 +31,10 @@ from draftwise.config import SamplingParams
 from draftwise.engine.drafting import Drafter, check_speculation_options, step_pricing
 from draftwise.engine.faults import guarded, retry_alone
 from draftwise.engine.prefix_reuse import PrefixReuse
-from draftwise.engine.proposers import BatchProposer, StepPricing
 from draftwise.engine.scheduler import ScheduledSequence, Scheduler, StepInfo, StepPlan
 from draftwise.engine.sequence import BatchSequence, GenerationResult, SequenceOutput, check_request
 from draftwise.prefix_cache import PrefixCache
+from draftwise.proposers.base import Proposer, StepPricing
 from draftwise.sampling import Sampler
 from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.speculation.cost_model import PassCostCurve, StepOverhead
@@ -56,7 +56,7 @@ class EngineCore:
     Args:
         target: a :class:`~draftwise.backends.slots.SlotBackend`, a lean target (the engine owns every slot of its
             cache) or any :class:`~draftwise.backends.base.CausalLM` (one slot).
-        proposer: a :class:`~draftwise.engine.proposers.BatchProposer`, or None for plain decoding.
+        proposer: a :class:`~draftwise.proposers.base.Proposer`, or None for plain decoding.
         num_speculative_tokens: K, the largest draft depth per sequence and step (ignored without a proposer).
         eos_token_ids: token ids that end a request (unless it sets ``ignore_eos``).
         max_num_seqs: sequences running at once (default: every slot of the backend).
@@ -80,7 +80,7 @@ class EngineCore:
             backend cannot serve (hidden states).
     """
 
-    def __init__(self, target: SlotBackend | CausalLM, proposer: BatchProposer | None = None,
+    def __init__(self, target: SlotBackend | CausalLM, proposer: Proposer | None = None,
                  num_speculative_tokens: int = 5, eos_token_ids: Iterable[int] = (), *,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int = 256, k_policy: str = "fixed",
                  controller_factory: Callable[[], KController] | None = None, pass_costs: PassCostCurve | None = None,
@@ -198,7 +198,7 @@ class EngineCore:
             stats=SpeculativeStats(num_prompt_tokens=len(prompt)),
             arrival_s=time.perf_counter() if arrival_s is None else arrival_s, controller=controller,
             backoff=ProbeBackoff(4, self.max_probe_interval))
-        if max_k and self.proposer is not None and self.proposer.name == "hybrid":
+        if max_k and self.proposer is not None and self.proposer.has_sides:
             sequence.stats.start_hybrid_steps()
         self._next_id += 1
         self.scheduler.add(sequence)
@@ -303,7 +303,7 @@ class EngineCore:
     def _speculates(self, sequence: BatchSequence) -> bool:
         return self.proposer is not None and sequence.max_k > 0
 
-    def _proposer_of(self, sequence: BatchSequence) -> BatchProposer | None:
+    def _proposer_of(self, sequence: BatchSequence) -> Proposer | None:
         return self.proposer if self._speculates(sequence) else None
 
     # ------------------------------------------------------------------ drafting
@@ -332,8 +332,10 @@ class EngineCore:
             hidden = out.hidden[scheduled.hidden_rows]  # [1 + rows of the draft, H]
             draft_s += self.drafter.observe(sequence, hidden[keep], result.token_ids)
         sequence.record_step(proposal, num_drafted, num_accepted, len(chunk), pass_s, draft_s)
+        if not reason and self._speculates(sequence):  # the last step (perhaps cut by a stop) tells nothing
+            self.proposer.accept(sequence, num_accepted)
         self.drafter.learn(sequence, num_drafted, num_accepted, draft_s, pass_s, self.step_overhead.seconds,
-                           model_drafted=proposal.hybrid_side != "suffix", finished=bool(reason))
+                           model_drafted=proposal.model_drafted, finished=bool(reason))
         return self._output(sequence, chunk, reason)
 
     def _roll_back(self, sequence: BatchSequence, context_len: int, result: VerificationResult) -> list[int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.backends.slots import SlotBackend
-from draftwise.engine.proposers import BatchProposer, StepPricing
+from draftwise.proposers.base import Proposer, StepPricing
 from draftwise.engine.scheduler import StepBudget, fit_rows, within_rows
 from draftwise.engine.sequence import BatchSequence
 from draftwise.methods import K_POLICIES
@@ -41,7 +41,7 @@ class Drafts:
     seconds: float
 
 
-def step_pricing(pass_costs: PassCostCurve | None, overhead_s: float, drafting: BatchProposer | None, base_rows: int,
+def step_pricing(pass_costs: PassCostCurve | None, overhead_s: float, drafting: Proposer | None, base_rows: int,
                  sequences: int) -> StepPricing | None:
     """A step's measured costs (None before any measurement): the target pass over ``sequences`` sequences plus the
     engine's own ``overhead_s`` per step, and a ``drafting`` model's passes (None for a lookup, whose drafting costs
@@ -52,7 +52,7 @@ def step_pricing(pass_costs: PassCostCurve | None, overhead_s: float, drafting: 
                        draft_pass_seconds(drafting.pass_costs if drafting is not None else None))
 
 
-def check_speculation_options(proposer: BatchProposer | None, num_speculative_tokens: int, max_num_seqs: int,
+def check_speculation_options(proposer: Proposer | None, num_speculative_tokens: int, max_num_seqs: int,
                               k_policy: str, controller_factory: Callable[[], KController] | None,
                               max_probe_interval: int, backend: SlotBackend) -> None:
     """Refuse an engine's speculation options over ``backend`` (see :class:`~draftwise.engine.core.EngineCore`).
@@ -91,7 +91,7 @@ class Drafter:
         supports_tree: the backend verifies draft trees; ``backend_name``: its name, for errors.
     """
 
-    def __init__(self, proposer: BatchProposer | None, k_cap: Callable[[BatchSequence], int], k_policy: str,
+    def __init__(self, proposer: Proposer | None, k_cap: Callable[[BatchSequence], int], k_policy: str,
                  memory: AcceptanceEstimator, clock: StepClock, supports_tree: bool, backend_name: str) -> None:
         self.proposer = proposer
         self.k_cap = k_cap

@@ -1,9 +1,10 @@
 """The library's one-request interface: :class:`SpeculativeEngine`, a thin facade over the engine core.
 
-``stream`` adds the request to an :class:`~draftwise.engine.core.EngineCore` over the target as one slot
-(:class:`~draftwise.backends.slots.OneSlot`) and steps the core until the request ends; each step is the
-speculative loop of Leviathan et al. 2023: propose -> verify (one target pass over ``[last, drafts...]``, a
-chain or a tree) -> commit up to a stop -> roll back the target's cache to the committed tokens. A step with
+``stream`` adds the request to an :class:`~draftwise.engine.core.EngineCore` (by default over the target as one
+slot, :func:`one_slot_core`; or any core, :meth:`SpeculativeEngine.over`) and steps the core until the request
+ends; each step is the speculative loop of Leviathan et al. 2023: propose -> verify (one target pass over
+``[last, drafts...]``, a chain or a tree) -> commit up to a stop -> roll back the target's cache to the committed
+tokens. A step with
 K = 0 is a plain decoding step, so plain autoregressive decoding (the oracle and the benchmark baseline) is the
 same loop without a proposer.
 """
@@ -18,12 +19,11 @@ from draftwise.backends.slots import OneSlot
 from draftwise.config import SamplingParams
 from draftwise.speculation.controller import KController
 from draftwise.engine.core import EngineCore
-from draftwise.engine.proposers import PerSequenceProposers
 from draftwise.engine.sequence import BatchSequence, GenerationResult
 from draftwise.prefix_cache import PrefixCache
-from draftwise.proposers.base import Proposer
+from draftwise.proposers.base import PerSequenceProposers, Proposer, SequenceProposer
 
-__all__ = ["SpeculativeEngine", "Generation", "EngineBusyError"]
+__all__ = ["SpeculativeEngine", "Generation", "EngineBusyError", "one_slot_core"]
 
 
 class EngineBusyError(RuntimeError):
@@ -56,12 +56,29 @@ class Generation:
             self.result = self._finish("cancelled")
 
 
+def one_slot_core(target: CausalLM, proposer: Proposer | SequenceProposer | None = None,
+                  num_speculative_tokens: int = 5, eos_token_ids: Iterable[int] = (), *,
+                  controller_factory: Callable[[], KController] | None = None,
+                  prefix_cache: PrefixCache | None = None) -> EngineCore:
+    """An engine core over ``target`` as one slot (:class:`~draftwise.backends.slots.OneSlot`: one request at a
+    time, a whole prompt in one pass); arguments as :class:`SpeculativeEngine`'s.
+
+    Raises:
+        ValueError: see :class:`~draftwise.engine.core.EngineCore`.
+    """
+    return EngineCore(OneSlot(target), _as_proposer(proposer), num_speculative_tokens, eos_token_ids,
+                      max_num_batched_tokens=target.max_context, controller_factory=controller_factory,
+                      prefix_cache=prefix_cache)
+
+
 class SpeculativeEngine:
     """Speculative decoding of one request at a time with a target model and an optional proposer.
 
     Args:
         target: the target model backend; its output is the oracle.
-        proposer: draft proposer, or None for plain decoding.
+        proposer: draft proposer (a :class:`~draftwise.proposers.base.SequenceProposer` runs through
+            :meth:`PerSequenceProposers.of <draftwise.proposers.base.PerSequenceProposers.of>`), or None for plain
+            decoding.
         num_speculative_tokens: K, the maximum draft depth per step (ignored without a proposer).
         eos_token_ids: token ids that end generation (unless a request sets ``ignore_eos``).
         controller_factory: builds a per-request :class:`~draftwise.speculation.controller.KController`; default:
@@ -81,18 +98,28 @@ class SpeculativeEngine:
     def __init__(
         self,
         target: CausalLM,
-        proposer: Proposer | None = None,
+        proposer: Proposer | SequenceProposer | None = None,
         num_speculative_tokens: int = 5,
         eos_token_ids: Iterable[int] = (),
         controller_factory: Callable[[], KController] | None = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
+        core = one_slot_core(target, proposer, num_speculative_tokens, eos_token_ids,
+                             controller_factory=controller_factory, prefix_cache=prefix_cache)
+        self._attach(core, target, proposer)
+
+    @classmethod
+    def over(cls, core: EngineCore, target: CausalLM | None = None) -> SpeculativeEngine:
+        """The facade over an existing core (e.g. :attr:`draftwise.builder.EngineBundle.core`); it still serves one
+        request at a time. ``target``: the target model (default: what the core was built over)."""
+        engine = cls.__new__(cls)
+        engine._attach(core, core.target if target is None else target, core.proposer)
+        return engine
+
+    def _attach(self, core: EngineCore, target: CausalLM, proposer: Proposer | SequenceProposer | None) -> None:
         self.target = target
         self.proposer = proposer
-        self.core = EngineCore(
-            OneSlot(target), PerSequenceProposers.of(proposer) if proposer is not None else None,
-            num_speculative_tokens, eos_token_ids, max_num_batched_tokens=target.max_context,
-            controller_factory=controller_factory, prefix_cache=prefix_cache)
+        self.core = core
         self._active: weakref.ref[Generation] | None = None
         self._sequence: BatchSequence | None = None  # the last request started
 
@@ -167,3 +194,10 @@ class SpeculativeEngine:
         self.core.cancel(sequence)  # no-op when it already finished
         assert sequence.result is not None
         return sequence.result
+
+
+def _as_proposer(proposer: Proposer | SequenceProposer | None) -> Proposer | None:
+    """The engine's face of ``proposer``: itself, or a one-sequence proposer shared by every request."""
+    if isinstance(proposer, SequenceProposer):
+        return PerSequenceProposers.of(proposer)
+    return proposer

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftwise.backends.slots import SlotBackend
-from draftwise.engine.proposers import BatchProposer
+from draftwise.proposers.base import Proposer
 from draftwise.engine.sequence import BatchSequence
 from draftwise.prefix_cache import PrefixCache, PrefixEntry
 from draftwise.proposers.base import common_prefix_length
@@ -58,7 +58,7 @@ class PrefixReuse:
         for slot in range(num_slots):
             self.backend.set_length(slot, 0)
 
-    def reuse(self, sequence: BatchSequence, proposer: BatchProposer | None) -> int:
+    def reuse(self, sequence: BatchSequence, proposer: Proposer | None) -> int:
         """Put the KV state of the longest kept prefix of the sequence's prompt (same scope) into its slot and its
         ``proposer`` (None: the sequence does not speculate); returns its length (at most ``len(prompt) - 1``: the
         last prompt token is always fed, for the first token's logits). Without one, the slot (and the proposer)
@@ -90,7 +90,7 @@ class PrefixReuse:
                 proposer.import_state(sequence, None, 0)
         return reused
 
-    def keep(self, sequence: BatchSequence, proposer: BatchProposer | None) -> None:
+    def keep(self, sequence: BatchSequence, proposer: Proposer | None) -> None:
         """Keep the sequence's committed KV state (target and ``proposer``'s) for later requests: in the prefix
         cache, or (a backend that cannot export) as what its slot still holds."""
         tokens = sequence.context

@@ -7,8 +7,7 @@ One mechanism, :class:`DraftSlots`, serves every engine: a draft model over a sl
 lean multi-slot draft: one catch-up pass, then one pass per draft depth over every drafting sequence). Each
 slot is rolled back to the longest common prefix with its sequence's committed context at every call, so
 rejected draft tokens are discarded without the engine's help. :class:`DraftModelProposer` is its
-one-sequence :class:`~draftwise.proposers.base.Proposer` face (the hybrid proposer, ``check``'s probe, the
-library); the engine core's batch face is :class:`draftwise.engine.draft_slots.BatchedDraftModel`.
+:class:`~draftwise.proposers.base.Proposer` face (for one slot kept between requests, or a slot per sequence).
 
 Draft tokens are drawn through the request's :class:`~draftwise.sampling.Sampler`: greedy (argmax), rejection
 (a draw from the processed draft distribution, returned as ``draft_probs``) or coupled (the Gumbel-argmax with
@@ -38,10 +37,9 @@ from draftwise.backends.slots import (
     as_slot_backend,
     chunk_counts,
 )
-from draftwise.config import SamplingParams
 from draftwise.methods import FIXED_DRAFT_CONFIDENCE, MIN_DRAFT_WINDOW, is_confidence_threshold
 from draftwise.speculation.cost_model import PassCostCurve
-from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
+from draftwise.proposers.base import DraftProposal, DraftSequence, Proposer, StepPricing, common_prefix_length
 from draftwise.sampling import Sampler
 from draftwise.tree import DraftNode, best_frontier, children_of, select_tree
 
@@ -487,65 +485,126 @@ class DraftSlots:
 
 
 class DraftModelProposer(Proposer):
-    """Proposes tokens with a draft :class:`CausalLM`: the one-sequence face of :class:`DraftSlots` (the draft
-    as one slot; a lean draft through its slot cache, so it can grow trees).
+    """The draft-model proposer (Leviathan et al. 2023 per sequence): :class:`DraftSlots` drafting for every
+    speculating sequence of a step at once, one catch-up pass and then one pass per depth.
+
+    Two ways to hold the sequences' draft state (``slot_per_sequence``):
+
+    - False (the default; an engine of one slot, the library's :class:`~draftwise.engine.SpeculativeEngine`):
+      the sequence's slot of the draft (any :class:`CausalLM` as one slot; a lean draft through its slot cache,
+      so it can grow trees) keeps its contents between requests, so a follow-up request that shares a prefix
+      reuses them without a prefix cache (reconciled by common prefix at the next draft); a kept state is the
+      whole slot's. A ``tree_width`` the draft cannot grow falls back to chains (logged).
+    - True (an engine of many slots): one draft slot per engine slot (a sequence uses the same slot index in
+      both), emptied when a sequence joins and freed when it leaves; a kept state is the committed context's.
+      The engine calibrates and prices the draft's passes (:attr:`drafting_model`). A ``tree_width`` the draft
+      cannot grow is refused.
 
     Args:
-        draft: the draft model backend.
-        target_vocab_size: the target's logits width (see :class:`DraftSlots`).
+        draft: the draft: a lean model (its slots), a slot backend, or any CausalLM (one slot).
+        target_vocab_size: the target's logits width (draft logits are cut or padded to it; see
+            :class:`DraftSlots`).
         tree_width: 1 drafts chains; w > 1 draft trees (EAGLE-2's expansion, see :class:`DraftRequest`) on a
-            lean draft (others draft chains).
+            lean draft.
         tree_budget: nodes per tree at most (None: ``k * tree_width``).
         verify_seconds: the target's ``rows -> seconds`` pass cost; trees are then sized by it (see
-            :class:`DraftSlots`).
+            :func:`sized_tree`).
         window: the draft reads at most this many tokens of a long context (None: all; see :class:`DraftSlots`).
         confidence_threshold: chains stop below this path probability, one number or one per depth (0: always
             ``k`` deep; see :class:`DraftSlots`).
+        max_pass_rows: rows per catch-up pass.
+        slot_per_sequence: see above.
 
     Raises:
-        ValueError: ``tree_width`` or ``tree_budget`` < 1, ``window`` below :data:`MIN_DRAFT_WINDOW`,
-            ``confidence_threshold`` invalid (:func:`min_path_scores`).
+        ValueError: ``tree_width`` or ``tree_budget`` < 1, ``tree_width`` > 1 on a draft that cannot grow trees
+            with ``slot_per_sequence``, ``window`` below :data:`MIN_DRAFT_WINDOW`, ``confidence_threshold``
+            invalid (:func:`min_path_scores`).
+
+    Attributes:
+        slots: the :class:`DraftSlots` it drafts with; ``pass_costs``: its measured seconds per pass by row count.
     """
 
     name = "draft_model"
+    drafts_first = False  # a model: K is planned first and only that many tokens are drafted
 
-    def __init__(self, draft: CausalLM, target_vocab_size: int, tree_width: int = 1,
+    def __init__(self, draft: SlotBackend | CausalLM | LeanLlama, target_vocab_size: int, tree_width: int = 1,
                  tree_budget: int | None = None, verify_seconds: Callable[[int], float] | None = None,
                  window: int | None = None,
-                 confidence_threshold: float | Sequence[float] = FIXED_DRAFT_CONFIDENCE) -> None:
+                 confidence_threshold: float | Sequence[float] = FIXED_DRAFT_CONFIDENCE, *,
+                 max_pass_rows: int = 512, slot_per_sequence: bool = False) -> None:
         check_tree_shape(tree_width, tree_budget)
         self.draft = draft
         self.target_vocab_size = target_vocab_size
-        self.slots = DraftSlots(draft, target_vocab_size, verify_seconds=verify_seconds, window=window,
-                                confidence_threshold=confidence_threshold)
-        self.tree_width = tree_width if self.slots.supports_trees else 1
-        self.tree_budget = tree_budget
+        self.slot_per_sequence = slot_per_sequence
+        self.slots = DraftSlots(draft, target_vocab_size, max_pass_rows, verify_seconds, window, confidence_threshold)
         if tree_width > 1 and not self.slots.supports_trees:
-            logger.warning("draft model %s: tree_width %d needs the lean runtime; drafting chains", draft.name,
-                           tree_width)
+            if slot_per_sequence:
+                raise ValueError(f"{self.slots.backend.name}: tree_width {tree_width} needs a draft on the lean "
+                                 "runtime")
+            logger.warning("draft model %s: tree_width %d needs the lean runtime; drafting chains",
+                           getattr(draft, "name", self.slots.backend.name), tree_width)
+            tree_width = 1
+        self.tree_width = tree_width
+        self.tree_budget = tree_budget
+        self.model: LeanLlama | None = getattr(self.slots.backend, "model", None)  # the lean draft, when lean
+        self.pass_costs = self.slots.pass_costs
+
+    @property
+    def drafting_model(self) -> DraftModelProposer | None:
+        """Itself with a slot per sequence (the engine calibrates and prices its passes), else None."""
+        return self if self.slot_per_sequence else None
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots.backend.num_slots
+
+    def _key(self, sequence: DraftSequence) -> int:
+        """Whose draft state a sequence's is: its own, or its slot's (kept between requests)."""
+        return sequence.seq_id if self.slot_per_sequence else sequence.slot
+
+    def lacking(self, sequence: DraftSequence) -> int:
+        """Rows the sequence's next draft feeds in its first pass: what its draft slot lacks of its context."""
+        return self.slots.lacking(self._key(sequence), sequence.context)
 
     def tree_nodes(self, k: int) -> int:
         """Draft nodes a draft ``k`` tokens deep has at most (:func:`tree_nodes`)."""
         return tree_nodes(k, self.tree_width, self.tree_budget)
 
-    def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
-        """Nothing to reset: the draft's cache is reconciled with the context at every :meth:`propose`, and the
-        engine sets it through :meth:`import_state` before a request."""
+    def open(self, sequence: DraftSequence) -> None:
+        if self.slot_per_sequence:
+            self.slots.reset(sequence.seq_id, sequence.slot)
 
-    def export_state(self) -> _DraftState:
-        """The draft's cached tokens and, when its backend can export, its KV cache (shared, not copied)."""
-        state = self.slots.export(0, 0)
+    def close(self, sequence: DraftSequence) -> None:
+        if not self.slot_per_sequence:
+            return  # the slot keeps its contents for the next request
+        self.slots.forget(sequence.seq_id)
+        if 0 <= sequence.slot < self.num_slots:
+            self.slots.backend.set_length(sequence.slot, 0)
+
+    def export_state(self, sequence: DraftSequence) -> _DraftState | None:
+        """The draft's cached tokens (with a slot per sequence: those of the committed context, not the drafts
+        past them) and, when its backend can export, their KV cache (shared, not copied)."""
+        if self.slot_per_sequence:
+            return self.slots.export(sequence.seq_id, sequence.slot, sequence.context)
+        state = self.slots.export(sequence.slot, sequence.slot)
         return state if state is not None else _DraftState(tokens=(), kv=None)
 
-    def import_state(self, state: _DraftState | None) -> None:
-        """Load a kept draft state; None empties the draft's cache (see :meth:`DraftSlots.adopt`)."""
-        self.slots.adopt(0, 0, state if state is None or state.tokens else None)
+    def import_state(self, sequence: DraftSequence, state: _DraftState | None, length: int) -> None:
+        """Load a kept draft state (see :meth:`DraftSlots.adopt`); None: start empty (with a slot per sequence,
+        :meth:`open` emptied it already)."""
+        if not self.slot_per_sequence:
+            self.slots.adopt(sequence.slot, sequence.slot, state if state is None or state.tokens else None)
+            return
+        if state is None:
+            return
+        length = self.slots.reusable(state, sequence.prompt, length)
+        if length > 0:
+            self.slots.adopt(sequence.seq_id, sequence.slot, state, length)
 
-    def propose(
-        self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler
-    ) -> DraftProposal:
-        request = DraftRequest(0, 0, list(context_ids), sampler, k, self.tree_width, self.tree_budget)
-        return self.slots.draft([request])[0]
+    def propose(self, requests: Sequence[tuple[DraftSequence, int]],
+                pricing: StepPricing | None = None) -> list[DraftProposal]:
+        return self.slots.draft([DraftRequest(self._key(s), s.slot, list(s.context), s.sampler, k, self.tree_width,
+                                              self.tree_budget) for s, k in requests])
 
 
 def sized_tree(nodes: Sequence[DraftNode], budget: int, draft_s: float, verify_seconds: Callable[[int], float]) -> int:

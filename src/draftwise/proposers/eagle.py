@@ -24,7 +24,7 @@ import torch
 
 from draftwise.config import SamplingParams
 from draftwise.heads.eagle import EagleHead, HeadCache
-from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.proposers.base import DraftProposal, SequenceProposer
 from draftwise.sampling import Sampler
 from draftwise.tree import DraftNode, best_frontier, select_tree
 
@@ -39,7 +39,7 @@ class _Node(DraftNode):
     feature: torch.Tensor | None = None
 
 
-class EagleProposer(Proposer):
+class EagleProposer(SequenceProposer):
     """Drafts from an :class:`EagleHead`.
 
     Args:

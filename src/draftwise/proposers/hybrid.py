@@ -24,10 +24,10 @@ object: the builder passes the cached :func:`draftwise.speculation.calibration.c
 :class:`draftwise.speculation.controller.AcceptanceEstimator` and :func:`draftwise.speculation.controller.expected_tokens` (the
 project's one definition of those quantities). The suffix lookup's own time is paid either way and left out.
 
-The engine does not report acceptance to proposers: at each call the proposer compares the newly committed
-tokens with its previous draft (chain or tree) to learn how many were accepted. The draft model's cost per
-token is refined from steps that follow a draft-model step (after suffix steps its first call also feeds the
-skipped tokens, which is not a per-token cost).
+The engine reports each verified draft's outcome (:meth:`HybridProposer.accept`: how many of its tokens were
+accepted), which teaches the side that drafted it. The draft model's cost per token is refined from steps that
+follow a draft-model step (after suffix steps its first call also feeds the skipped tokens, which is not a
+per-token cost).
 """
 
 from __future__ import annotations
@@ -36,22 +36,21 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from draftwise.config import SamplingParams
 from draftwise.speculation.controller import AcceptanceEstimator, expected_tokens
-from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.proposers.base import DraftProposal, DraftSequence, Proposer, StepPricing
 from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.suffix import (
     SuffixDraft,
     SuffixProposer,
     uses_earlier_requests,
 )
-from draftwise.sampling import Sampler
 from draftwise.stats import HYBRID_SIDES, hybrid_step_side
 from draftwise.tree import children_of, node_depths
 
-__all__ = ["HybridPolicy", "HybridProposer", "HybridStepCounts", "HybridTrack", "LearnedState", "SideOptions",
+__all__ = ["HybridPolicy", "HybridProposer", "HybridTrack", "LearnedState", "SideOptions",
            "StepCosts", "accepted_length", "assign_sides"]
 
 logger = logging.getLogger(__name__)
@@ -187,9 +186,7 @@ class LearnedState:
 
 
 class HybridPolicy:
-    """The hybrid's per-step choice and what it learns (see the module docstring): one policy serves the
-    one-request proposer (:class:`HybridProposer`) and the batched engine's
-    (:class:`draftwise.engine.hybrid_slots.BatchedHybrid`), so the two cannot choose differently.
+    """The hybrid's per-step choice and what it learns (see the module docstring), for :class:`HybridProposer`.
 
     What it learns (:attr:`learned`) carries over between requests. A seeded sampling request instead starts
     from the priors and learns from itself only (its :class:`HybridTrack`), with the initial costs (no measured
@@ -266,26 +263,23 @@ class HybridPolicy:
         return assign_sides([option], 1, step_seconds, lambda rows: state.draft_seconds_per_token)[0]
 
     def tag(self, side: str, proposal: DraftProposal) -> DraftProposal:
-        """``proposal`` marked with the side that made it (``hybrid_side``, which the engine counts per request),
-        counted in :attr:`steps`."""
+        """``proposal`` marked with the side that made it (``hybrid_side``, which the engine counts per request;
+        ``model_drafted`` False for the suffix side), counted in :attr:`steps`."""
         self.steps[hybrid_step_side(side, len(proposal))] += 1
-        return replace(proposal, hybrid_side=side)
+        return replace(proposal, hybrid_side=side, model_drafted=side != SUFFIX)
 
-    def learn_outcome(self, track: HybridTrack, context: list[int], state: LearnedState) -> str:
-        """Score the request's previous draft against what was committed since; returns its source (``""``
-        when there is none)."""
-        pending, track.pending = track.pending, None
-        if pending is None:
-            return ""
-        if len(context) > pending.context_len and pending.token_ids:
-            accepted = accepted_length(pending.token_ids, pending.parents, context[pending.context_len :])
-            if pending.source == SUFFIX:
-                state.suffix_accepted = self.suffix_decay * state.suffix_accepted + accepted
-                state.suffix_predicted = self.suffix_decay * state.suffix_predicted + pending.predicted
-            else:
-                depth = len(pending.token_ids) if pending.parents is None else max(node_depths(pending.parents))
-                state.acceptance.observe(depth, accepted)
-        return pending.source
+    def learn(self, state: LearnedState, pending: _Pending, num_accepted: int) -> None:
+        """Fold a verified draft's outcome (``num_accepted`` of its tokens, a tree: its accepted path's length)
+        into ``state``: a suffix draft's accepted tokens against its predicted score, a draft-model draft's
+        acceptance by position."""
+        if not pending.token_ids:
+            return
+        if pending.source == SUFFIX:
+            state.suffix_accepted = self.suffix_decay * state.suffix_accepted + num_accepted
+            state.suffix_predicted = self.suffix_decay * state.suffix_predicted + pending.predicted
+        else:
+            depth = len(pending.token_ids) if pending.parents is None else max(node_depths(pending.parents))
+            state.acceptance.observe(depth, num_accepted)
 
     def learn_draft_cost(self, state: LearnedState, seconds_per_token: float) -> None:
         """Fold a measured draft-model cost (seconds per drafted token) into ``state``."""
@@ -295,22 +289,118 @@ class HybridPolicy:
 
 @dataclass
 class HybridTrack:
-    """One request's place in the hybrid's learning: its pending draft (scored at its next step) and, for a
-    seeded sampling request, its own :class:`LearnedState`."""
+    """One request's place in the hybrid's learning: its pending draft (scored when the engine reports its
+    outcome, :meth:`HybridProposer.accept`), the side of its last step, and, for a seeded sampling request, its
+    own :class:`LearnedState`."""
 
     pending: _Pending | None = None
     own_state: LearnedState | None = None
+    last_source: str = ""
 
     def remember(self, source: str, context_len: int, proposal: DraftProposal, predicted: float) -> None:
-        """Keep this step's draft to score at the next one (``predicted``: a suffix draft's score, else 0)."""
+        """Keep this step's draft until its outcome comes (``predicted``: a suffix draft's score, else 0)."""
         self.pending = _Pending(source, context_len, proposal.token_ids, proposal.parents, predicted)
+        self.last_source = source
 
 
-class HybridStepCounts:
-    """``num_suffix_steps``, ``num_draft_steps``, ``num_plain_steps`` of a hybrid proposer: its ``policy``'s
-    passes by side over every request (:attr:`HybridPolicy.steps`)."""
+@dataclass
+class _Lane:
+    """One sequence's suffix proposer and learning track."""
 
-    policy: HybridPolicy
+    suffix: SuffixProposer
+    track: HybridTrack
+
+
+@dataclass
+class _KeptHybrid:
+    """What a finished sequence leaves in the prefix cache: the draft model's KV state (None: not kept) and the
+    suffix side's request index (:class:`~draftwise.proposers.suffix.KeptSuffixIndex`)."""
+
+    draft: Any
+    suffix: Any
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both states (the draft model's KV state and the suffix index's estimate)."""
+        return int(getattr(self.draft, "nbytes", 0)) + int(getattr(self.suffix, "nbytes", 0))
+
+
+@dataclass
+class _Candidate:
+    """A sequence's step before its side is chosen."""
+
+    sequence: DraftSequence
+    k: int
+    state: LearnedState
+    suffix_draft: SuffixDraft
+    learns_cost: bool  # its previous step drafted with the model too (no catch-up in this call) on shared state
+
+
+class HybridProposer(Proposer):
+    """Suffix decoding or a draft model, chosen per sequence and step by a :class:`HybridPolicy` (SuffixDecoding's
+    per-step choice, Oliaro et al. 2024, priced as in the module docstring), for all sequences of a step together.
+
+    Each sequence has its own suffix proposer (all sharing one cross-request index) and its own
+    :class:`HybridTrack`; the sequences whose step goes to the draft model draft together, one draft pass per
+    depth (:class:`~draftwise.proposers.draft_model.DraftModelProposer`). A sequence that drafted from its suffix
+    index for a while leaves its draft slot behind; the draft catches it up on the skipped tokens at its next
+    draft-model step. The outcome of each step's draft comes through :meth:`accept`.
+
+    How a step's sides are chosen: with the engine's measured ``pricing`` of the target's and the draft's passes
+    (a draft with a slot per sequence), for all sequences together (:func:`assign_sides`, catch-up rows priced);
+    otherwise each sequence alone by :meth:`HybridPolicy.choose`, on the engine's measured step
+    (``pricing.pass_seconds``) for a one-slot draft, on ``costs`` before anything is measured.
+
+    Args:
+        suffix: the suffix proposer shared by the consecutive requests of a one-slot engine (it keeps its request
+            index between them and archives a request's output when the next starts), or a factory making one per
+            sequence (they may share one cross-request index; their indexes go to the prefix cache with the
+            draft's state).
+        draft: the draft-model proposer (its slots: the engine's).
+        costs: target verify costs and the draft model's initial seconds per token (:class:`StepCosts`), or the
+            :class:`HybridPolicy` to choose with (shared, e.g. with scripted settings; the next arguments are
+            then ignored).
+        max_k, suffix_prior, suffix_decay, learn_costs, cost_smoothing: see :class:`HybridPolicy`.
+        clock: seconds (injectable for tests).
+        priced_by_engine: take the engine's measured step costs (``wants_pricing``; default) where it has them;
+            False: ``costs`` price every step (scripted costs in tests).
+
+    Raises:
+        ValueError: on out-of-range arguments.
+
+    Attributes:
+        policy: the choice and what it learned (``learned`` is its state).
+        suffix: the shared suffix proposer (None when each sequence makes its own).
+        num_suffix_steps, num_draft_steps, num_plain_steps: sequence-steps by side over every request (the
+            policy's :attr:`~HybridPolicy.steps`; each request's own are its statistics' ``hybrid_steps``).
+    """
+
+    name = "hybrid"
+    drafts_first = False  # K is planned first (the draft model's passes are priced), then each side drafts it
+    has_sides = True
+
+    def __init__(self, suffix: SuffixProposer | Callable[[], SuffixProposer], draft: DraftModelProposer,
+                 costs: StepCosts | HybridPolicy, *, max_k: int = 5, suffix_prior: float = 4.0,
+                 suffix_decay: float = 0.95, learn_costs: bool = True, cost_smoothing: float = 0.1,
+                 clock: Callable[[], float] = time.perf_counter, priced_by_engine: bool = True) -> None:
+        self.wants_pricing = priced_by_engine  # the engine's measured step: its passes and its own time per step
+        self.policy = costs if isinstance(costs, HybridPolicy) else HybridPolicy(
+            costs, max_k=max_k, suffix_prior=suffix_prior, suffix_decay=suffix_decay, learn_costs=learn_costs,
+            cost_smoothing=cost_smoothing)
+        self.suffix = suffix if isinstance(suffix, SuffixProposer) else None
+        self._suffix_factory = (lambda: suffix) if isinstance(suffix, SuffixProposer) else suffix
+        self.draft = draft
+        self.clock = clock
+        self._lanes: dict[int, _Lane] = {}
+
+    @property
+    def drafting_model(self) -> DraftModelProposer | None:
+        return self.draft.drafting_model
+
+    @property
+    def learned(self) -> LearnedState:
+        """The state learned over requests (the policy's)."""
+        return self.policy.learned
 
     @property
     def num_suffix_steps(self) -> int:
@@ -324,62 +414,6 @@ class HybridStepCounts:
     def num_plain_steps(self) -> int:
         return self.policy.steps["plain"]
 
-
-class HybridProposer(HybridStepCounts, Proposer):
-    """Suffix decoding or a draft model, chosen per step by a :class:`HybridPolicy` (see the module docstring).
-
-    Args:
-        suffix: the suffix proposer (also indexes every committed token, whichever side drafts).
-        draft: the draft-model proposer.
-        costs: target verify costs and the draft model's initial seconds per token (:class:`StepCosts`).
-        max_k, suffix_prior, suffix_decay, learn_costs, cost_smoothing: see :class:`HybridPolicy`.
-        clock: seconds (injectable for tests).
-        priced_by_engine: take the engine's measured step costs (``wants_pricing``; default) where it has them;
-            False: ``costs`` price every step (scripted costs in tests).
-
-    Raises:
-        ValueError: on out-of-range arguments.
-
-    Attributes:
-        policy: the choice and what it learned (``learned`` is its state).
-        num_suffix_steps, num_draft_steps, num_plain_steps: passes by side over every request (the policy's
-            :attr:`~HybridPolicy.steps`; each request's own are its statistics' ``hybrid_steps``).
-        last_choice: ``"suffix"`` or ``"draft_model"`` (or ``""`` before the first step).
-    """
-
-    name = "hybrid"
-
-    def __init__(self, suffix: SuffixProposer, draft: DraftModelProposer, costs: StepCosts, *, max_k: int = 5,
-                 suffix_prior: float = 4.0, suffix_decay: float = 0.95, learn_costs: bool = True,
-                 cost_smoothing: float = 0.1, clock: Callable[[], float] = time.perf_counter,
-                 priced_by_engine: bool = True) -> None:
-        self.wants_pricing = priced_by_engine  # the engine's measured step: its passes and its own time per step
-        self.policy = HybridPolicy(costs, max_k=max_k, suffix_prior=suffix_prior, suffix_decay=suffix_decay,
-                                   learn_costs=learn_costs, cost_smoothing=cost_smoothing)
-        self.suffix = suffix
-        self.draft = draft
-        self.clock = clock
-        self._track = HybridTrack()
-        self.last_choice = ""
-
-    @property
-    def learned(self) -> LearnedState:
-        """The state learned over requests (the policy's)."""
-        return self.policy.learned
-
-    def start(self, prompt_ids: Sequence[int], *, scope: str = "") -> None:
-        self.suffix.start(prompt_ids, scope=scope)
-        self.draft.start(prompt_ids, scope=scope)
-        self._track = HybridTrack()
-
-    def export_state(self):
-        """The draft model's kept state (the prefix cache stores it with the target's KV)."""
-        return self.draft.export_state()
-
-    def import_state(self, state) -> None:
-        """Adopt the draft model's kept state (None: start empty)."""
-        self.draft.import_state(state)
-
     def suffix_correction(self, state: LearnedState | None = None) -> float:
         """See :meth:`HybridPolicy.suffix_correction`."""
         return self.policy.suffix_correction(state)
@@ -389,26 +423,92 @@ class HybridProposer(HybridStepCounts, Proposer):
         """:meth:`HybridPolicy.choose` for this proposer's draft model (a chain or its tree's nodes)."""
         return self.policy.choose(draft, k, self.draft.tree_nodes(k), state, step_seconds)
 
-    def propose(
-        self, context_ids: Sequence[int], k: int, params: SamplingParams, sampler: Sampler, *, pricing=None
-    ) -> DraftProposal:
-        """The suffix draft or the draft model's (or none: a plain step), chosen by :meth:`choose`; ``pricing``:
-        the engine's :class:`~draftwise.engine.proposers.StepPricing` for the step (its ``pass_seconds`` price
-        the choice), or None (the cost model's verify times)."""
-        context = context_ids if isinstance(context_ids, list) else list(context_ids)
-        state, shared = self.policy.state_for(self._track, params)
-        previous = self.policy.learn_outcome(self._track, context, state)
-        suffix_draft = self.suffix.best_draft(context, k, use_earlier=shared)
-        choice = self.choose(suffix_draft, k, state, pricing.pass_seconds if pricing is not None else None)
-        self.last_choice = choice
-        if choice == SUFFIX:
-            proposal = self.policy.tag(SUFFIX, suffix_draft.proposal())
-            predicted = suffix_draft.score
-        else:
-            t0 = self.clock()
-            proposal = self.policy.tag(DRAFT_MODEL, self.draft.propose(context, k, params, sampler))
-            if shared and previous == DRAFT_MODEL and len(proposal):
-                self.policy.learn_draft_cost(state, (self.clock() - t0) / proposal.depth)
-            predicted = 0.0
-        self._track.remember(choice, len(context), proposal, predicted)
-        return proposal
+    def open(self, sequence: DraftSequence) -> None:
+        suffix = self._suffix_factory()
+        suffix.start(sequence.prompt, scope=sequence.scope)
+        self._lanes[sequence.seq_id] = _Lane(suffix, HybridTrack())
+        self.draft.open(sequence)
+
+    def close(self, sequence: DraftSequence) -> None:
+        lane = self._lanes.pop(sequence.seq_id, None)
+        if lane is not None and self.suffix is None:  # a shared suffix proposer archives at its next start
+            lane.suffix.finish()
+        self.draft.close(sequence)
+
+    def export_state(self, sequence: DraftSequence) -> Any:
+        """The draft model's kept state and, for per-sequence suffix proposers, the suffix side's request index
+        (a shared suffix proposer keeps its own between requests)."""
+        if self.suffix is not None:
+            return self.draft.export_state(sequence)
+        lane = self._lanes.get(sequence.seq_id)
+        return _KeptHybrid(self.draft.export_state(sequence), None if lane is None else lane.suffix.export_state())
+
+    def import_state(self, sequence: DraftSequence, state: Any, length: int) -> None:
+        if self.suffix is not None:
+            self.draft.import_state(sequence, state, length)
+            return
+        kept = state if isinstance(state, _KeptHybrid) else _KeptHybrid(None, None)
+        self.draft.import_state(sequence, kept.draft, length)
+        lane = self._lanes.get(sequence.seq_id)
+        if lane is not None:
+            lane.suffix.import_state(kept.suffix)
+
+    def propose(self, requests: Sequence[tuple[DraftSequence, int]],
+                pricing: StepPricing | None = None) -> list[DraftProposal]:
+        """Each sequence's suffix draft or a draft-model draft (or none: a plain step), its side chosen as the
+        class docstring says."""
+        candidates = [self._candidate(sequence, k) for sequence, k in requests]
+        sides = self._sides(candidates, pricing)
+        proposals: list[DraftProposal] = [DraftProposal(token_ids=())] * len(candidates)
+        model_steps = [i for i, side in enumerate(sides) if side == DRAFT_MODEL]
+        for i, (candidate, side) in enumerate(zip(candidates, sides)):
+            if side == SUFFIX:
+                proposals[i] = self.policy.tag(SUFFIX, candidate.suffix_draft.proposal())
+                self._track(candidate).remember(SUFFIX, len(candidate.sequence.context), proposals[i],
+                                                candidate.suffix_draft.score)
+        if model_steps:
+            self._draft_with_model([candidates[i] for i in model_steps], model_steps, proposals)
+        return proposals
+
+    def accept(self, sequence: DraftSequence, num_accepted: int) -> None:
+        """Learn from the sequence's last draft: ``num_accepted`` of its tokens were accepted (its side's
+        acceptance, or the suffix correction, in the state it read)."""
+        lane = self._lanes.get(sequence.seq_id)
+        if lane is None or lane.track.pending is None:
+            return
+        pending, lane.track.pending = lane.track.pending, None
+        state, _ = self.policy.state_for(lane.track, sequence.params)
+        self.policy.learn(state, pending, num_accepted)
+
+    def _candidate(self, sequence: DraftSequence, k: int) -> _Candidate:
+        """Look up the sequence's suffix draft, with the state its step reads."""
+        lane = self._lanes[sequence.seq_id]
+        context = sequence.context
+        state, shared = self.policy.state_for(lane.track, sequence.params)
+        suffix_draft = lane.suffix.best_draft(context, k, use_earlier=shared)
+        return _Candidate(sequence, k, state, suffix_draft, shared and lane.track.last_source == DRAFT_MODEL)
+
+    def _sides(self, candidates: list[_Candidate], pricing: StepPricing | None) -> list[str]:
+        if pricing is None or pricing.draft_pass_seconds is None:
+            measured = pricing is not None and self.draft.drafting_model is None
+            step_seconds = pricing.pass_seconds if measured else None
+            return [self.choose(c.suffix_draft, c.k, c.state, step_seconds) for c in candidates]
+        options = [self.policy.options(c.suffix_draft, c.k, self.draft.tree_nodes(c.k), c.state,
+                                       self.draft.lacking(c.sequence)) for c in candidates]
+        return assign_sides(options, pricing.base_rows, pricing.pass_seconds, pricing.draft_pass_seconds)
+
+    def _track(self, candidate: _Candidate) -> HybridTrack:
+        return self._lanes[candidate.sequence.seq_id].track
+
+    def _draft_with_model(self, steps: list[_Candidate], indices: list[int], proposals: list[DraftProposal]) -> None:
+        """One draft call for ``steps``; its seconds per depth teach the shared draft cost when every sequence in
+        it drafted its previous step with the model too (no catch-up on skipped tokens)."""
+        t0 = self.clock()
+        drafted = self.draft.propose([(step.sequence, step.k) for step in steps])
+        seconds = self.clock() - t0
+        for index, step, proposal in zip(indices, steps, drafted):
+            proposal = proposals[index] = self.policy.tag(DRAFT_MODEL, proposal)
+            self._track(step).remember(DRAFT_MODEL, len(step.sequence.context), proposal, 0.0)
+        depth = max(proposal.depth for proposal in drafted)
+        if depth and all(step.learns_cost for step in steps):
+            self.policy.learn_draft_cost(self.policy.learned, seconds / depth)

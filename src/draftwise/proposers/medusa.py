@@ -16,14 +16,14 @@ import torch
 
 from draftwise.config import SamplingParams
 from draftwise.heads.medusa import MedusaHeads
-from draftwise.proposers.base import DraftProposal, Proposer
+from draftwise.proposers.base import DraftProposal, SequenceProposer
 from draftwise.sampling import Sampler
 from draftwise.tree import TreeTemplate
 
 __all__ = ["MedusaProposer"]
 
 
-class MedusaProposer(Proposer):
+class MedusaProposer(SequenceProposer):
     """Drafts from :class:`MedusaHeads`.
 
     Args:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from draftwise.config import SamplingParams
-from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
+from draftwise.proposers.base import DraftProposal, SequenceProposer, common_prefix_length
 from draftwise.sampling import Sampler
 
 __all__ = ["NgramProposer", "NgramIndex"]
@@ -116,7 +116,7 @@ class NgramIndex:
                 self._last[n][key] = previous
 
 
-class NgramProposer(Proposer):
+class NgramProposer(SequenceProposer):
     """Prompt-lookup proposer over the committed context (see the module docstring).
 
     Args:
@@ -131,6 +131,7 @@ class NgramProposer(Proposer):
     """
 
     name = "ngram"
+    drafts_first = True  # a lookup: the engine sees the tokens offered before it plans K
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> None:
         self.index = NgramIndex(prompt_lookup_min, prompt_lookup_max)

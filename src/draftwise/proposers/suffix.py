@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from draftwise.config import SamplingParams
-from draftwise.proposers.base import DraftProposal, Proposer, common_prefix_length
+from draftwise.proposers.base import DraftProposal, SequenceProposer, common_prefix_length
 from draftwise.tree import chain_parents
 from draftwise.sampling import Sampler
 
@@ -447,7 +447,7 @@ class KeptSuffixIndex:
         return 0 if self.index is None else self.index.num_nodes * SUFFIX_NODE_BYTES
 
 
-class SuffixProposer(Proposer):
+class SuffixProposer(SequenceProposer):
     """Suffix decoding over the current request and earlier outputs of its scope (see the module docstring).
 
     Args:
@@ -466,6 +466,7 @@ class SuffixProposer(Proposer):
     """
 
     name = "suffix"
+    drafts_first = True  # a lookup: the engine sees the tokens offered before it plans K
 
     def __init__(self, max_tree_depth: int = 24, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
                  max_cached_requests: int = 1000, max_cached_tokens: int = 50_000, tree_width: int = 1) -> None:

@@ -36,7 +36,7 @@ from draftwise.backends.base import CausalLM
 from draftwise.config import SamplingParams
 from draftwise.speculation.cost_model import CostModel, predicted_speedup  # re-exported: defined in cost_model
 from draftwise.files import draftwise_home, write_json_atomic
-from draftwise.proposers.base import Proposer
+from draftwise.proposers.base import SequenceProposer
 from draftwise.sampling import Sampler
 
 __all__ = [
@@ -290,7 +290,7 @@ def _max_relative_spread(samples: dict[int, list[float]]) -> float:
 
 
 def measure_proposer_seconds_per_token(
-    proposer: Proposer, vocab_size: int, *, k: int = 4, context_len: int = 200, repeats: int = 20
+    proposer: SequenceProposer, vocab_size: int, *, k: int = 4, context_len: int = 200, repeats: int = 20
 ) -> float:
     """Median seconds per drafted token of ``proposer.propose`` on a synthetic, periodic context that grows
     by one token per call (a model-free proposer such as n-gram lookup; microseconds, so never cached).
@@ -335,7 +335,7 @@ def calibrate_cost_model(
     max_k: int,
     *,
     draft: CausalLM | None = None,
-    proposer: Proposer | None = None,
+    proposer: SequenceProposer | None = None,
     dtype: str | None = None,
     device: str | None = None,
     context_len: int = 200,
