@@ -42,6 +42,8 @@ class SpeculativeStats:
     num_target_passes: int = 0  # decode-phase target forward passes (prefill excluded)
     num_step_tokens: int = 0  # tokens committed by decode-phase passes (bonus included)
     num_tree_nodes: int = 0  # draft-tree nodes verified (tree methods; a chain counts 0)
+    num_jump_forward_tokens: int = 0  # tokens a grammar forced, drafted for free (not counted as drafts above)
+    processor_time_s: float = 0.0  # logits processors (grammar masks) on the target's rows and the drafts
     hybrid_steps: dict[str, int] | None = None  # hybrid only: passes per HYBRID_SIDES side; None for other methods
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)

@@ -28,13 +28,15 @@ from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import PassOutput, SlotBackend, as_slot_backend
 from draftwise.config import SamplingParams
+from draftwise.engine.constraints import process_rows
 from draftwise.engine.drafting import Drafter, check_speculation_options, step_pricing
 from draftwise.engine.faults import guarded, retry_alone
 from draftwise.engine.prefix_reuse import PrefixReuse
 from draftwise.engine.scheduler import ScheduledSequence, Scheduler, StepInfo, StepPlan
 from draftwise.engine.sequence import BatchSequence, GenerationResult, SequenceOutput, check_request
 from draftwise.prefix_cache import PrefixCache
-from draftwise.proposers.base import Proposer, StepPricing
+from draftwise.processors.base import LogitsProcessor
+from draftwise.proposers.base import DraftProposal, Proposer, StepPricing
 from draftwise.sampling import Sampler
 from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.speculation.cost_model import PassCostCurve, StepOverhead
@@ -45,6 +47,8 @@ from draftwise.verification import VerificationResult, verify
 __all__ = ["EngineCore", "BATCHED_METHODS"]
 
 logger = logging.getLogger(__name__)
+
+_NO_DRAFT = DraftProposal(token_ids=())  # the first output token's row: nothing drafted before it
 
 #: Methods that run many sequences per pass on a lean multi-slot target (every method runs on one slot).
 BATCHED_METHODS = ("ngram", "suffix", "draft_model", "hybrid")
@@ -171,7 +175,8 @@ class EngineCore:
             return None
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, *, scope: str = "",
-            num_speculative_tokens: int | None = None, arrival_s: float | None = None) -> BatchSequence:
+            num_speculative_tokens: int | None = None, arrival_s: float | None = None,
+            processors: LogitsProcessor | None = None) -> BatchSequence:
         """Queue a request; it joins the batch at the next step with a free slot.
 
         Args:
@@ -181,6 +186,8 @@ class EngineCore:
             num_speculative_tokens: the request's largest K, fixed (0: plain), at most the engine's; None: the
                 engine's K and policy.
             arrival_s: ``time.perf_counter()`` of its arrival (default now).
+            processors: its logits processors (a grammar; :mod:`draftwise.engine.constraints`), fresh (nothing
+                accepted yet); None: none.
 
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary, a K outside 0..K.
@@ -197,7 +204,7 @@ class EngineCore:
             stop_ids=stop_ids, estimator=self.memory.seeded(8.0),
             stats=SpeculativeStats(num_prompt_tokens=len(prompt)),
             arrival_s=time.perf_counter() if arrival_s is None else arrival_s, controller=controller,
-            backoff=ProbeBackoff(4, self.max_probe_interval))
+            backoff=ProbeBackoff(4, self.max_probe_interval), processors=processors)
         if max_k and self.proposer is not None and self.proposer.has_sides:
             sequence.stats.start_hybrid_steps()
         self._next_id += 1
@@ -321,13 +328,18 @@ class EngineCore:
         sequence, proposal = scheduled.sequence, scheduled.proposal
         context_len = len(sequence.context)
         logits = out.logits[scheduled.logit_rows]  # [1 + rows of the draft, V]
+        if sequence.processors is not None:  # each row under the processors' state after the drafts before it
+            sequence.stats.processor_time_s += process_rows(sequence.processors, logits, proposal)
         result = verify(proposal.token_ids, proposal.node_parents, proposal.draft_probs, logits, sequence.sampler,
                         context_len)
         keep = self._roll_back(sequence, context_len, result)
-        chunk, consumed, reason = sequence.commit(result.token_ids, self.backend.max_context)
+        chunk, consumed, reason = self._commit(sequence, result.token_ids)
         # a stop inside the accepted drafts ends the step there: count drafted and accepted up to it
         num_drafted = proposal.depth if consumed > result.num_accepted else consumed
         num_accepted = min(result.num_accepted, consumed)
+        if proposal.jump_forward:  # a grammar's forced tokens, not the proposer's: counted apart, taught to nobody
+            sequence.stats.num_jump_forward_tokens += num_accepted
+            num_drafted = num_accepted = 0
         if out.hidden is not None and not reason and self._speculates(sequence):
             hidden = out.hidden[scheduled.hidden_rows]  # [1 + rows of the draft, H]
             draft_s += self.drafter.observe(sequence, hidden[keep], result.token_ids)
@@ -362,13 +374,23 @@ class EngineCore:
         (``[V]``); a proposer reading the target's features observes the prompt's."""
         stats = sequence.stats
         stats.prefill_time_s = time.perf_counter() - sequence.admitted_s
+        if sequence.processors is not None:
+            stats.processor_time_s += process_rows(sequence.processors, logits.unsqueeze(0), _NO_DRAFT)
         first = sequence.sampler.sample(logits, len(sequence.prompt))
-        chunk, _, reason = sequence.commit((first,), self.backend.max_context)
+        chunk, _, reason = self._commit(sequence, (first,))
         if sequence.prompt_hidden and not reason and self._speculates(sequence):
             hidden = torch.cat(sequence.prompt_hidden)  # [prompt, H]
             stats.draft_time_s += self.drafter.observe(sequence, hidden, sequence.prompt[1:] + [first])
         sequence.prompt_hidden = []
         return self._output(sequence, chunk, reason)
+
+    def _commit(self, sequence: BatchSequence, tokens: Sequence[int]) -> tuple[list[int], int, str]:
+        """Commit ``tokens`` up to a stop condition (:meth:`BatchSequence.commit`); the committed ones advance
+        the sequence's processors."""
+        chunk, consumed, reason = sequence.commit(tokens, self.backend.max_context)
+        if sequence.processors is not None and chunk:
+            sequence.processors.accept(chunk)
+        return chunk, consumed, reason
 
     # ------------------------------------------------------------------ finishing
     def _output(self, sequence: BatchSequence, chunk: list[int], reason: str) -> SequenceOutput:

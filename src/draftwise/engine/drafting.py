@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.backends.slots import SlotBackend
-from draftwise.proposers.base import Proposer, StepPricing
+from draftwise.engine.constraints import constrain, forced_draft
 from draftwise.engine.scheduler import StepBudget, fit_rows, within_rows
 from draftwise.engine.sequence import BatchSequence
 from draftwise.methods import K_POLICIES
-from draftwise.proposers.base import DraftProposal
+from draftwise.proposers.base import DraftProposal, Proposer, StepPricing
 from draftwise.speculation.batch_plan import learn_outcome, plan_with_probes
 from draftwise.speculation.controller import AcceptanceEstimator, KController
 from draftwise.speculation.cost_model import PassCostCurve
@@ -114,9 +114,12 @@ class Drafter:
             if sequence.controller is not None:
                 caps[i] = max(0, min(caps[i], sequence.controller.choose_k()))
         asked = [c > 0 for c in caps]
-        if self.proposer is None or not any(caps):
-            return Drafts([_EMPTY] * len(decoding), asked, 0.0)
         t0 = time.perf_counter()
+        forced = [forced_draft(s.processors, c) if s.processors is not None else None for s, c in zip(decoding, caps)]
+        caps = [0 if f is not None else c for f, c in zip(forced, caps)]  # a grammar's forced tokens: no proposer
+        if self.proposer is None or not any(caps):
+            proposals = self._constrained(decoding, [_EMPTY] * len(decoding), forced, draft_rows)
+            return Drafts(proposals, asked, time.perf_counter() - t0)
         priced = pricing(budget.base_rows, budget.num_sequences)
         given = priced if self.proposer.wants_pricing else None
         if self.k_policy == "fixed":  # a lookup drafts its cap, a model only what the row budget holds
@@ -128,7 +131,23 @@ class Drafter:
             proposals = [p.truncated(k) if k else _EMPTY for p, k in zip(offered, ks)]
         else:  # a model drafts only the planned K
             proposals = self._propose(decoding, self._plan(decoding, caps, priced, draft_rows), given)
+        proposals = self._constrained(decoding, proposals, forced, draft_rows)
         return Drafts(proposals, asked, time.perf_counter() - t0)
+
+    @staticmethod
+    def _constrained(decoding: list[BatchSequence], proposals: list[DraftProposal],
+                     forced: list[DraftProposal | None], draft_rows: int) -> list[DraftProposal]:
+        """Each sequence's draft under its processors (:mod:`draftwise.engine.constraints`): its grammar's forced
+        tokens where there are any (jump-forward), else the proposer's draft cut at the first refused token;
+        within the step's draft rows."""
+        constrained = []
+        for sequence, proposal, jump in zip(decoding, proposals, forced):
+            if jump is not None:
+                proposal = jump
+            elif sequence.processors is not None:
+                proposal = constrain(sequence.processors, proposal)
+            constrained.append(proposal)
+        return fit_rows(constrained, draft_rows)
 
     def observe(self, sequence: BatchSequence, hidden: torch.Tensor, next_token_ids: Sequence[int]) -> float:
         """Hand the proposer the target's hidden states ``[m, H]`` of the positions just committed to the

@@ -14,6 +14,7 @@ from draftwise.backends.base import ContextOverflowError
 from draftwise.backends.slots import SlotBackend
 from draftwise.config import SamplingParams
 from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
+from draftwise.processors.base import LogitsProcessor
 from draftwise.proposers.base import DraftProposal
 from draftwise.sampling import Sampler
 from draftwise.stats import SpeculativeStats
@@ -72,6 +73,9 @@ class BatchSequence:
         controller: its own K policy (:class:`~draftwise.speculation.controller.KController`, e.g. AutoK), or None
             when the engine plans K for the batch (fixed or load-aware; ``backoff``: the load-aware plan's probe
             schedule).
+        processors: its logits processors (:class:`~draftwise.processors.base.LogitsProcessor`, e.g. a grammar
+            from ``response_format``), applied to every verification row and draft, advanced by committed tokens
+            only; None: none.
     """
 
     seq_id: int
@@ -95,6 +99,7 @@ class BatchSequence:
     backoff: ProbeBackoff | None = None  # load-aware K: plain steps before a probe with K = 1
     probing: bool = False
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [rows, H] per prefill chunk (Medusa/EAGLE)
+    processors: LogitsProcessor | None = None  # its logits processors (a grammar), advanced by committed tokens
 
     @property
     def state(self) -> RequestState:

@@ -52,6 +52,8 @@ class DraftProposal:
         model_drafted: False when a proposer that runs a draft model drafted this step without it (the hybrid's
             suffix side, also for its empty draft): the draft model fell behind, and the step teaches a K policy
             nothing of its costs (:meth:`draftwise.controller.KController.observe`). True otherwise.
+        jump_forward: the tokens spell the only continuation text the request's grammar admits (jump-forward,
+            not the proposer's draft); counted apart from the proposer's drafts.
     """
 
     token_ids: tuple[int, ...]
@@ -59,6 +61,7 @@ class DraftProposal:
     parents: tuple[int, ...] | None = None
     hybrid_side: str = ""
     model_drafted: bool = True
+    jump_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.parents is not None and tuple(self.parents) == chain_parents(len(self.token_ids)):
@@ -97,7 +100,8 @@ class DraftProposal:
             return self
         probs = None if self.draft_probs is None else self.draft_probs[:num_nodes]
         parents = None if self.parents is None else self.parents[:num_nodes]
-        return DraftProposal(self.token_ids[:num_nodes], probs, parents, self.hybrid_side, self.model_drafted)
+        return DraftProposal(self.token_ids[:num_nodes], probs, parents, self.hybrid_side, self.model_drafted,
+                             self.jump_forward)
 
 
 @dataclass(frozen=True)

@@ -267,7 +267,7 @@ class EngineLoop:
         try:
             sequence = self._core.add(request.prompt_ids, request.params, scope=request.scope,
                                       num_speculative_tokens=request.num_speculative_tokens,
-                                      arrival_s=request.arrival_s)
+                                      arrival_s=request.arrival_s, processors=request.processors)
         except Exception as exc:  # validation refused what add() refuses: this is the server's fault
             logger.exception("%s: the engine refused a validated request", request.request_id)
             self.health.failed(exc)

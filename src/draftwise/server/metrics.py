@@ -96,6 +96,11 @@ class ServerMetrics:
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position (0-based).", ("position",))
+        self.jump_forward_tokens = counter("spec_decode_num_jump_forward_tokens", "Tokens a request's grammar "
+                                           "forced, drafted for free (jump-forward) and accepted; not in the draft "
+                                           "counts.")
+        self.processor_seconds = counter("structured_output_seconds", "Seconds spent masking the target's rows by "
+                                         "requests' grammars.")
         self.hybrid_steps = counter("spec_decode_hybrid_steps", "Verification passes of hybrid requests by the "
                                     "side that drafted them (suffix, draft_model; plain: none).", ("side",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
@@ -165,6 +170,8 @@ class ServerMetrics:
             self.accepted_per_pos.labels(**labels, position=str(position)).inc(accepted)
         for side, steps in (stats.hybrid_steps or {}).items():
             self.hybrid_steps.labels(**labels, side=side).inc(steps)
+        self.jump_forward_tokens.labels(**labels).inc(stats.num_jump_forward_tokens)
+        self.processor_seconds.labels(**labels).inc(stats.processor_time_s)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

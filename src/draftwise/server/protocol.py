@@ -133,7 +133,8 @@ class SpeculativeUsage(_Response):
     = 1 + accepted / target verification passes (1.0 for plain decoding); ``acceptance_by_position[i]`` = the
     fraction of drafts whose token at position i was accepted; ``hybrid_steps`` = the ``hybrid`` method's
     verification passes by the side that drafted them (``suffix``, ``draft_model``, ``plain``: none), None for
-    other methods.
+    other methods; ``jump_forward_tokens`` = tokens the request's grammar forced, drafted for free and accepted
+    (not in the draft counts); ``grammar_time_s`` = seconds its grammar took to mask the target's rows.
     """
 
     method: str
@@ -147,6 +148,8 @@ class SpeculativeUsage(_Response):
     accepted_per_position: list[int]
     drafted_per_position: list[int]
     hybrid_steps: dict[str, int] | None = None
+    jump_forward_tokens: int = 0
+    grammar_time_s: float = 0.0
 
 
 class PromptTokensDetails(_Response):

@@ -38,6 +38,8 @@ def make_usage(prompt_tokens: int, completion_tokens: int, stats: SpeculativeSta
         accepted_per_position=list(stats.accepted_per_position),
         drafted_per_position=list(stats.drafted_per_position),
         hybrid_steps=dict(stats.hybrid_steps) if stats.hybrid_steps is not None else None,
+        jump_forward_tokens=stats.num_jump_forward_tokens,
+        grammar_time_s=stats.processor_time_s,
     )
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens,
