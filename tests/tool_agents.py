@@ -52,16 +52,19 @@ def scripted_reply(prompt: str) -> str:
     return "Hello! Ask me to add two numbers."
 
 
+BUG = "def subtract(a, b):\n    return a + b"
+
+
 def coding_reply(step: int, results: list[str]) -> str:
     """A coding agent's reply at model call ``step`` (0-based) of a tool session, given the tool results so far:
-    list the files and read ``calc.py`` (two calls in one reply), write it back with ``a + b`` made ``a - b``,
+    list the files and read ``calc.py`` (two calls in one reply), write it back with :data:`BUG` fixed,
     run the tests, then answer with the tests' last line. Reads the file from the tool result, so the write
     copies the context (what n-gram and suffix drafts find)."""
     if step == 0:
         return ("Let me look at the code.\n" + CALL.format(name="list_files", arguments="{}") + "\n"
                 + CALL.format(name="read_file", arguments=json.dumps({"path": "calc.py"})))
     if step == 1:
-        fixed = results[-1].replace("return a + b", "return a - b")
+        fixed = results[-1].replace(BUG, BUG.replace("a + b", "a - b"))
         return CALL.format(name="write_file", arguments=json.dumps({"path": "calc.py", "content": fixed}))
     if step == 2:
         return CALL.format(name="run_tests", arguments="{}")

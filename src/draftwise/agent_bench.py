@@ -797,14 +797,15 @@ def agent_doubts(summary: Sequence[dict]) -> list[tuple[str, dict]]:
 
 
 def write_agent_json(path: str | Path, config: dict, turns: Sequence[AgentTurn], summary: list[dict],
-                     sessions: list[dict]) -> Path:
+                     sessions: list[dict], workload: str = "agent") -> Path:
     """Write the configuration, environment, per-method summary, per-session totals and every turn to ``path``
     atomically (parents created), with the combined measurement of all turns (``measurement``) and every doubt
-    of the summary rows (``warnings``: ``{"row", "code", "reason", "detail"}``)."""
+    of the summary rows (``warnings``: ``{"row", "code", "reason", "detail"}``); ``workload`` names the
+    workload (``"agent"``, ``"agent-tools"``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     combined = measurement.combine(_measurements(turns))
-    payload = {"workload": "agent", "config": config, "environment": environment(), "complete": True,
+    payload = {"workload": workload, "config": config, "environment": environment(), "complete": True,
                "measurement": combined.to_dict() if combined else {},
                "warnings": [{"row": what, **d} for what, d in agent_doubts(summary)],
                "summary": summary, "sessions": sessions, "turns": [asdict(t) for t in turns]}
