@@ -16,14 +16,16 @@ from draftwise.builder import EngineBundle, assemble_engine, build_proposer
 from draftwise.cli import main
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.report import tool_agent_columns, tool_agent_rows
-from draftwise.server import ServerSettings
+from draftwise.server import ServerSettings, create_app
 from draftwise.tool_agent_bench import (
     TOOL_NAMES,
     TestCheck,
     VirtualRepo,
     default_tool_sessions_path,
     load_tool_sessions,
+    parse_tool_session,
     replay_tool_session,
+    served_app,
     served_method,
     summarize_tool_agent,
 )
@@ -60,7 +62,7 @@ def test_tools_are_deterministic_and_invalid_calls_change_nothing():
     repo = VirtualRepo({"calc.py": CALC}, [TestCheck("test_subtract", "calc.py", ("return a - b",), (), "E  boom")])
     assert repo.call("list_files", "{}").content == "calc.py"
     assert repo.call("read_file", '{"path": "calc.py"}').content == CALC
-    assert repo.call("read_file", '{"path": "nope.py"}') .content == "error: no such file: nope.py"
+    assert repo.call("read_file", '{"path": "nope.py"}').content == "error: no such file: nope.py"
     failing = repo.call("run_tests", "{}")
     assert failing.valid and "test_subtract FAILED" in failing.content and "E  boom" in failing.content
     assert failing.content.endswith("=== 1 failed ===")
@@ -124,9 +126,7 @@ def replayed(stories):
 
 
 def load_tool_sessions_from(row: dict):
-    from draftwise.tool_agent_bench import _parse_tool_session
-
-    return _parse_tool_session(row, "test", 1)
+    return parse_tool_session(row, "test", 1)
 
 
 def test_the_agent_loop_calls_tools_fixes_the_file_and_stops(replayed):
@@ -226,3 +226,27 @@ def test_cli_in_process_on_stories(stories_path, tmp_path, session_file):
         for key in ("alpha_tool", "tau_tool", "alpha_other", "tau_other", "calls", "valid_calls", "speedup"):
             assert key in row
     assert "## Tool calls" in out.with_suffix(".md").read_text()
+
+
+def test_cli_url_mode_against_the_scripted_agent(stories, tmp_path, session_file):
+    """``--url`` servers: the scripted coding agent behind two real servers (plain, ngram); four calls in
+    session calc (three with tool calls), two in calc-2 (its max_calls)."""
+    model = tool_model(stories)
+    settings = ServerSettings(served_model_names=("tool-model",), chat_template=HERMES_TEMPLATE)
+    plain = EngineBundle(target=model, engine=assemble_engine(model))
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    ngram = EngineBundle(target=model, engine=assemble_engine(model, build_proposer(spec, model, device="cpu",
+                                                                                     dtype=None)[0], 3))
+    out = tmp_path / "url.json"
+    with served_app(create_app(plain, settings)) as plain_url, served_app(create_app(ngram, settings)) as ngram_url:
+        code = main(["bench", "--workload", "agent-tools", "--url", f"plain={plain_url}", "--url",
+                     f"ngram={ngram_url}/v1", "--sessions", str(session_file), "--max-tokens", "400", "--no-plots",
+                     "--no-baseline-repeat", "--concurrency", "2", "--output", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["mode"] == "http"
+    rows = {r["method"]: r for r in data["summary"]}
+    assert rows["plain"]["turns"] == rows["ngram"]["turns"] == 6
+    assert rows["ngram"]["transcript_identical"] and rows["ngram"]["tool_turns"] == 5
+    assert rows["ngram"]["valid_calls"] == rows["ngram"]["calls"] == 7
+    assert rows["ngram"]["alpha_tool"] > 0.3

@@ -66,7 +66,8 @@ from draftwise.stats import total_hybrid_steps
 
 __all__ = ["AgentSession", "TurnOutcome", "AgentTurn", "TurnRunner", "AgentMethod", "AgentBenchError",
            "FOLLOW_UPS", "DEFAULT_SYSTEM_PROMPT", "default_sessions_path", "load_sessions", "sessions_from_prompts",
-           "decode_tokens_per_s", "EngineTurnRunner", "make_turn", "HttpTurnRunner", "openai_base_url", "run_agent_benchmark",
+           "decode_tokens_per_s", "EngineTurnRunner", "make_turn", "HttpTurnRunner", "openai_base_url",
+           "run_agent_benchmark",
            "session_totals", "summarize_agent", "write_agent_json", "agent_doubts"]
 
 logger = logging.getLogger(__name__)

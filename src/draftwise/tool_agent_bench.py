@@ -51,12 +51,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftwise.agent_bench import AgentMethod, AgentTurn, HttpTurnRunner, make_turn, summarize_agent
+from draftwise.agent_bench import AgentBenchError, AgentMethod, AgentTurn, HttpTurnRunner, make_turn, summarize_agent
 from draftwise.benchmark import first_difference
 from draftwise.speculation import measurement
 
 __all__ = ["TOOLS", "TOOL_NAMES", "DEFAULT_MAX_CALLS", "DEFAULT_TOOL_SYSTEM_PROMPT", "TestCheck", "ToolSession",
-           "VirtualRepo", "ToolResult", "default_tool_sessions_path", "load_tool_sessions", "replay_tool_session",
+           "VirtualRepo", "ToolResult", "default_tool_sessions_path", "parse_tool_session", "load_tool_sessions", "replay_tool_session",
            "transcript_of", "summarize_tool_agent", "served_app", "served_method", "GRAMMAR_TIME_FIELDS"]
 
 logger = logging.getLogger(__name__)
@@ -231,7 +231,13 @@ def _parse_check(row: object, where: str, files: Mapping[str, str]) -> TestCheck
                      _strings(row.get("absent", []), where, "absent"), failure)
 
 
-def _parse_tool_session(row: object, where: str, position: int) -> ToolSession:
+def parse_tool_session(row: object, where: str, position: int) -> ToolSession:
+    """The :class:`ToolSession` of one session object of a sessions file (format in the module docstring);
+    ``where`` (file and line) starts every error message, ``position`` is the default id.
+
+    Raises:
+        ValueError: one line naming ``where`` and the malformed field.
+    """
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a session object with 'task', 'files' and 'tests'")
     task, files, tests = row.get("task"), row.get("files"), row.get("tests", [])
@@ -286,7 +292,7 @@ def load_tool_sessions(path: str | Path, *, limit: int | None = None,
                     rows.append((json.loads(line), f"{path}:{number}"))
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path}:{number}: not valid JSON: {exc}") from exc
-    sessions = [_parse_tool_session(row, where, i) for i, (row, where) in enumerate(rows, 1)][:limit]
+    sessions = [parse_tool_session(row, where, i) for i, (row, where) in enumerate(rows, 1)][:limit]
     if max_calls is not None:
         sessions = [dataclasses.replace(s, max_calls=max_calls) for s in sessions]
     if not sessions:
@@ -326,7 +332,8 @@ def replay_tool_session(runner: HttpTurnRunner, method: AgentMethod, session: To
     for index in session.turns:
         with measurement.measure(threads) as measured:
             outcome = runner.run_turn(messages, extra_body=extra)
-        calls = [dict(c["function"]) for c in outcome.tool_calls]
+        sent = [{**c, "id": c.get("id") or f"call_{index}_{n}"} for n, c in enumerate(outcome.tool_calls)]
+        calls = [dict(c["function"]) for c in sent]
         results = [repo.call(c["name"], c["arguments"]) for c in calls]
         turn = make_turn(session, index, method, outcome, None, measured.result)
         reference = baseline.get((session.id, index))
@@ -345,9 +352,9 @@ def replay_tool_session(runner: HttpTurnRunner, method: AgentMethod, session: To
             on_turn(turn)
         if not outcome.tool_calls:
             break
-        messages.append({"role": "assistant", "content": outcome.text, "tool_calls": list(outcome.tool_calls)})
-        messages += [{"role": "tool", "tool_call_id": call.get("id") or f"call_{index}_{n}", "content": r.content}
-                     for n, (call, r) in enumerate(zip(outcome.tool_calls, results))]
+        messages.append({"role": "assistant", "content": outcome.text, "tool_calls": sent})
+        messages += [{"role": "tool", "tool_call_id": call["id"], "content": result.content}
+                     for call, result in zip(sent, results)]
     return turns
 
 
@@ -394,7 +401,8 @@ def summarize_tool_agent(turns: Sequence[AgentTurn], elapsed: dict[str, float] |
         row["alpha_tool"], row["tau_tool"] = _acceptance(tool)
         row["alpha_other"], row["tau_other"] = _acceptance(other)
         row.update(tool_turns=len(tool), other_turns=len(other),
-                   calls=sum(t.valid_calls + t.invalid_calls for t in mine), valid_calls=sum(t.valid_calls for t in mine),
+                   calls=sum(t.valid_calls + t.invalid_calls for t in mine),
+                   valid_calls=sum(t.valid_calls for t in mine),
                    transcript_identical=len(mine) == baseline_turns and all(t.identical_to_plain for t in mine))
         grammar = _grammar_seconds(mine)
         if grammar is not None:
@@ -416,7 +424,7 @@ def served_app(app, start_timeout_s: float = 120.0) -> Iterator[str]:
     base URL (``http://127.0.0.1:PORT``) and stops the server on exit.
 
     Raises:
-        RuntimeError: the server did not start within ``start_timeout_s`` seconds.
+        AgentBenchError: the server did not start within ``start_timeout_s`` seconds.
     """
     from draftwise.server.serving import make_server
 
@@ -427,7 +435,7 @@ def served_app(app, start_timeout_s: float = 120.0) -> Iterator[str]:
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
-            raise RuntimeError("the in-process server did not start")
+            raise AgentBenchError("the in-process server did not start (see the log above)")
         time.sleep(0.02)
     try:
         yield f"http://127.0.0.1:{server.config.port}"

@@ -741,7 +741,7 @@ def run_tool_agent(args: argparse.Namespace) -> int:
     replay = functools.partial(replay_tool_session, tool_choice=args.tool_choice)
     try:
         turns, elapsed = _run_agent_with_progress(console, methods, sessions, args.concurrency, replay)
-    except (AgentBenchError, RuntimeError) as exc:
+    except AgentBenchError as exc:
         raise CliError(str(exc)) from exc
     summary, per_session = summarize_tool_agent(turns, elapsed), session_totals(turns)
     _print_agent_tables(console, summary, per_session)
@@ -813,7 +813,8 @@ def _agent_methods(args: argparse.Namespace, params, in_process=None):
     chat_template = _chat_template(args.chat_template)
     kv_cache = kv_cache_budget(args.kv_cache_memory)  # once: every method gets the same budget
     logger.info("%s", kv_cache.describe())
-    specs = [(in_process or _engine_method)(label, kind, k, spec_config, args, params, chat_template, kv_cache.nbytes)
+    make_method = in_process or _engine_method
+    specs = [make_method(label, kind, k, spec_config, args, params, chat_template, kv_cache.nbytes)
              for label, kind, k, spec_config in plan]
     config = {"mode": "in-process", "target": args.model, "draft": args.draft if "draft" in methods else None,
               "methods": [label for label, *_ in plan], "quantization": args.quantization, "backend": args.backend,
