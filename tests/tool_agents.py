@@ -5,7 +5,8 @@ Agents SDK, smolagents, langchain-openai) through whole agent loops without netw
 :class:`fakes.ReplyLM` with stories260K's real tokenizer and :data:`HERMES_TEMPLATE`, a Qwen2.5-style chat template
 (tools in ``<tools>``, calls as ``<tool_call>`` JSON, results in ``<tool_response>``). Its reply is read off the
 prompt by :func:`scripted_reply`: asked with an ``add`` tool, it calls ``add(a=2, b=3)``; shown the tool's
-result, it answers with it (through smolagents' ``final_answer`` tool when that tool is offered).
+result, it answers with it (through smolagents' ``final_answer`` tool when that tool is offered). Offered the
+coding tools of :mod:`draftwise.tool_agent_bench` (``run_tests`` among them), it plays :func:`coding_reply`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def scripted_reply(prompt: str) -> str:
     """What the scripted model answers to ``prompt`` (the templated conversation)."""
     turns = "".join(turn for turn in prompt.split("<|im_start|>") if not turn.startswith("system"))
     results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", turns, re.S)
+    if '"name": "run_tests"' in prompt:
+        return coding_reply(prompt.count("<|im_start|>assistant") - 1, results)
     observation = re.findall(r"Observation:\s*(.*?)(?:<\|im_end\|>|$)", turns, re.S)  # smolagents' tool turns
     if results or observation:
         result = (results or observation)[-1].strip()
@@ -49,6 +52,25 @@ def scripted_reply(prompt: str) -> str:
         # smolagents forces a call (tool_choice "required": the grammar admits no text before it)
         return call if '"name": "final_answer"' in prompt else "I will add them.\n" + call
     return "Hello! Ask me to add two numbers."
+
+
+BUG = "def subtract(a, b):\n    return a + b"
+
+
+def coding_reply(step: int, results: list[str]) -> str:
+    """A coding agent's reply at model call ``step`` (0-based) of a tool session, given the tool results so far:
+    list the files and read ``calc.py`` (two calls in one reply), write it back with :data:`BUG` fixed,
+    run the tests, then answer with the tests' last line. Reads the file from the tool result, so the write
+    copies the context (what n-gram and suffix drafts find)."""
+    if step == 0:
+        return ("Let me look at the code.\n" + CALL.format(name="list_files", arguments="{}") + "\n"
+                + CALL.format(name="read_file", arguments=json.dumps({"path": "calc.py"})))
+    if step == 1:
+        fixed = results[-1].replace(BUG, BUG.replace("a + b", "a - b"))
+        return CALL.format(name="write_file", arguments=json.dumps({"path": "calc.py", "content": fixed}))
+    if step == 2:
+        return CALL.format(name="run_tests", arguments="{}")
+    return f"Fixed subtract: {results[-1].splitlines()[-1] if results else 'no results'}"
 
 
 def tool_model(stories: LoadedModel, name: str = "tool-model") -> LoadedModel:

@@ -66,7 +66,8 @@ from draftwise.stats import total_hybrid_steps
 
 __all__ = ["AgentSession", "TurnOutcome", "AgentTurn", "TurnRunner", "AgentMethod", "AgentBenchError",
            "FOLLOW_UPS", "DEFAULT_SYSTEM_PROMPT", "default_sessions_path", "load_sessions", "sessions_from_prompts",
-           "decode_tokens_per_s", "EngineTurnRunner", "HttpTurnRunner", "openai_base_url", "run_agent_benchmark",
+           "decode_tokens_per_s", "EngineTurnRunner", "make_turn", "HttpTurnRunner", "openai_base_url",
+           "run_agent_benchmark",
            "session_totals", "summarize_agent", "write_agent_json", "agent_doubts"]
 
 logger = logging.getLogger(__name__)
@@ -246,6 +247,8 @@ class TurnOutcome:
         finish_reason: ``"stop"``, ``"length"``...
         token_ids: the generated ids (in process only).
         stats: the engine's statistics (in process) or the usage's ``speculative`` object (draftwise server).
+        tool_calls: the reply's tool calls (over HTTP), each ``{"id", "type": "function", "function": {"name",
+            "arguments"}}`` with ``arguments`` the JSON string the server sent; empty for a reply without any.
     """
 
     text: str
@@ -257,6 +260,7 @@ class TurnOutcome:
     finish_reason: str
     token_ids: tuple[int, ...] | None = None
     stats: dict = field(default_factory=dict)
+    tool_calls: tuple[dict, ...] = ()
 
 
 #: The untimed request each method serves before its sessions (first-call costs: allocations, lazy set-up).
@@ -306,6 +310,10 @@ class AgentTurn:
     ids in process, text over HTTP); ``first_difference``: the first differing token (or character) index;
     ``measurement``: the turn's :class:`draftwise.speculation.measurement.Measurement` as a dict (CPU figures in process
     only); ``warnings``: its own doubts (machine busy); ``repeat_of``: the baseline's label on its second pass.
+    The tool-using workload (:mod:`draftwise.tool_agent_bench`) also fills ``tool_calls`` (the reply's calls as
+    ``{"name", "arguments"}``, ids left out: a server draws them at random) and ``valid_calls`` /
+    ``invalid_calls`` (calls the session's tools could run / could not); ``identical_to_plain`` then compares
+    the whole reply, content and calls.
     """
 
     session_id: str
@@ -329,6 +337,9 @@ class AgentTurn:
     measurement: dict = field(default_factory=dict)
     warnings: list[dict] = field(default_factory=list)
     repeat_of: str | None = None
+    tool_calls: list[dict] | None = None
+    valid_calls: int = 0
+    invalid_calls: int = 0
 
 
 # ---------------------------------------------------------------------- runners
@@ -453,8 +464,10 @@ class HttpTurnRunner:
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
             raise AgentBenchError(f"cannot list the models of {self.base_url} ({exc}); pass --model-name") from exc
 
-    def request_body(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> dict:
-        """The JSON body sent for ``messages`` (with ``params``, default the runner's)."""
+    def request_body(self, messages: list[dict], params: SamplingParams | None = None,
+                     extra_body: dict | None = None) -> dict:
+        """The JSON body sent for ``messages`` (with ``params``, default the runner's), with ``extra_body``'s
+        fields (e.g. ``tools``, ``tool_choice``) added."""
         params = params or self._params
         body = {"model": self.model, "messages": messages, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "stream": True,
@@ -467,15 +480,18 @@ class HttpTurnRunner:
             body["ignore_eos"] = True
         if self.user is not None:
             body["user"] = self.user
-        return body
+        return {**body, **(extra_body or {})}
 
     def warm_up(self) -> None:
         """Send :data:`WARM_UP_MESSAGES` for a few tokens, untimed. Raises as :meth:`run_turn`."""
         params = dataclasses.replace(self._params, max_tokens=min(WARM_UP_TOKENS, self._params.max_tokens))
         self.run_turn(list(WARM_UP_MESSAGES), params)
 
-    def run_turn(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> TurnOutcome:
-        """Send one streamed request (``params``: default the runner's) and time it.
+    def run_turn(self, messages: list[dict], params: SamplingParams | None = None, *,
+                 extra_body: dict | None = None) -> TurnOutcome:
+        """Send one streamed request (``params``: default the runner's; ``extra_body``: fields added to the body,
+        see :meth:`request_body`) and time it. Streamed tool-call deltas are put together by their ``index``
+        into :attr:`TurnOutcome.tool_calls`; the first content or tool-call delta ends the TTFT.
 
         Raises:
             AgentBenchError: an HTTP error status (with the server's message), a connection failure, an error
@@ -486,7 +502,7 @@ class HttpTurnRunner:
         url = f"{self.base_url}/chat/completions"
         start = time.perf_counter()
         try:
-            with self._client.stream("POST", url, json=self.request_body(messages, params)) as response:
+            with self._client.stream("POST", url, json=self.request_body(messages, params, extra_body)) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise AgentBenchError(f"{url}: HTTP {response.status_code}: {_error_message(response)}")
@@ -496,6 +512,7 @@ class HttpTurnRunner:
 
     def _read_stream(self, lines: Iterator[str], start: float) -> TurnOutcome:
         pieces: list[str] = []
+        calls: dict[int, dict] = {}
         ttft = None
         usage: dict = {}
         finish_reason = ""
@@ -503,10 +520,14 @@ class HttpTurnRunner:
             if "error" in event:
                 raise AgentBenchError(f"{self.base_url}: error event in the stream: {event['error']}")
             for choice in event.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content") or ""
-                if content:
+                delta = choice.get("delta") or {}
+                content = delta.get("content") or ""
+                if content or delta.get("tool_calls"):
                     ttft = ttft if ttft is not None else time.perf_counter() - start
+                if content:
                     pieces.append(content)
+                for call in delta.get("tool_calls") or ():
+                    _add_tool_call_delta(calls, call)
                 finish_reason = choice.get("finish_reason") or finish_reason
             usage = event.get("usage") or usage
         wall = time.perf_counter() - start
@@ -514,7 +535,26 @@ class HttpTurnRunner:
         return TurnOutcome(
             text="".join(pieces), output_tokens=int(usage.get("completion_tokens", len(pieces))),
             prompt_tokens=usage.get("prompt_tokens"), cached_tokens=details.get("cached_tokens"), ttft_s=ttft,
-            wall_s=wall, finish_reason=finish_reason, stats=dict(usage.get("speculative") or {}))
+            wall_s=wall, finish_reason=finish_reason, stats=dict(usage.get("speculative") or {}),
+            tool_calls=tuple(calls[index] for index in sorted(calls)))
+
+
+def _add_tool_call_delta(calls: dict[int, dict], delta: dict) -> None:
+    """Fold one streamed tool-call delta (OpenAI's ``{"index", "id"?, "function": {"name"?, "arguments"?}}``)
+    into ``calls`` (index -> ``{"id", "type", "function": {"name", "arguments"}}``): the id and name are set
+    once, argument fragments appended in order.
+
+    Raises:
+        AgentBenchError: a delta without an integer ``index``.
+    """
+    index = delta.get("index")
+    if not isinstance(index, int):
+        raise AgentBenchError(f"malformed tool-call delta (no integer index): {str(delta)[:200]}")
+    call = calls.setdefault(index, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+    function = delta.get("function") or {}
+    call["id"] = call["id"] or delta.get("id")
+    call["function"]["name"] = call["function"]["name"] or function.get("name")
+    call["function"]["arguments"] += function.get("arguments") or ""
 
 
 def _sse_events(lines: Iterator[str]) -> Iterator[dict]:
@@ -553,6 +593,7 @@ def run_agent_benchmark(
     *,
     concurrency: int = 1,
     on_turn: Callable[[AgentTurn], None] | None = None,
+    replay_session: Callable[..., list[AgentTurn]] | None = None,
 ) -> tuple[list[AgentTurn], dict[str, float]]:
     """Replay every session with every method, one method after the other; ``methods[0]`` is the baseline
     (plain decoding, or the server without speculation) that every output is compared with.
@@ -566,6 +607,9 @@ def run_agent_benchmark(
     Args:
         concurrency: sessions in flight at once (>= 1).
         on_turn: called after each turn (from worker threads when concurrent).
+        replay_session: ``(runner, method, session, baseline, on_turn) -> [AgentTurn]``, how one session is
+            replayed (default: the user turns of an :class:`AgentSession` one after the other; the tool-using
+            workload passes :func:`draftwise.tool_agent_bench.replay_tool_session`).
 
     Returns:
         (all turns, ordered by method, session and turn, each marked identical or not to the baseline's same
@@ -587,7 +631,8 @@ def run_agent_benchmark(
     run_id = uuid.uuid4().hex[:8]
     for method in methods:
         mine, elapsed[method.label] = _replay_method(method, sessions, concurrency if method.concurrent else 1,
-                                                     baseline, on_turn, f"draftwise-bench-{run_id}-{method.label}")
+                                                     baseline, on_turn, f"draftwise-bench-{run_id}-{method.label}",
+                                                     replay_session or _replay_session)
         gc.collect()  # the method's runner (and its models) went out of scope: free them before the next loads
         if not baseline:
             baseline = {(t.session_id, t.turn): t for t in mine}
@@ -595,8 +640,8 @@ def run_agent_benchmark(
     return turns, elapsed
 
 
-def _replay_method(method: AgentMethod, sessions: Sequence[AgentSession], workers: int,
-                   baseline: dict[tuple[str, int], AgentTurn], on_turn, scope: str) -> tuple[list[AgentTurn], float]:
+def _replay_method(method: AgentMethod, sessions: Sequence, workers: int, baseline: dict[tuple[str, int], AgentTurn],
+                   on_turn, scope: str, replay_session) -> tuple[list[AgentTurn], float]:
     """Open the method, give it the prefix-cache ``scope`` (runners that have one), warm it up, replay every
     session; returns the turns and the replay's seconds (opening and warm-up excluded)."""
     with method.open() as runner:
@@ -606,10 +651,10 @@ def _replay_method(method: AgentMethod, sessions: Sequence[AgentSession], worker
         runner.warm_up()
         start = time.perf_counter()
         if workers == 1:
-            per_session = [_replay_session(runner, method, s, baseline, on_turn) for s in sessions]
+            per_session = [replay_session(runner, method, s, baseline, on_turn) for s in sessions]
         else:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agent-session") as pool:
-                futures = [pool.submit(_replay_session, runner, method, s, baseline, on_turn) for s in sessions]
+                futures = [pool.submit(replay_session, runner, method, s, baseline, on_turn) for s in sessions]
                 try:
                     per_session = [f.result() for f in futures]
                 except BaseException:
@@ -629,7 +674,7 @@ def _replay_session(runner: TurnRunner, method: AgentMethod, session: AgentSessi
         with measurement.measure(threads) as measured:
             outcome = runner.run_turn(session.messages(index, answers))
         answers.append(outcome.text)
-        turn = _to_turn(session, index, method, outcome, baseline.get((session.id, index)), measured.result)
+        turn = make_turn(session, index, method, outcome, baseline.get((session.id, index)), measured.result)
         if not turn.identical_to_plain:
             logger.warning("%s differs from the baseline in session %s turn %d at %s %s", method.label, session.id,
                            index, "token" if turn.token_ids is not None else "character", turn.first_difference)
@@ -639,8 +684,11 @@ def _replay_session(runner: TurnRunner, method: AgentMethod, session: AgentSessi
     return turns
 
 
-def _to_turn(session: AgentSession, index: int, method: AgentMethod, outcome: TurnOutcome,
-             reference: AgentTurn | None, measured: measurement.Measurement | None = None) -> AgentTurn:
+def make_turn(session, index: int, method: AgentMethod, outcome: TurnOutcome,
+              reference: AgentTurn | None, measured: measurement.Measurement | None = None) -> AgentTurn:
+    """The :class:`AgentTurn` row of ``outcome``, turn ``index`` of ``session`` (anything with ``id`` and
+    ``category``) under ``method``, compared with the baseline's ``reference`` turn (None: not compared, as the
+    baseline's own turns are) by token ids when both have them, else by text."""
     diff = None
     if reference is not None:
         if outcome.token_ids is not None and reference.token_ids is not None:
@@ -750,14 +798,15 @@ def agent_doubts(summary: Sequence[dict]) -> list[tuple[str, dict]]:
 
 
 def write_agent_json(path: str | Path, config: dict, turns: Sequence[AgentTurn], summary: list[dict],
-                     sessions: list[dict]) -> Path:
+                     sessions: list[dict], workload: str = "agent") -> Path:
     """Write the configuration, environment, per-method summary, per-session totals and every turn to ``path``
     atomically (parents created), with the combined measurement of all turns (``measurement``) and every doubt
-    of the summary rows (``warnings``: ``{"row", "code", "reason", "detail"}``)."""
+    of the summary rows (``warnings``: ``{"row", "code", "reason", "detail"}``); ``workload`` names the
+    workload (``"agent"``, ``"agent-tools"``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     combined = measurement.combine(_measurements(turns))
-    payload = {"workload": "agent", "config": config, "environment": environment(), "complete": True,
+    payload = {"workload": workload, "config": config, "environment": environment(), "complete": True,
                "measurement": combined.to_dict() if combined else {},
                "warnings": [{"row": what, **d} for what, d in agent_doubts(summary)],
                "summary": summary, "sessions": sessions, "turns": [asdict(t) for t in turns]}

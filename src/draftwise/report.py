@@ -221,9 +221,48 @@ def agent_session_rows(sessions: Sequence[dict]) -> list[tuple[str, ...]]:
             for r in sessions]
 
 
-def write_agent_markdown(path: Path, config: dict, summary: Sequence[dict], sessions: Sequence[dict], turns) -> Path:
+#: Columns of the tool-using workload's table (:func:`tool_agent_rows`); "grammar s/token" only when a row has it.
+TOOL_AGENT_COLUMNS = ("method", "wall s", "speedup", "tok/s", "valid calls", "tool turns", "alpha tool",
+                      "tau tool", "alpha other", "tau other", "grammar s/token", "transcript")
+
+
+def tool_agent_columns(summary: Sequence[dict]) -> tuple[str, ...]:
+    """:data:`TOOL_AGENT_COLUMNS`, without "grammar s/token" when no row of ``summary`` reports it."""
+    if any(r.get("grammar_s_per_token") is not None for r in summary):
+        return TOOL_AGENT_COLUMNS
+    return tuple(c for c in TOOL_AGENT_COLUMNS if c != "grammar s/token")
+
+
+def tool_agent_rows(summary: Sequence[dict]) -> list[tuple[str, ...]]:
+    """Table cells (in :func:`tool_agent_columns` order) of :func:`draftwise.tool_agent_bench.summarize_tool_agent`
+    rows; a transcript that differs from the baseline's reads "DIFFERS (bug)"."""
+    grammar = "grammar s/token" in tool_agent_columns(summary)
+    rows = []
+    for r in summary:
+        cells = [r["method"], _fmt(r["wall_s"]), _fmt(r["speedup"]), _fmt(r["tokens_per_s"], ".1f"),
+                 f"{r['valid_calls']}/{r['calls']}", f"{r['tool_turns']}/{r['turns']}", _fmt(r["alpha_tool"], ".3f"),
+                 _fmt(r["tau_tool"]), _fmt(r["alpha_other"], ".3f"), _fmt(r["tau_other"])]
+        if grammar:
+            cells.append(_fmt(r.get("grammar_s_per_token"), ".2e"))
+        cells.append("identical" if r["transcript_identical"] else "DIFFERS (bug)")
+        rows.append(tuple(cells))
+    return rows
+
+
+def tool_agent_markdown(summary: Sequence[dict]) -> list[str]:
+    """The tool-using workload's section of the Markdown report (lines)."""
+    return ["## Tool calls", "",
+            "Each turn is one model call with `tools`; a tool-call turn is a reply with `tool_calls`. alpha: "
+            "accepted / drafted tokens; tau: 1 + accepted / target passes. transcript: every reply's content and "
+            "tool calls equal the baseline's (a difference is a bug of the method).", ""] + \
+        markdown_table(tool_agent_columns(summary), tool_agent_rows(summary))
+
+
+def write_agent_markdown(path: Path, config: dict, summary: Sequence[dict], sessions: Sequence[dict], turns,
+                         extra_sections: Sequence[str] = ()) -> Path:
     """Write the agent-loop report: per method, per session and per turn tables, and any output that differs
-    from the baseline (``turns``: :class:`draftwise.agent_bench.AgentTurn` objects)."""
+    from the baseline (``turns``: :class:`draftwise.agent_bench.AgentTurn` objects); ``extra_sections``: lines
+    put after the methods' table (e.g. :func:`tool_agent_markdown`)."""
     source = config.get("urls") or f"{config.get('target')} (draft: {config.get('draft')})"
     lines = [f"# draftwise bench --workload agent: {source}", "",
              f"Sessions: {config.get('sessions')} ({config.get('num_sessions')} sessions, up to "
@@ -233,6 +272,7 @@ def write_agent_markdown(path: Path, config: dict, summary: Sequence[dict], sess
              "", "Each turn carries the whole conversation so far, with the method's own earlier answers. "
              "Speed-up: the baseline's (first method's) wall time / the method's, summed over the turns.", ""]
     lines += ["## Methods", ""] + markdown_table(AGENT_METHOD_COLUMNS, agent_method_rows(summary))
+    lines += ["", *extra_sections] if extra_sections else []
     lines += _hybrid_markdown(summary)
     doubts = [(row["method"], d) for row in summary for d in row.get("warnings", [])]
     lines += ["", "## Measurement", ""] + measurement_lines(doubts, summary)

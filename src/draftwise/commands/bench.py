@@ -14,11 +14,16 @@ command ends with a WARNING line saying why.
 ``--workload agent`` replays multi-turn coding sessions instead (:mod:`draftwise.agent_bench`): in process,
 one engine per method built like ``draftwise serve`` builds it, or with ``--url`` against OpenAI-compatible
 servers (the first URL is the baseline).
+
+``--workload agent-tools`` replays tool-using coding sessions (:mod:`draftwise.tool_agent_bench`): every model call
+is a chat request with ``tools`` over HTTP, in process against the real server app started per method on
+loopback, or against ``--url`` servers; each method's transcript must equal the baseline's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import logging
 import time
@@ -138,12 +143,15 @@ def register(subparsers) -> None:
 
 
 def _add_agent_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", choices=("prompts", "agent"), default="prompts",
+    parser.add_argument("--workload", choices=("prompts", "agent", "agent-tools"), default="prompts",
                         help="prompts: single prompts (default); agent: multi-turn coding sessions where every turn "
-                        "carries the whole conversation so far (see docs/agent_bench.md)")
+                        "carries the whole conversation so far; agent-tools: coding sessions whose turns call tools "
+                        "(read_file, write_file, list_files, run_tests) over a virtual repository and feed the "
+                        "results back, through the server's /v1/chat/completions (see docs/agent_bench.md)")
     group = parser.add_argument_group("agent workload (--workload agent)")
     group.add_argument("--sessions", default=None,
-                       help="sessions file (.json or .jsonl; default data/agent_sessions.jsonl), or 'spec-bench' to "
+                       help="sessions file (.json or .jsonl; default data/agent_sessions.jsonl, with --workload "
+                       "agent-tools data/agent_tool_sessions.jsonl), or 'spec-bench' to "
                        "build sessions from --prompts (category coding unless --category) plus coding follow-ups; "
                        "--limit caps the number of sessions")
     group.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",
@@ -166,6 +174,14 @@ def _add_agent_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template", default=None,
                        help="in process: a Jinja chat template (file or inline) for models without one")
     group.add_argument("--request-timeout", type=float, default=600.0, help="seconds per --url request (default 600)")
+    tools = parser.add_argument_group("tool-using agent workload (--workload agent-tools)")
+    tools.add_argument("--max-calls", type=positive_int, default=None, metavar="N",
+                       help="model calls per session at most (default: each session's max_calls)")
+    tools.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
+                       help="the requests' tool_choice (default auto; required makes the server constrain every "
+                       "reply to tool calls by a grammar, and a session then ends at --max-calls)")
+    tools.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "mistral"],
+                       help="in process: the server's tool-call parser (default auto: from the chat template)")
 
 
 def _head_subset(args: argparse.Namespace):
@@ -324,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
     args.speculative_backend = default_speculative_backend(args)
     if args.workload == "agent":
         return run_agent(args)
+    if args.workload == "agent-tools":
+        return run_tool_agent(args)
     if args.kv_cache_memory is not None:
         raise CliError("--kv-cache-memory applies to --workload agent (the prompts workload sends each prompt fresh, "
                        "as Spec-Bench does: no prefix reuse)")
@@ -682,9 +700,70 @@ def run_agent(args: argparse.Namespace) -> int:
     return 1 if mismatches else 0
 
 
+def run_tool_agent(args: argparse.Namespace) -> int:
+    """``bench --workload agent-tools``: replay the tool-using sessions with every method (in process: the real
+    server app per method on loopback; or ``--url`` servers), the baseline again at the end (unless
+    ``--no-baseline-repeat``); print the agent table and the tool-call table, write JSON and Markdown (and
+    plots). Returns 1 when a method's transcript differs from the baseline's under greedy decoding."""
+    import functools
+
+    from draftwise.agent_bench import AgentBenchError, agent_doubts, session_totals
+    from draftwise.tool_agent_bench import default_tool_sessions_path, load_tool_sessions, replay_tool_session, \
+        summarize_tool_agent
+
+    console = Console()
+    params = sampling_params_from_args(args)
+    if args.resume:
+        raise CliError("--resume is not supported with --workload agent-tools")
+    if args.request_timeout <= 0:
+        raise CliError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if args.concurrency < 1:
+        raise CliError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.sessions == "spec-bench" or args.agent_turns is not None:
+        raise CliError("--sessions spec-bench and --agent-turns apply to --workload agent; tool sessions come from a "
+                       "file (--sessions FILE) and end after --max-calls calls")
+    path = Path(args.sessions) if args.sessions else default_tool_sessions_path()
+    try:
+        sessions = load_tool_sessions(path, limit=args.limit, max_calls=args.max_calls)
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    if args.system_prompt:
+        sessions = [dataclasses.replace(s, system=args.system_prompt) for s in sessions]
+    methods, config = _agent_methods(args, params, in_process=_served_engine_method)
+    if args.baseline_repeat:
+        methods = measurement.with_baseline_repeat(methods)
+        config["methods"] = [m.label for m in methods]
+    config.update(workload="agent-tools", sessions=str(path), num_sessions=len(sessions),
+                  max_turns=max(s.max_calls for s in sessions), concurrency=args.concurrency,
+                  tool_choice=args.tool_choice, max_tokens=params.max_tokens, greedy=params.greedy,
+                  temperature=params.temperature, seed=params.seed)
+    output = _output_file(args.output or f"bench_results/agent-tools-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    replay = functools.partial(replay_tool_session, tool_choice=args.tool_choice)
+    try:
+        turns, elapsed = _run_agent_with_progress(console, methods, sessions, args.concurrency, replay)
+    except AgentBenchError as exc:
+        raise CliError(str(exc)) from exc
+    summary, per_session = summarize_tool_agent(turns, elapsed), session_totals(turns)
+    _print_agent_tables(console, summary, per_session)
+    _print_tool_table(console, summary)
+    _write_agent_reports(console, output, config, turns, summary, per_session, plots=not args.no_plots,
+                         workload="agent-tools")
+    differing = [r["method"] for r in summary if not r["transcript_identical"]]
+    if differing and params.greedy:
+        console.print(f"[red]BUG: the transcripts of {', '.join(differing)} differ from {methods[0].label}'s[/red]")
+    print_warning(console, agent_doubts(summary))
+    return 1 if differing and params.greedy else 0
+
+
+def _print_tool_table(console: Console, summary: list[dict]) -> None:
+    from draftwise.report import tool_agent_columns, tool_agent_rows
+
+    print_table(console, "tool calls: alpha / tau on replies with tool_calls vs the other replies",
+                tool_agent_columns(summary), tool_agent_rows(summary))
+
+
 def _agent_sessions(args: argparse.Namespace):
     """The sessions to replay and a description of their source. Raises CliError on bad flags."""
-    import dataclasses
 
     from draftwise.agent_bench import DEFAULT_SYSTEM_PROMPT, default_sessions_path, load_sessions, sessions_from_prompts
 
@@ -708,8 +787,10 @@ def _agent_sessions(args: argparse.Namespace):
     return sessions, str(path)
 
 
-def _agent_methods(args: argparse.Namespace, params):
-    """The methods (baseline first) and the run's configuration dict. Raises CliError on bad flags."""
+def _agent_methods(args: argparse.Namespace, params, in_process=None):
+    """The methods (baseline first) and the run's configuration dict; ``in_process`` makes an in-process method
+    from ``(label, kind, k, spec_config, args, params, chat_template, kv_cache_memory)`` (default
+    :func:`_engine_method`). Raises CliError on bad flags."""
     if args.url:
         if args.catch_up != DEFAULT_CATCH_UP:
             raise CliError("--catch-up applies to in-process methods; a --url server's catch-up is its own "
@@ -732,7 +813,8 @@ def _agent_methods(args: argparse.Namespace, params):
     chat_template = _chat_template(args.chat_template)
     kv_cache = kv_cache_budget(args.kv_cache_memory)  # once: every method gets the same budget
     logger.info("%s", kv_cache.describe())
-    specs = [_engine_method(label, kind, k, spec_config, args, params, chat_template, kv_cache.nbytes)
+    make_method = in_process or _engine_method
+    specs = [make_method(label, kind, k, spec_config, args, params, chat_template, kv_cache.nbytes)
              for label, kind, k, spec_config in plan]
     config = {"mode": "in-process", "target": args.model, "draft": args.draft if "draft" in methods else None,
               "methods": [label for label, *_ in plan], "quantization": args.quantization, "backend": args.backend,
@@ -812,6 +894,25 @@ def _engine_method(label, kind, k, spec_config, args, params, chat_template, kv_
     return AgentMethod(label, open_runner, kind, k, concurrent=False)
 
 
+def _served_engine_method(label, kind, k, spec_config, args, params, chat_template, kv_cache_memory: int):
+    """An in-process method served over HTTP: its engine is built as ``draftwise serve`` builds it (one request at
+    a time), the real server app runs on loopback while the method replays, and is stopped after; the prefix
+    cache holds ``kv_cache_memory`` bytes (none for ``plain-nocache``)."""
+    from draftwise.builder import build_engine
+    from draftwise.server import ServerSettings
+    from draftwise.tool_agent_bench import served_method
+
+    settings = ServerSettings(chat_template=chat_template,
+                              tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser)
+
+    def build_bundle():
+        return build_engine(args.model, spec_config, device=args.device, dtype=args.dtype,
+                            quantization=args.quantization, backend=args.backend, threads=args.threads,
+                            runtime=args.runtime, kv_cache_memory=0 if kind == "plain-nocache" else kv_cache_memory)
+
+    return served_method(label, kind, k, build_bundle, settings, params, timeout_s=args.request_timeout)
+
+
 def _http_method(label: str, url: str, params, args):
     """A method served by an OpenAI-compatible server (thread-safe: sessions may run concurrently)."""
     from contextlib import contextmanager
@@ -855,7 +956,7 @@ def _chat_template(value: str | None) -> str | None:
     return read_chat_template(value)
 
 
-def _run_agent_with_progress(console, methods, sessions, concurrency):
+def _run_agent_with_progress(console, methods, sessions, concurrency, replay_session=None):
     from draftwise.agent_bench import run_agent_benchmark
 
     total = len(methods) * sum(len(s.turns) for s in sessions)
@@ -869,7 +970,8 @@ def _run_agent_with_progress(console, methods, sessions, concurrency):
                         turn.session_id, turn.turn, turn.prompt_tokens, turn.cached_tokens, _fmt(turn.ttft_s),
                         turn.wall_s)
 
-        return run_agent_benchmark(methods, sessions, concurrency=concurrency, on_turn=on_turn)
+        return run_agent_benchmark(methods, sessions, concurrency=concurrency, on_turn=on_turn,
+                                   replay_session=replay_session)
 
 
 def _print_agent_tables(console: Console, summary: list[dict], per_session: list[dict]) -> None:
@@ -908,12 +1010,14 @@ def _print_agent_tables(console: Console, summary: list[dict], per_session: list
                       soft_wrap=True)
 
 
-def _write_agent_reports(console, output: Path, config, turns, summary, per_session, *, plots: bool) -> None:
+def _write_agent_reports(console, output: Path, config, turns, summary, per_session, *, plots: bool,
+                         workload: str = "agent") -> None:
     from draftwise.agent_bench import write_agent_json
-    from draftwise.report import write_agent_markdown, write_agent_plots
+    from draftwise.report import tool_agent_markdown, write_agent_markdown, write_agent_plots
 
-    write_agent_json(output, config, turns, summary, per_session)
-    markdown = write_agent_markdown(output.with_suffix(".md"), config, summary, per_session, turns)
+    write_agent_json(output, config, turns, summary, per_session, workload=workload)
+    extra = tool_agent_markdown(summary) if workload == "agent-tools" else ()
+    markdown = write_agent_markdown(output.with_suffix(".md"), config, summary, per_session, turns, extra)
     console.print(f"wrote {output} and {markdown}", soft_wrap=True)
     if plots:
         for path in write_agent_plots(output.parent / (output.stem + "-plots"), turns, per_session):
