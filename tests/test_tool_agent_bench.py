@@ -50,7 +50,7 @@ def _method(model, label: str, spec: SpeculativeConfig | None) -> AgentMethod:
     def build():
         proposer = build_proposer(spec, model, device="cpu", dtype=None)[0] if spec else None
         engine = assemble_engine(model, proposer, spec.num_speculative_tokens if spec else 5)
-        return EngineBundle(target=model, engine=engine, speculative_config=spec)
+        return EngineBundle(target=model, core=engine.core, speculative_config=spec)
 
     settings = ServerSettings(served_model_names=("tool-model",), chat_template=HERMES_TEMPLATE)
     return served_method(label, "plain" if spec is None else spec.method, spec and spec.num_speculative_tokens,
@@ -148,7 +148,7 @@ def test_ngram_transcript_is_plains_and_the_report_splits_tool_turns(replayed):
         assert row["tool_turns"] == 3 and row["other_turns"] == 1
         assert row["calls"] == row["valid_calls"] == 4
         assert row["wall_s"] > 0 and row["speedup"] > 0 and row["tokens_per_s"] > 0
-        assert "grammar_s_per_token" not in row  # the server reports no grammar time
+        assert "grammar_s_per_token" not in row  # tool_choice auto: no grammar ran
     plain, ngram = summary[0], summary[1]
     assert plain["alpha_tool"] is None and plain["tau_tool"] == 1.0  # nothing drafted
     # the write copies the file read one turn earlier: n-gram drafts pay on tool-call turns
@@ -233,10 +233,10 @@ def test_cli_url_mode_against_the_scripted_agent(stories, tmp_path, session_file
     session calc (three with tool calls), two in calc-2 (its max_calls)."""
     model = tool_model(stories)
     settings = ServerSettings(served_model_names=("tool-model",), chat_template=HERMES_TEMPLATE)
-    plain = EngineBundle(target=model, engine=assemble_engine(model))
+    plain = EngineBundle(target=model, core=assemble_engine(model).core)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-    ngram = EngineBundle(target=model, engine=assemble_engine(model, build_proposer(spec, model, device="cpu",
-                                                                                     dtype=None)[0], 3))
+    ngram = EngineBundle(target=model, core=assemble_engine(model, build_proposer(spec, model, device="cpu",
+                                                                                   dtype=None)[0], 3).core)
     out = tmp_path / "url.json"
     with served_app(create_app(plain, settings)) as plain_url, served_app(create_app(ngram, settings)) as ngram_url:
         code = main(["bench", "--workload", "agent-tools", "--url", f"plain={plain_url}", "--url",

@@ -376,10 +376,11 @@ def _acceptance(turns: Sequence[AgentTurn]) -> tuple[float | None, float | None]
 
 
 def _grammar_seconds(turns: Sequence[AgentTurn]) -> float | None:
-    """Summed grammar / processor seconds of ``turns`` (:data:`GRAMMAR_TIME_FIELDS`); None when no turn has one."""
+    """Summed grammar / processor seconds of ``turns`` (:data:`GRAMMAR_TIME_FIELDS`); None when no turn ran a
+    grammar (none reports the field, or every one reports 0: ``tool_choice`` auto)."""
     found = [next((t.stats[f] for f in GRAMMAR_TIME_FIELDS if t.stats.get(f) is not None), None) for t in turns]
-    found = [float(v) for v in found if v is not None]
-    return sum(found) if found else None
+    total = sum(float(v) for v in found if v is not None)
+    return total if total > 0 else None
 
 
 def summarize_tool_agent(turns: Sequence[AgentTurn], elapsed: dict[str, float] | None = None) -> list[dict]:
