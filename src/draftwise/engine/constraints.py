@@ -24,8 +24,9 @@ import torch
 
 from draftwise.processors.base import LogitsProcessor
 from draftwise.proposers.base import DraftProposal
+from draftwise.stats import SpeculativeStats
 
-__all__ = ["row_paths", "process_rows", "constrain", "forced_draft"]
+__all__ = ["row_paths", "process_rows", "constrain", "forced_draft", "jump_forward_counts"]
 
 Path = tuple[int, ...]
 
@@ -39,9 +40,11 @@ def row_paths(proposal: DraftProposal) -> list[Path]:
     return paths
 
 
-def process_rows(processors: LogitsProcessor, logits: torch.Tensor, proposal: DraftProposal) -> float:
-    """Apply ``processors`` in place to a sequence's verification rows ``logits [1 + len(proposal), V]``;
-    returns the seconds it took."""
+def process_rows(processors: LogitsProcessor | None, logits: torch.Tensor, proposal: DraftProposal) -> float:
+    """Apply ``processors`` (None: none) in place to a sequence's verification rows ``logits [1 + len(proposal),
+    V]``; returns the seconds it took."""
+    if processors is None:
+        return 0.0
     t0 = time.perf_counter()
     with torch.inference_mode():  # the pass's logits are inference tensors
         processors.apply(logits, row_paths(proposal))
@@ -69,6 +72,17 @@ def constrain(processors: LogitsProcessor, proposal: DraftProposal) -> DraftProp
     parents = tuple(-1 if proposal.node_parents[n] == -1 else index[proposal.node_parents[n]] for n in kept)
     return DraftProposal(tuple(proposal.token_ids[n] for n in kept), None, parents, proposal.hybrid_side,
                          proposal.model_drafted, proposal.jump_forward)
+
+
+def jump_forward_counts(stats: SpeculativeStats, proposal: DraftProposal, num_drafted: int, num_accepted: int,
+                        ) -> tuple[int, int]:
+    """A verified step's drafted and accepted counts for the proposer's statistics and K policy: a jump-forward
+    draft's accepted tokens go to ``stats.num_jump_forward_tokens`` instead, and count as nothing drafted (they
+    teach no K policy)."""
+    if not proposal.jump_forward:
+        return num_drafted, num_accepted
+    stats.num_jump_forward_tokens += num_accepted
+    return 0, 0
 
 
 def forced_draft(processors: LogitsProcessor, max_tokens: int) -> DraftProposal | None:

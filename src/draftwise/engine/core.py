@@ -17,7 +17,6 @@ thread calls :meth:`~EngineCore.add`, :meth:`~EngineCore.step` and :meth:`~Engin
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -28,7 +27,7 @@ from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import PassOutput, SlotBackend, as_slot_backend
 from draftwise.config import SamplingParams
-from draftwise.engine.constraints import process_rows
+from draftwise.engine.constraints import jump_forward_counts, process_rows
 from draftwise.engine.drafting import Drafter, check_speculation_options, step_pricing
 from draftwise.engine.faults import guarded, retry_alone
 from draftwise.engine.prefix_reuse import PrefixReuse
@@ -40,13 +39,11 @@ from draftwise.proposers.base import DraftProposal, Proposer, StepPricing
 from draftwise.sampling import Sampler
 from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.speculation.cost_model import PassCostCurve, StepOverhead
-from draftwise.speculation.pass_costs import StepClock, calibrate_step_costs
+from draftwise.speculation.pass_costs import StepClock, calibrate_step_costs, calibrated_or_none
 from draftwise.stats import SpeculativeStats
 from draftwise.verification import VerificationResult, verify
 
 __all__ = ["EngineCore", "BATCHED_METHODS"]
-
-logger = logging.getLogger(__name__)
 
 _NO_DRAFT = DraftProposal(token_ids=())  # the first output token's row: nothing drafted before it
 
@@ -122,7 +119,8 @@ class EngineCore:
         self.pass_costs = pass_costs
         priced = self.proposer is not None and (self.k_policy == "auto" or self.proposer.wants_pricing)
         if priced and (pass_costs is None or not len(pass_costs)):
-            self.pass_costs = self.calibrate() if self.k_policy == "auto" else self._calibrate_for_pricing()
+            self.pass_costs = self.calibrate() if self.k_policy == "auto" else calibrated_or_none(
+                self.calibrate, self.proposer.name, lambda: self.prefix_reuse.forget(num_slots=self.max_num_seqs))
 
     # ------------------------------------------------------------------ public API
     @property
@@ -163,16 +161,6 @@ class EngineCore:
                                      draft=(drafting.slots.backend, drafting.pass_costs) if drafting else None)
         self.prefix_reuse.forget()
         return curve
-
-    def _calibrate_for_pricing(self) -> PassCostCurve | None:
-        """:meth:`calibrate`, or None (the steps go unpriced) where the backend cannot be timed that way."""
-        try:
-            return self.calibrate()
-        except Exception as exc:  # noqa: BLE001 - pricing is an optimisation; decoding works without it
-            logger.warning("engine: could not measure the pass costs for %s's pricing (%s: %s); it uses its own costs",
-                           self.proposer.name, type(exc).__name__, exc)
-            self.prefix_reuse.forget(num_slots=self.max_num_seqs)
-            return None
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, *, scope: str = "",
             num_speculative_tokens: int | None = None, arrival_s: float | None = None,
@@ -328,18 +316,15 @@ class EngineCore:
         sequence, proposal = scheduled.sequence, scheduled.proposal
         context_len = len(sequence.context)
         logits = out.logits[scheduled.logit_rows]  # [1 + rows of the draft, V]
-        if sequence.processors is not None:  # each row under the processors' state after the drafts before it
-            sequence.stats.processor_time_s += process_rows(sequence.processors, logits, proposal)
+        sequence.stats.processor_time_s += process_rows(sequence.processors, logits, proposal)  # a grammar's masks
         result = verify(proposal.token_ids, proposal.node_parents, proposal.draft_probs, logits, sequence.sampler,
                         context_len)
         keep = self._roll_back(sequence, context_len, result)
-        chunk, consumed, reason = self._commit(sequence, result.token_ids)
+        chunk, consumed, reason = sequence.commit(result.token_ids, self.backend.max_context)
         # a stop inside the accepted drafts ends the step there: count drafted and accepted up to it
         num_drafted = proposal.depth if consumed > result.num_accepted else consumed
         num_accepted = min(result.num_accepted, consumed)
-        if proposal.jump_forward:  # a grammar's forced tokens, not the proposer's: counted apart, taught to nobody
-            sequence.stats.num_jump_forward_tokens += num_accepted
-            num_drafted = num_accepted = 0
+        num_drafted, num_accepted = jump_forward_counts(sequence.stats, proposal, num_drafted, num_accepted)
         if out.hidden is not None and not reason and self._speculates(sequence):
             hidden = out.hidden[scheduled.hidden_rows]  # [1 + rows of the draft, H]
             draft_s += self.drafter.observe(sequence, hidden[keep], result.token_ids)
@@ -374,23 +359,14 @@ class EngineCore:
         (``[V]``); a proposer reading the target's features observes the prompt's."""
         stats = sequence.stats
         stats.prefill_time_s = time.perf_counter() - sequence.admitted_s
-        if sequence.processors is not None:
-            stats.processor_time_s += process_rows(sequence.processors, logits.unsqueeze(0), _NO_DRAFT)
+        stats.processor_time_s += process_rows(sequence.processors, logits.unsqueeze(0), _NO_DRAFT)
         first = sequence.sampler.sample(logits, len(sequence.prompt))
-        chunk, _, reason = self._commit(sequence, (first,))
+        chunk, _, reason = sequence.commit((first,), self.backend.max_context)
         if sequence.prompt_hidden and not reason and self._speculates(sequence):
             hidden = torch.cat(sequence.prompt_hidden)  # [prompt, H]
             stats.draft_time_s += self.drafter.observe(sequence, hidden, sequence.prompt[1:] + [first])
         sequence.prompt_hidden = []
         return self._output(sequence, chunk, reason)
-
-    def _commit(self, sequence: BatchSequence, tokens: Sequence[int]) -> tuple[list[int], int, str]:
-        """Commit ``tokens`` up to a stop condition (:meth:`BatchSequence.commit`); the committed ones advance
-        the sequence's processors."""
-        chunk, consumed, reason = sequence.commit(tokens, self.backend.max_context)
-        if sequence.processors is not None and chunk:
-            sequence.processors.accept(chunk)
-        return chunk, consumed, reason
 
     # ------------------------------------------------------------------ finishing
     def _output(self, sequence: BatchSequence, chunk: list[int], reason: str) -> SequenceOutput:

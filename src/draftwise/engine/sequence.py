@@ -120,9 +120,13 @@ class BatchSequence:
 
     def commit(self, tokens: Sequence[int], max_context: int) -> tuple[list[int], int, str]:
         """Append a step's ``tokens`` to :attr:`generated` up to a stop condition (:func:`commit_tokens`; the
-        context holds ``max_context`` tokens)."""
-        return commit_tokens(self.generated, tokens, stop_ids=self.stop_ids, max_tokens=self.params.max_tokens,
-                             max_generated=max_context - len(self.prompt))
+        context holds ``max_context`` tokens); the committed ones advance its :attr:`processors`."""
+        chunk, consumed, reason = commit_tokens(self.generated, tokens, stop_ids=self.stop_ids,
+                                                max_tokens=self.params.max_tokens,
+                                                max_generated=max_context - len(self.prompt))
+        if self.processors is not None and chunk:
+            self.processors.accept(chunk)
+        return chunk, consumed, reason
 
     def record_step(self, proposal: DraftProposal, num_drafted: int, num_accepted: int, num_committed: int,
                     pass_s: float, draft_s: float) -> None:

@@ -18,7 +18,8 @@ from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import LOGITS_LAST, Piece, SlotBackend, as_slot_backend
 from draftwise.speculation.cost_model import PassCostCurve, StepOverhead
 
-__all__ = ["StepClock", "calibrate_pass_costs", "calibrate_step_costs", "draft_pass_seconds", "step_seconds"]
+__all__ = ["StepClock", "calibrate_pass_costs", "calibrate_step_costs", "calibrated_or_none", "draft_pass_seconds",
+           "step_seconds"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,3 +165,17 @@ class StepClock:
             step = dataclasses.replace(step, overhead_s=overhead.seconds)
         self.busy_since = now if busy else None
         return step
+
+
+def calibrated_or_none(calibrate: Callable[[], PassCostCurve], name: str, reset: Callable[[], None],
+                       ) -> PassCostCurve | None:
+    """``calibrate()`` for a proposer (``name``) that prices its drafts on the engine's measured step, or None
+    where the backend cannot be timed that way: pricing is an optimisation, so the failure is logged, ``reset()``
+    clears what the attempt left in the cache slots, and the steps go unpriced (the proposer uses its own costs)."""
+    try:
+        return calibrate()
+    except Exception as exc:  # noqa: BLE001 - decoding works without pricing
+        logger.warning("engine: could not measure the pass costs for %s's pricing (%s: %s); it uses its own costs",
+                       name, type(exc).__name__, exc)
+        reset()
+        return None
