@@ -128,3 +128,21 @@ def test_forced_tool_calls_parse_validate_and_are_the_same_with_speculation(tool
         assert arguments["mood"] in ("happy", "sad") and len(arguments["why"]) <= 16
     else:
         assert isinstance(tool_choice, str) and len(arguments["text"]) <= 10
+
+
+def test_langchain_with_structured_output_gets_a_validated_object(spec_url):  # noqa: F811
+    """langchain-openai's ``with_structured_output`` (a strict ``json_schema``) against the speculating server."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class Review(BaseModel):
+        title: str = Field(max_length=20)
+        rating: int = Field(ge=1, le=5)
+
+    llm = langchain_openai.ChatOpenAI(model="stories", base_url=f"{spec_url}/v1", api_key="unused", temperature=0,
+                                      max_tokens=80, max_retries=0)
+    schema = {"title": "Review", "type": "object", "additionalProperties": False, "required": ["title", "rating"],
+              "properties": {"title": {"type": "string", "maxLength": 20}, "rating": {"enum": [1, 2, 3, 4, 5]}}}
+    review = llm.with_structured_output(schema, method="json_schema", strict=True).invoke(MESSAGES[0]["content"])
+    parsed = Review.model_validate(review)
+    assert 1 <= parsed.rating <= 5 and len(parsed.title) <= 20
