@@ -14,8 +14,11 @@ raises :class:`MessageError` (a ``ValueError`` naming the offending field, for a
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["MessageError", "template_messages", "normalize_tools", "normalize_tool_choice", "message_text"]
 
@@ -114,7 +117,9 @@ def _assistant_message(message: dict[str, Any], index: int) -> dict[str, Any]:
 
 def _template_call(call: Any, field: str, function_field: str) -> dict[str, Any]:
     """One OpenAI call -> ``{"id", "type": "function", "function": {"name", "arguments": parsed}}`` (no ``id``
-    when the call had none, as legacy ``function_call`` turns)."""
+    when the call had none, as legacy ``function_call`` turns). Arguments that are not JSON (a call cut by
+    ``max_tokens``, which a streaming client received in part and sends back) stay the string they were: the
+    template writes them as the model emitted them, and the agent's loop goes on."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
         raise MessageError(f"{field} needs a function with a 'name'", f"{function_field}.name")
@@ -122,9 +127,8 @@ def _template_call(call: Any, field: str, function_field: str) -> dict[str, Any]
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as exc:
-            raise MessageError(f"{function_field}.arguments is not valid JSON ({exc}): {arguments[:200]!r}",
-                               f"{function_field}.arguments") from None
+        except ValueError:
+            logger.info("%s.arguments is not JSON; written into the prompt as the string it is", function_field)
     out: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     if call.get("id"):
         out = {"id": call["id"], **out}
