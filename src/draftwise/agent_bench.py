@@ -65,7 +65,7 @@ from draftwise.files import write_json_atomic
 from draftwise.stats import total_hybrid_steps
 
 __all__ = ["AgentSession", "TurnOutcome", "AgentTurn", "TurnRunner", "AgentMethod", "AgentBenchError",
-           "FOLLOW_UPS", "DEFAULT_SYSTEM_PROMPT", "default_sessions_path", "load_sessions", "sessions_from_prompts",
+           "FOLLOW_UPS", "DEFAULT_SYSTEM_PROMPT", "default_sessions_path", "shipped_sessions_path", "load_sessions", "sessions_from_prompts",
            "decode_tokens_per_s", "EngineTurnRunner", "make_turn", "HttpTurnRunner", "openai_base_url",
            "run_agent_benchmark",
            "session_totals", "summarize_agent", "write_agent_json", "agent_doubts"]
@@ -128,16 +128,22 @@ class AgentSession:
         return messages
 
 
-def default_sessions_path() -> Path:
-    """``data/agent_sessions.jsonl`` of the source checkout (the default ``--sessions``).
+def shipped_sessions_path(name: str, what: str) -> Path:
+    """``data/<name>`` of the source checkout (a default ``--sessions`` file); ``what`` names it in the error.
 
     Raises:
         FileNotFoundError: when it is not there (an installed, non-editable copy): pass a sessions file.
     """
-    path = Path(__file__).resolve().parents[2] / "data" / "agent_sessions.jsonl"
+    path = Path(__file__).resolve().parents[2] / "data" / name
     if not path.is_file():
-        raise FileNotFoundError(f"default agent sessions not found at {path}; pass --sessions FILE")
+        raise FileNotFoundError(f"default {what} not found at {path}; pass --sessions FILE")
     return path
+
+
+def default_sessions_path() -> Path:
+    """``data/agent_sessions.jsonl`` of the source checkout (the default ``--sessions``; see
+    :func:`shipped_sessions_path`)."""
+    return shipped_sessions_path("agent_sessions.jsonl", "agent sessions")
 
 
 def _parse_session(row: object, where: str, position: int) -> AgentSession:

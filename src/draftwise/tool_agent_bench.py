@@ -51,7 +51,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftwise.agent_bench import AgentBenchError, AgentMethod, AgentTurn, HttpTurnRunner, make_turn, summarize_agent
+from draftwise.agent_bench import (
+    AgentBenchError,
+    AgentMethod,
+    AgentTurn,
+    HttpTurnRunner,
+    make_turn,
+    shipped_sessions_path,
+    summarize_agent,
+)
 from draftwise.benchmark import first_difference
 from draftwise.speculation import measurement
 
@@ -200,15 +208,8 @@ class VirtualRepo:
 
 # ---------------------------------------------------------------------- sessions file
 def default_tool_sessions_path() -> Path:
-    """``data/agent_tool_sessions.jsonl`` of the source checkout.
-
-    Raises:
-        FileNotFoundError: when it is not there (an installed, non-editable copy): pass a sessions file.
-    """
-    path = Path(__file__).resolve().parents[2] / "data" / "agent_tool_sessions.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"default tool sessions not found at {path}; pass --sessions FILE")
-    return path
+    """``data/agent_tool_sessions.jsonl`` of the source checkout (:func:`draftwise.agent_bench.shipped_sessions_path`)."""
+    return shipped_sessions_path("agent_tool_sessions.jsonl", "tool sessions")
 
 
 def _strings(value: object, where: str, name: str) -> tuple[str, ...]:

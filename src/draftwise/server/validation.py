@@ -158,7 +158,7 @@ class RequestValidator:
         _reject_unsupported_common(request)
         _reject_unsupported_completion(request)
         _check_extra_fields(request)
-        grammar = _grammar_of(request, None)
+        grammar = output_grammar(request)
         prompt_ids = self._completion_prompt(request.prompt)
         return self._build("cmpl", request, _Prompt(prompt_ids, "prompt", model, arrival, api_key),
                            request.max_tokens, "max_tokens", grammar=grammar)
@@ -181,7 +181,7 @@ class RequestValidator:
         tools, tool_choice = _tools(request)
         parser = self._parser_for(tools, tool_choice)
         forced_calls = _forced_calls(parser, tools, tool_choice, request.parallel_tool_calls)
-        grammar = _grammar_of(request, forced_calls)
+        grammar = output_grammar(request, forced_calls)
         prompt_ids = self._chat_prompt(request.messages, tools)
         if request.max_completion_tokens is not None:
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
@@ -543,12 +543,3 @@ def _forced_calls(parser: ToolParser | None, tools: list[dict] | None, tool_choi
     except ValueError as exc:
         raise RequestError(str(exc), param="tool_choice") from exc
 
-
-def _grammar_of(request, forced_calls: GrammarSpec | None) -> RequestedGrammar | None:
-    """The one grammar a request's output must match: forced tool calls, ``response_format`` or vLLM's
-    structured-output fields (:func:`draftwise.server.structured_fields.output_grammar`).
-
-    Raises:
-        RequestError: a malformed field, or two of them at once.
-    """
-    return output_grammar(request, forced_calls)
