@@ -74,6 +74,26 @@ def test_streamed_tool_call_deltas_reassemble_to_the_non_streamed_reply(client):
     assert all(c["id"].startswith("call_") for c in calls.values())
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_written_as_a_fenced_json_block_is_a_tool_call(client, stream):
+    """Qwen2.5-Coder in tool_choice "auto" writes its call as a ```json block without <tool_call> tags."""
+    messages = [{"role": "user", "content": "What is 2 + 3? Use the tool. As a code block."}]
+    if stream:
+        chunks = list(client.chat.completions.create(model="tool-model", messages=messages, tools=[ADD],
+                                                     stream=True))
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        deltas = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or ())]
+        name = "".join(d.function.name or "" for d in deltas)
+        arguments = "".join(d.function.arguments or "" for d in deltas)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        choice = client.chat.completions.create(model="tool-model", messages=messages, tools=[ADD]).choices[0]
+        assert not choice.message.content
+        (call,) = choice.message.tool_calls
+        name, arguments, finish = call.function.name, call.function.arguments, [choice.finish_reason]
+    assert name == "add" and json.loads(arguments) == {"a": 2, "b": 3} and finish == ["tool_calls"]
+
+
 def test_tool_choice_none_and_no_tools_return_plain_content(client):
     plain = client.chat.completions.create(model="tool-model", messages=QUESTION).choices[0]
     assert plain.finish_reason == "stop" and not plain.message.tool_calls

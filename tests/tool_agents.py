@@ -47,6 +47,8 @@ def scripted_reply(prompt: str) -> str:
         if '"name": "final_answer"' in prompt:
             return CALL.format(name="final_answer", arguments=json.dumps({"answer": f"The sum is {result}."}))
         return f"The sum is {result}."
+    if '"name": "add"' in prompt and "As a code block." in prompt:  # Qwen2.5-Coder's habit in tool_choice auto
+        return "```json\n" + json.dumps({"name": "add", "arguments": {"a": 2, "b": 3}}, indent=2) + "\n```"
     if '"name": "add"' in prompt:
         call = CALL.format(name="add", arguments=json.dumps({"a": 2, "b": 3}))
         # smolagents forces a call (tool_choice "required": the grammar admits no text before it)

@@ -31,6 +31,7 @@ from draftwise.processors.base import ProcessorChain
 from draftwise.server.structured_fields import STRUCTURED_EXTRA_FIELDS, RequestedGrammar, output_grammar
 from draftwise.server.text import TextCodec
 from draftwise.server.tool_parsers import ToolParser, detect_tool_parser, get_tool_parser
+from draftwise.server.tool_parsers.bare_json import BareJsonFallback
 from draftwise.structured.grammar import GrammarCompiler, GrammarError
 from draftwise.structured.spec import GrammarSpec
 
@@ -193,7 +194,9 @@ class RequestValidator:
                            max_tokens, param, tool_parser=parser, grammar=grammar)
 
     def _parser_for(self, tools: list[dict] | None, tool_choice: str | dict) -> ToolParser | None:
-        """The parser of a request's reply: None without tools or with ``tool_choice: "none"``.
+        """The parser of a request's reply: None without tools or with ``tool_choice: "none"``; else the
+        model's format, which also reads a reply opening with bare JSON calls of these tools
+        (:class:`~draftwise.server.tool_parsers.bare_json.BareJsonFallback`).
 
         Raises:
             RequestError: tools asked for on a model whose tool-call format is unknown.
@@ -204,7 +207,9 @@ class RequestValidator:
             raise RequestError(f"model '{self.target_name}' has no known tool-call format (its chat template shows "
                                "none): start the server with --tool-call-parser hermes|llama3_json|mistral, or "
                                "send tool_choice 'none'", param="tools")
-        return self.tool_parser
+        if self.tool_parser.reads_bare_json:
+            return self.tool_parser
+        return BareJsonFallback(self.tool_parser, [tool["function"]["name"] for tool in tools])
 
     # ------------------------------------------------------------------ prompts
     def _completion_prompt(self, prompt: str | list) -> list[int]:

@@ -139,6 +139,7 @@ class ToolParser(ABC):
     name: ClassVar[str]
     call_id_prefix: ClassVar[str] = "call_"
     call_id_length: ClassVar[int] = 24
+    reads_bare_json: ClassVar[bool] = False  # its own format is bare JSON calls (no wrapping in BareJsonFallback)
 
     def call_ids(self, rng: random.Random | None = None) -> CallIds:
         """A generator of this format's call ids (``rng`` None: the system's random source)."""

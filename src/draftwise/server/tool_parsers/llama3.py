@@ -29,6 +29,7 @@ class Llama3JsonToolParser(ToolParser):
     """JSON calls with ``parameters`` (Llama 3.x), separated by ``;``."""
 
     name = "llama3_json"
+    reads_bare_json = True
 
     def scan(self, text: str, final: bool) -> list[Piece]:
         tag = text.find(PYTHON_TAG)
