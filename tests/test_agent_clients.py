@@ -75,3 +75,27 @@ def test_langchain_bind_tools_reads_the_call(agent_url):
     llm = langchain_openai.ChatOpenAI(model="tool-model", base_url=agent_url, api_key="unused", max_retries=0)
     message = llm.bind_tools([add]).invoke("What is 2 + 3?")
     assert [(call["name"], call["args"]) for call in message.tool_calls] == [("add", {"a": 2, "b": 3})]
+
+
+def _bench_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "agent_clients.py"
+    spec = importlib.util.spec_from_file_location("agent_clients_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_agent_clients_script_compares_two_servers_and_logs_what_each_client_sent(agent_url, capsys):
+    script = _bench_script()
+    server = agent_url.removesuffix("/v1")
+    assert script.main(["--spec-url", server, "--plain-url", server, "--only", "openai-sdk"]) == 0
+    out = capsys.readouterr().out
+    assert "## openai-sdk chat loop: identical" in out and "('add', {'a': 2, 'b': 3})" in out
+    spec, plain = script.RequestLog(), script.RequestLog()
+    spec.bodies = [{"messages": [{"role": "user", "content": "x"}]}, {"messages": [{"role": "tool", "content": "1"}]}]
+    plain.bodies = [{"messages": [{"role": "user", "content": "x"}]}, {"messages": [{"role": "tool", "content": "2"}]}]
+    assert script.first_difference(spec, plain).startswith("request 1, message 0:")
+    assert script.first_difference(spec, spec) == ""

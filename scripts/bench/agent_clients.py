@@ -29,6 +29,52 @@ TASK = "Compute (17 * 23) + 4 with the tools, one step at a time, then state the
 SYSTEM = "You are a careful assistant. Use the provided tools for every arithmetic step."
 
 
+class RequestLog:
+    """The request bodies one framework sends to one server, in order (httpx event hooks on the clients the
+    frameworks are given), to tell where two runs first differ: in what the client sent, or in what a server
+    answered to the same request."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+
+    def _record(self, request) -> None:
+        try:
+            self.bodies.append(json.loads(request.content or b"{}"))
+        except ValueError:
+            self.bodies.append({"unparsed": request.content.decode(errors="replace")})
+
+    def sync_client(self):
+        import httpx
+
+        return httpx.Client(timeout=600, event_hooks={"request": [self._record]})
+
+    def async_client(self):
+        import httpx
+
+        async def record(request) -> None:
+            self._record(request)
+
+        return httpx.AsyncClient(timeout=600, event_hooks={"request": [record]})
+
+
+def first_difference(spec: RequestLog, plain: RequestLog) -> str:
+    """Where two runs' requests first differ (``""`` when every request both sent is the same): the request's
+    index and the first differing message or field."""
+    for index, (a, b) in enumerate(zip(spec.bodies, plain.bodies)):
+        if a == b:
+            continue
+        messages_a, messages_b = a.get("messages") or a.get("input") or [], b.get("messages") or b.get("input") or []
+        if isinstance(messages_a, list) and isinstance(messages_b, list):
+            for turn, (x, y) in enumerate(zip(messages_a, messages_b)):
+                if x != y:
+                    return f"request {index}, message {turn}: spec sent {x!r:.300} / plain sent {y!r:.300}"
+        keys = sorted(key for key in set(a) | set(b) if a.get(key) != b.get(key))
+        return f"request {index}: fields {keys} differ"
+    if len(spec.bodies) != len(plain.bodies):
+        return f"same first {min(len(spec.bodies), len(plain.bodies))} requests, then one run sent more"
+    return ""
+
+
 class Calculator:
     """The task's tools, recording every call (name, arguments) in order."""
 
@@ -62,12 +108,13 @@ def _schema(name: str, doc: str) -> dict:
         "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
 
 
-def openai_loop(base_url: str, model: str) -> tuple[list, str]:
+def openai_loop(base_url: str, model: str, log: RequestLog) -> tuple[list, str]:
     """The plain ``openai`` SDK: chat with tools, run each call, send the results back, until a reply without
     calls (at most 6 model calls)."""
     import openai
 
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600,
+                           http_client=log.sync_client())
     calc = Calculator()
     tools = [_schema("multiply", "Multiply two integers"), _schema("add", "Add two integers")]
     messages: list = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
@@ -83,13 +130,14 @@ def openai_loop(base_url: str, model: str) -> tuple[list, str]:
     return calc.calls, "(no final answer after 6 calls)"
 
 
-def agents_sdk(base_url: str, model: str, api: str) -> tuple[list, str]:
+def agents_sdk(base_url: str, model: str, log: RequestLog, api: str) -> tuple[list, str]:
     """The OpenAI Agents SDK with two function tools; ``api``: ``chat`` or ``responses`` (its default)."""
     import agents
     from openai import AsyncOpenAI
 
     agents.set_tracing_disabled(True)
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600,
+                         http_client=log.async_client())
     model_class = agents.OpenAIChatCompletionsModel if api == "chat" else agents.OpenAIResponsesModel
     calc = Calculator()
     agent = agents.Agent(name="calculator", instructions=SYSTEM, model=model_class(model=model, openai_client=client),
@@ -99,19 +147,19 @@ def agents_sdk(base_url: str, model: str, api: str) -> tuple[list, str]:
     return calc.calls, str(result.final_output)
 
 
-def smolagents_agent(base_url: str, model: str) -> tuple[list, str]:
+def smolagents_agent(base_url: str, model: str, log: RequestLog) -> tuple[list, str]:
     """smolagents' ToolCallingAgent (it sends ``tool_choice="required"``)."""
     import smolagents
 
     calc = Calculator()
     tools = [smolagents.tool(calc.multiply), smolagents.tool(calc.add)]
     llm = smolagents.OpenAIServerModel(model_id=model, api_base=f"{base_url}/v1", api_key="unused", temperature=0,
-                                       max_tokens=512)
+                                       max_tokens=512, client_kwargs={"http_client": log.sync_client()})
     agent = smolagents.ToolCallingAgent(tools=tools, model=llm, max_steps=6, verbosity_level=0)
     return calc.calls, str(agent.run(TASK))
 
 
-def langchain_tools(base_url: str, model: str) -> tuple[list, str]:
+def langchain_tools(base_url: str, model: str, log: RequestLog) -> tuple[list, str]:
     """langchain-openai: ``bind_tools`` in a loop, then ``with_structured_output`` (strict json_schema)."""
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI
@@ -119,7 +167,7 @@ def langchain_tools(base_url: str, model: str) -> tuple[list, str]:
 
     calc = Calculator()
     llm = ChatOpenAI(model=model, base_url=f"{base_url}/v1", api_key="unused", temperature=0, max_tokens=512,
-                     max_retries=0)
+                     max_retries=0, http_client=log.sync_client())
     bound = llm.bind_tools([calc.multiply, calc.add])
     messages = [SystemMessage(SYSTEM), HumanMessage(TASK)]
     for _ in range(6):
@@ -138,10 +186,10 @@ def langchain_tools(base_url: str, model: str) -> tuple[list, str]:
     return calc.calls, f"{reply.content!s} | structured: {structured.model_dump_json()}"
 
 
-FRAMEWORKS: dict[str, Callable[[str, str], tuple[list, str]]] = {
+FRAMEWORKS: dict[str, Callable[[str, str, RequestLog], tuple[list, str]]] = {
     "openai-sdk chat loop": openai_loop,
-    "agents-sdk chat model": lambda url, model: agents_sdk(url, model, "chat"),
-    "agents-sdk responses model": lambda url, model: agents_sdk(url, model, "responses"),
+    "agents-sdk chat model": lambda url, model, log: agents_sdk(url, model, log, "chat"),
+    "agents-sdk responses model": lambda url, model, log: agents_sdk(url, model, log, "responses"),
     "smolagents ToolCallingAgent": smolagents_agent,
     "langchain bind_tools + structured": langchain_tools,
 }
@@ -161,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, run in FRAMEWORKS.items():
         if args.only and not any(part in name for part in args.only.split(",")):
             continue
-        outcome = {}
+        outcome, logs = {}, {"spec": RequestLog(), "plain": RequestLog()}
         for label, url in (("spec", args.spec_url), ("plain", args.plain_url)):
             started = time.perf_counter()
             try:
-                calls, answer = run(url, model)
+                calls, answer = run(url, model, logs[label])
                 outcome[label] = (calls, answer, time.perf_counter() - started)
             except ImportError as exc:
                 print(f"{name}: skipped ({exc})")
@@ -182,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
             calls, answer, _ = outcome[label]
             print(f"  {label}: calls {calls}")
             print(f"  {label}: answer {answer[:300]!r}")
+        if not same:
+            where = first_difference(logs["spec"], logs["plain"])
+            print(f"  first difference in the requests sent: {where or 'none: same requests, different replies'}")
         sys.stdout.flush()
     return 1 if failures else 0
 
