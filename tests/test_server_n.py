@@ -91,7 +91,7 @@ def test_a_choice_waits_for_its_siblings_prompt_then_forks_it(tiny_multi):
 def url(draftwise_home, stories_path):
     from draftwise.models.loading import load_model
 
-    target = load_model(str(stories_path), device="cpu", num_slots=SLOTS)
+    target = load_model(str(stories_path), quantization="none", runtime="lean", num_slots=SLOTS)
     core = EngineCore(target.backend, PerSequenceProposers(lambda: NgramProposer(1, 3), "ngram"), 3,
                       eos_token_ids=target.eos_token_ids)
     bundle = EngineBundle(target=target, core=core,
