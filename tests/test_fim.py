@@ -142,3 +142,58 @@ def test_echo_prepends_the_prompt_streamed_and_not(url):  # noqa: F811
                   if line.startswith("data: ") and line != "data: [DONE]"]
     assert chunks[0]["choices"][0]["text"] == "Once upon a time"
     assert "".join(c["choices"][0]["text"] for c in chunks) == echoed["choices"][0]["text"]
+
+
+# ---------------------------------------------------------------------------------------------- the benchmark script
+def fim_script():
+    """``scripts/bench/fim.py`` as a module (it is not part of the package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "fim.py"
+    spec = importlib.util.spec_from_file_location("fim_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fim_benchmark_parses_its_arguments_and_reads_its_functions():
+    script = fim_script()
+    args = script.parse_args([])
+    assert args.methods == ("plain", "ngram", "suffix", "draft") and args.k == 4 and args.max_tokens == 128
+    assert script.parse_args(["--methods", "suffix,plain", "--k", "8"]).methods == ("plain", "suffix")
+    for bad in (["--methods", "eagle"], ["--k", "0"]):
+        with pytest.raises(SystemExit):
+            script.parse_args(bad)
+    tasks = script.load_tasks(script.DATA)
+    assert len(tasks) == 12 and len({t.name for t in tasks}) == 12
+    for task in tasks:  # each function is whole again with its middle, and the middle was really cut out
+        compile(task.prefix + task.middle + task.suffix, task.name, "exec")
+        assert task.middle.strip() and task.middle not in task.prefix + task.suffix
+        assert f"def {task.name}(" in task.prefix
+    assert script.speculative_config("plain", args) is None
+    assert script.speculative_config("draft", args).model == args.draft
+    assert script.speculative_config("ngram", args).method == "ngram"
+
+
+def test_fim_benchmark_builds_the_servers_fim_prompts():
+    script = fim_script()
+    tasks = script.load_tasks(script.DATA, limit=3)
+    tokenizer = char_tokenizer(QWEN_FIM)
+    pre, suf, mid = (tokenizer.convert_tokens_to_ids(t) for t in QWEN_FIM)
+    codec = TextCodec(LoadedModel(backend=None, tokenizer=tokenizer, name="fake-coder"), copies=1)
+    prompts = script.build_prompts(codec, tasks)
+    assert [p[0] for p in prompts] == [pre] * 3 and [p[-1] for p in prompts] == [mid] * 3
+    for prompt, task in zip(prompts, tasks):
+        assert prompt == [pre, *char_ids(task.prefix), suf, *char_ids(task.suffix), mid]
+
+
+def test_fim_benchmark_refuses_a_model_without_fim_tokens(stories_path, draftwise_home):
+    from draftwise.models.loading import load_model
+
+    script = fim_script()
+    codec = TextCodec(load_model(str(stories_path), quantization="none", runtime="lean"), copies=1)
+    with pytest.raises(ValueError, match="fill-in-the-middle"):
+        script.build_prompts(codec, script.load_tasks(script.DATA, limit=1))

@@ -570,7 +570,7 @@ def _check_best_of(request: CompletionRequest) -> None:
         return
     _reject(best_of < 1, f"'best_of' must be at least 1, got {best_of}", "best_of")
     _reject(best_of < n, f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
-    _reject(best_of > n, f"best_of={best_of} > n={n} is not supported yet (the server does not rank candidates): "
+    _reject(best_of > n, f"best_of={best_of} is not supported with n={n} yet (the server does not rank candidates): "
             f"send best_of equal to n, or leave it unset", "best_of")
 
 
