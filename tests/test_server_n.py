@@ -17,6 +17,8 @@ from draftwise.builder import EngineBundle
 from draftwise.config import SamplingParams, SpeculativeConfig
 from draftwise.engine import EngineCore, SpeculativeEngine
 from draftwise.proposers.base import PerSequenceProposers
+from draftwise.proposers.draft_model import DraftModelProposer
+from draftwise.speculation.cost_model import PassCostCurve
 from draftwise.proposers.ngram import NgramProposer
 from draftwise.server import ServerSettings, create_app
 from test_server import CHAT_TEMPLATE, live_server, one_torch_thread  # noqa: F401  (fixture)
@@ -48,11 +50,20 @@ def run_choices(core: EngineCore, prompt: list[int], params: list[SamplingParams
     return sequences, prefill_rows
 
 
-@pytest.mark.parametrize("method", ["plain", "ngram"])
+def proposer_of(method: str):
+    if method == "ngram":
+        return PerSequenceProposers(lambda: NgramProposer(1, 3), "ngram")
+    if method == "draft":  # a different tiny model as the draft: some drafts rejected
+        draft = build_lean(tiny_llama(1).model, quantization="none", name="tiny-draft", num_slots=SLOTS)
+        return DraftModelProposer(draft, draft.vocab_size, slot_per_sequence=True)
+    return None
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft"])
 def test_seeded_choices_equal_separate_requests_with_seed_plus_i(tiny_multi, tiny_single, method):
-    proposer = PerSequenceProposers(lambda: NgramProposer(1, 3), "ngram") if method == "ngram" else None
-    core = EngineCore(tiny_multi, proposer, 3, max_num_seqs=SLOTS, min_prefill_tokens=4,
-                      max_num_batched_tokens=8)
+    core = EngineCore(tiny_multi, proposer_of(method), 3, max_num_seqs=SLOTS, min_prefill_tokens=4,
+                      max_num_batched_tokens=8, pass_costs=PassCostCurve(points={1: 1.0, 64: 1.5}),
+                      learn_costs=False)
     base = SamplingParams(temperature=0.9, max_tokens=12, seed=1234, ignore_eos=True)
     params = [dataclasses.replace(base, seed=base.seed + i) for i in range(3)]
     sequences, prefill_rows = run_choices(core, PROMPT, params)
@@ -62,6 +73,8 @@ def test_seeded_choices_equal_separate_requests_with_seed_plus_i(tiny_multi, tin
     # the prompt ran once; each other choice fed only its last prompt token over the forked KV
     assert prefill_rows == len(PROMPT) + len(params) - 1
     assert [s.stats.num_cached_prompt_tokens for s in sequences] == [0] + [len(PROMPT) - 1] * (len(params) - 1)
+    if method != "plain":
+        assert all(s.stats.num_draft_tokens > 0 for s in sequences)  # every choice speculated
 
 
 def test_greedy_choices_are_identical_and_the_prompt_is_computed_once(tiny_multi, tiny_single):
