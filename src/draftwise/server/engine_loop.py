@@ -225,8 +225,8 @@ class EngineLoop:
         """End of the grace period: fail the running requests (their handles get the event now, even if the
         engine is in the middle of a long step) and have the engine thread drop them at its next step."""
         with self._wakeup:
-            jobs = list({id(running.job): running.job for running in self._active.values()}.values())
-        for job in jobs:
+            requests = {running.request for running in self._active.values()}  # a request's choices share it
+        for job in (request.job for request in requests):
             job.cancelled.set()
             job.end(Failed(ServerClosingError("the server shut down before the request finished")))
 
