@@ -21,7 +21,7 @@ from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.speculation.cost_model import PassCostCurve
 from draftwise.proposers.ngram import NgramProposer
 from draftwise.server import ServerSettings, create_app
-from test_server import CHAT_TEMPLATE, live_server, one_torch_thread  # noqa: F401  (fixture)
+from test_server import CHAT_TEMPLATE, live_server, metric, one_torch_thread  # noqa: F401  (fixture)
 
 SLOTS = 4
 PROMPT = [5, 17, 3, 44, 9, 12, 30, 7, 21, 2, 8, 60, 33]
@@ -186,3 +186,13 @@ def test_bad_n_and_best_of_are_400s_naming_the_field(url, extra, param):
 def test_best_of_equal_to_n_is_served(url):
     body = completion(url, prompt="Once", max_tokens=4, n=2, best_of=2, seed=3, temperature=1.0)
     assert len(body["choices"]) == 2
+
+
+def test_a_request_of_n_choices_is_recorded_once_with_its_prompt_once(url):
+    before = {name: metric(url, f"draftwise:{name}") for name in
+              ("request_success_total", "prompt_tokens_total", "generation_tokens_total")}
+    body = completion(url, prompt="Once upon a time", max_tokens=6, n=3, temperature=1.0, ignore_eos=True)
+    after = {name: metric(url, f"draftwise:{name}") for name in before}
+    assert after["request_success_total"] - before["request_success_total"] == 1
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == body["usage"]["prompt_tokens"]
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == 18
