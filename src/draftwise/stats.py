@@ -18,12 +18,13 @@ The definitions live in :mod:`draftwise.speculation.cost_model`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from draftwise.speculation import cost_model
 
-__all__ = ["SpeculativeStats", "HYBRID_SIDES", "hybrid_step_side", "total_hybrid_steps", "hybrid_steps_line"]
+__all__ = ["SpeculativeStats", "HYBRID_SIDES", "hybrid_step_side", "total_hybrid_steps", "hybrid_steps_line",
+           "choices_stats"]
 
 #: The hybrid method's sides, in report order (:attr:`SpeculativeStats.hybrid_steps` keys).
 HYBRID_SIDES = ("suffix", "draft_model", "plain")
@@ -185,3 +186,40 @@ def total_hybrid_steps(per_request: Iterable[Mapping[str, int] | None]) -> dict[
 def hybrid_steps_line(steps: Mapping[str, int]) -> str:
     """``hybrid steps: suffix 12, draft model 5, plain 3``: the one-line form the CLI and reports print."""
     return "hybrid steps: " + ", ".join(f"{side.replace('_', ' ')} {int(steps.get(side, 0))}" for side in HYBRID_SIDES)
+
+
+def choices_stats(parts: Sequence[SpeculativeStats]) -> SpeculativeStats:
+    """One request's statistics over its ``n`` choices (sequences sharing one prompt): the prompt counted once
+    (the first choice's, which prefilled it, with its cached tokens), every count summed, per-position counts
+    summed position by position, hybrid steps summed by side; seconds of the target, drafting and processors
+    summed (the choices shared passes, so this counts a shared pass once per choice), wall times (prefill,
+    total) the longest. A single choice's statistics are returned as they are.
+
+    Raises:
+        ValueError: no parts.
+    """
+    if not parts:
+        raise ValueError("no statistics to combine")
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    combined = SpeculativeStats(num_prompt_tokens=first.num_prompt_tokens,
+                                num_cached_prompt_tokens=first.num_cached_prompt_tokens,
+                                finish_reason=first.finish_reason)
+    for name in ("num_generated_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_target_passes",
+                 "num_step_tokens", "num_tree_nodes", "num_jump_forward_tokens", "processor_time_s",
+                 "target_time_s", "draft_time_s"):
+        setattr(combined, name, sum(getattr(part, name) for part in parts))
+    combined.prefill_time_s = max(part.prefill_time_s for part in parts)
+    combined.total_time_s = max(part.total_time_s for part in parts)
+    combined._grow(max(len(part.drafted_per_position) for part in parts))
+    for part in parts:
+        for position in range(len(part.drafted_per_position)):
+            combined.drafted_per_position[position] += part.drafted_per_position[position]
+            combined.accepted_per_position[position] += part.accepted_per_position[position]
+            combined.rejected_per_position[position] += part.rejected_per_position[position]
+        combined.k_history += part.k_history
+        combined.step_tokens += part.step_tokens
+        combined.warnings += [w for w in part.warnings if w not in combined.warnings]
+    combined.hybrid_steps = total_hybrid_steps(part.hybrid_steps for part in parts)
+    return combined

@@ -24,6 +24,7 @@ from draftwise.commands.common import (
     speculative_config_from_args,
 )
 from draftwise.config import SpeculativeConfig
+from draftwise.server.generation_config import GenerationConfigError, load_generation_defaults
 from draftwise.server.settings import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_TOKENS,
@@ -94,6 +95,12 @@ def register(subparsers) -> None:
                         help="the tool-call format of the model's replies, read into message.tool_calls (default auto: "
                         "detected from the chat template, e.g. hermes for Qwen2.5; none: requests with tools are "
                         "refused)")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|none|PATH",
+                        help="sampling defaults (temperature, top_p, top_k, min_p, penalties, max_new_tokens as "
+                        "max_tokens) for the fields a request does not send, from the model's "
+                        "generation_config.json, as vLLM: auto (default) finds it beside the model (an HF "
+                        "directory; next to a .gguf file as NAME.generation_config.json or generation_config.json; "
+                        "the local hub cache), none uses OpenAI's defaults, PATH names a file or a directory")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.set_defaults(func=run)
@@ -126,6 +133,10 @@ def plan_from_args(args: argparse.Namespace) -> ServePlan:
             args.speculative_model = DEMO_DRAFT
     spec = speculative_config_from_args(args)
     try:
+        generation_defaults = load_generation_defaults(args.generation_config, target)
+    except GenerationConfigError as exc:
+        raise CliError(str(exc)) from exc
+    try:
         settings = ServerSettings(
             served_model_names=tuple(args.served_model_name or ()),
             api_key=_api_key(args.api_key),
@@ -136,6 +147,7 @@ def plan_from_args(args: argparse.Namespace) -> ServePlan:
             shutdown_grace_s=args.shutdown_grace_seconds,
             enable_docs=args.enable_docs,
             tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
+            generation_defaults=generation_defaults,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
@@ -230,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
     _check_port_free(args.host, args.port)
     _enable_request_logging()
     logger.info("%s", plan.kv_cache.describe())
+    logger.info("%s", plan.settings.generation_defaults.describe())
     logger.info("loading %s (%s)", plan.target,
                 f"draft {plan.speculative_config.model or plan.speculative_config.method}, "
                 f"K={plan.speculative_config.num_speculative_tokens}" if plan.speculative_config else "plain decoding")

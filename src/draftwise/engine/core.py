@@ -164,7 +164,8 @@ class EngineCore:
 
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, *, scope: str = "",
             num_speculative_tokens: int | None = None, arrival_s: float | None = None,
-            processors: LogitsProcessor | None = None) -> BatchSequence:
+            processors: LogitsProcessor | None = None, prompt_source: BatchSequence | None = None
+            ) -> BatchSequence:
         """Queue a request; it joins the batch at the next step with a free slot.
 
         Args:
@@ -176,6 +177,9 @@ class EngineCore:
             arrival_s: ``time.perf_counter()`` of its arrival (default now).
             processors: its logits processors (a grammar; :mod:`draftwise.engine.constraints`), fresh (nothing
                 accepted yet); None: none.
+            prompt_source: a sequence added before it with the same prompt (another choice of the same request):
+                this one takes a slot once that one's prompt is in its slot and forks that KV state
+                (:mod:`draftwise.engine.prefix_reuse`) instead of prefilling the prompt again; None: none.
 
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary, a K outside 0..K.
@@ -192,7 +196,7 @@ class EngineCore:
             stop_ids=stop_ids, estimator=self.memory.seeded(8.0),
             stats=SpeculativeStats(num_prompt_tokens=len(prompt)),
             arrival_s=time.perf_counter() if arrival_s is None else arrival_s, controller=controller,
-            backoff=ProbeBackoff(4, self.max_probe_interval), processors=processors)
+            backoff=ProbeBackoff(4, self.max_probe_interval), processors=processors, prompt_source=prompt_source)
         if max_k and self.proposer is not None and self.proposer.has_sides:
             sequence.stats.start_hybrid_steps()
         self._next_id += 1

@@ -5,6 +5,11 @@ sequences' states in a :class:`~draftwise.prefix_cache.PrefixCache` (target and 
 sequence imports the longest kept prefix of its prompt into its slot. A backend that cannot export (llama.cpp)
 reuses only what a slot still holds: the sequence that last ran in it, marked by the backend so that a change
 behind the engine's back is noticed.
+
+The same import serves the choices of one request (``n`` > 1): a sequence whose
+:attr:`~draftwise.engine.sequence.BatchSequence.prompt_source` (its sibling) holds the prompt in its slot forks
+it (the sibling's slot exported, imported into its own), so the prompt is prefilled once and each other choice
+feeds only its last prompt token (for its first token's logits), as a request sharing a kept prefix does.
 """
 
 from __future__ import annotations
@@ -65,7 +70,11 @@ class PrefixReuse:
         start empty."""
         slot = sequence.slot
         live = self._live.pop(slot, None)
-        reused = 0
+        reused = self._fork(sequence)
+        if reused:
+            if proposer is not None:  # the sibling's proposer state goes on with it: this one's starts empty
+                proposer.import_state(sequence, None, 0)
+            return reused
         if self.enabled:
             limit = len(sequence.prompt) - 1
             if self.backend.supports_export:
@@ -89,6 +98,21 @@ class PrefixReuse:
             if proposer is not None:
                 proposer.import_state(sequence, None, 0)
         return reused
+
+    def _fork(self, sequence: BatchSequence) -> int:
+        """Import the prompt KV its running sibling (:attr:`~BatchSequence.prompt_source`) holds into the
+        sequence's slot (at most ``len(prompt) - 1`` tokens); returns the tokens imported (0: no sibling holds
+        them, or the backend cannot export)."""
+        source = sequence.prompt_source
+        if source is None or source.finish_reason or source.slot < 0 or source.slot == sequence.slot or \
+                source.prompt_left or not self.backend.supports_export:
+            return 0
+        length = min(common_prefix_length(source.prompt, sequence.prompt), len(sequence.prompt) - 1,
+                     self.backend.length(source.slot))
+        if length <= 0:
+            return 0
+        self.backend.import_slot(sequence.slot, self.backend.export_slot(source.slot, length), length)
+        return length
 
     def keep(self, sequence: BatchSequence, proposer: Proposer | None) -> None:
         """Keep the sequence's committed KV state (target and ``proposer``'s) for later requests: in the prefix

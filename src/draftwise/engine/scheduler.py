@@ -162,14 +162,22 @@ class Scheduler:
         self.waiting.append(sequence)
 
     def admit(self) -> Iterator[BatchSequence]:
-        """Give waiting sequences free slots, one at a time (a slot freed while the caller handles one, e.g. by
-        its failing, is offered to the next)."""
-        while self.waiting and self.free:
-            sequence = self.waiting.popleft()
-            sequence.slot = self.free.pop(0)
-            sequence.admitted_s = time.perf_counter()
-            self.running[sequence.slot] = sequence
-            yield sequence
+        """Give waiting sequences free slots, one at a time, oldest first (a slot freed while the caller handles
+        one, e.g. by its failing, is offered to the next). A sequence not :attr:`~BatchSequence.ready` (its
+        sibling's prompt, which it forks, is not in the sibling's slot yet) keeps its place in the queue."""
+        held: list[BatchSequence] = []
+        try:
+            while self.waiting and self.free:
+                sequence = self.waiting.popleft()
+                if not sequence.ready:
+                    held.append(sequence)
+                    continue
+                sequence.slot = self.free.pop(0)
+                sequence.admitted_s = time.perf_counter()
+                self.running[sequence.slot] = sequence
+                yield sequence
+        finally:
+            self.waiting.extendleft(reversed(held))
 
     def drop_waiting(self, sequence: BatchSequence) -> None:
         """A waiting sequence leaves the queue (nothing when it is not waiting)."""

@@ -76,6 +76,10 @@ class BatchSequence:
         processors: its logits processors (:class:`~draftwise.processors.base.LogitsProcessor`, e.g. a grammar
             from ``response_format``), applied to every verification row and draft, advanced by committed tokens
             only; None: none.
+        prompt_source: a sibling sequence with the same prompt (another choice of one request, ``n`` > 1) whose
+            slot's prompt KV this one forks when it takes a slot (:mod:`~draftwise.engine.prefix_reuse`), so the
+            prompt is computed once; it waits for a slot until the sibling's prompt is in the sibling's slot
+            (:attr:`ready`). None: it prefills (or reuses a kept prefix) on its own.
     """
 
     seq_id: int
@@ -100,6 +104,7 @@ class BatchSequence:
     probing: bool = False
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [rows, H] per prefill chunk (Medusa/EAGLE)
     processors: LogitsProcessor | None = None  # its logits processors (a grammar), advanced by committed tokens
+    prompt_source: BatchSequence | None = None  # the sibling whose prompt KV it forks (n > 1 choices)
 
     @property
     def state(self) -> RequestState:
@@ -107,6 +112,13 @@ class BatchSequence:
         if self.finish_reason:
             return RequestState.FINISHED
         return RequestState.WAITING if self.slot < 0 else RequestState.RUNNING
+
+    @property
+    def ready(self) -> bool:
+        """May take a slot now: it has no :attr:`prompt_source`, or that sibling's prompt is in its slot, or the
+        sibling has finished (then a kept prefix, if any, serves instead)."""
+        source = self.prompt_source
+        return source is None or bool(source.finish_reason) or (source.slot >= 0 and not source.prompt_left)
 
     @property
     def prompt_left(self) -> int:

@@ -48,8 +48,10 @@ from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from draftwise.server.responses import (
     SSE_DONE,
     chat_body,
+    chat_choice,
     chat_chunk,
     completion_body,
+    completion_choice,
     completion_chunk,
     make_usage,
     sse,
@@ -62,6 +64,7 @@ from draftwise.server.responses_stream import ResponsesStream, sse_event
 from draftwise.server.settings import ServerSettings
 from draftwise.server.text import TextCodec
 from draftwise.server.validation import EngineLimits, GenerationRequest, RequestValidator, cache_scope
+from draftwise.stats import choices_stats
 
 __all__ = ["create_app", "ServerState"]
 
@@ -91,14 +94,17 @@ class ServerState:
         seconds to finish, then fails with ``server_closing`` too. Idempotent."""
         self.engine_loop.close(self.settings.shutdown_grace_s)
 
-    def usage(self, request: GenerationRequest, finished: Finished) -> Usage:
-        """The response's usage object (OpenAI's counts, cached prompt tokens, and the speculative statistics:
-        the method and K this request used, ``"plain"`` and 0 when it turned speculation off)."""
+    def usage(self, request: GenerationRequest, finished: list[Finished]) -> Usage:
+        """The response's usage object over its choices' ``finished`` events (OpenAI's counts: the prompt once,
+        the choices' completion tokens summed; cached prompt tokens, and the speculative statistics summed over
+        the choices: the method and K this request used, ``"plain"`` and 0 when it turned speculation off)."""
         k = self.bundle.core.num_speculative_tokens
         if request.num_speculative_tokens is not None:
             k = request.num_speculative_tokens
         method = self.bundle.method if k > 0 else "plain"
-        return make_usage(len(request.prompt_ids), finished.completion_tokens, finished.stats, method, k)
+        ordered = sorted(finished, key=lambda event: event.index)
+        return make_usage(len(request.prompt_ids), sum(event.completion_tokens for event in ordered),
+                          choices_stats([event.stats for event in ordered]), method, k)
 
 
 def create_app(bundle: EngineBundle, settings: ServerSettings | None = None) -> FastAPI:
@@ -273,34 +279,51 @@ def _keep_response(state: ServerState, body: ResponsesRequest, scope: str, histo
         state.response_store.keep(scope, response["id"], conversation(body, history, response))
 
 
+@dataclass(frozen=True)
+class _ChoiceText:
+    """One choice's whole output: its index, text and finish reason."""
+
+    index: int
+    text: str
+    finish_reason: str
+
+
 class _CompletionFormat:
-    """Shapes of ``/v1/completions`` bodies and chunks."""
+    """Shapes of ``/v1/completions`` bodies and chunks, for each of the request's choices (``index``). With
+    ``echo``, each choice's text starts with the prompt's (streamed: in each choice's first chunk)."""
 
     object_name = "text_completion"
 
     def __init__(self, request: GenerationRequest) -> None:
         self.request_id, self.model, self.created = request.request_id, request.model, int(time.time())
+        self.n, self.echo = request.n, request.echo
 
     def opening(self, include_usage: bool) -> list[dict]:
-        return []
+        if not self.echo:
+            return []
+        return [completion_chunk(self.request_id, self.created, self.model, self.echo, None, include_usage, index)
+                for index in range(self.n)]
 
-    def delta(self, text: str, include_usage: bool) -> list[dict]:
-        return [completion_chunk(self.request_id, self.created, self.model, text, None, include_usage)]
+    def delta(self, text: str, index: int, include_usage: bool) -> list[dict]:
+        return [completion_chunk(self.request_id, self.created, self.model, text, None, include_usage, index)]
 
-    def closing(self, finish_reason: str, include_usage: bool) -> list[dict]:
-        return [completion_chunk(self.request_id, self.created, self.model, "", finish_reason, include_usage)]
+    def closing(self, finish_reason: str, index: int, include_usage: bool) -> list[dict]:
+        return [completion_chunk(self.request_id, self.created, self.model, "", finish_reason, include_usage,
+                                 index)]
 
-    def body(self, text: str, finish_reason: str, usage: Usage) -> dict:
-        return completion_body(self.request_id, self.model, text, finish_reason, usage)
+    def body(self, choices: list[_ChoiceText], usage: Usage) -> dict:
+        return completion_body(self.request_id, self.model,
+                               [completion_choice(c.index, self.echo + c.text, c.finish_reason) for c in choices],
+                               usage)
 
 
 class _ChatFormat(_CompletionFormat):
-    """Shapes of ``/v1/chat/completions`` bodies and chunks (the first chunk carries the role).
+    """Shapes of ``/v1/chat/completions`` bodies and chunks (each choice's first chunk carries the role).
 
-    With a tool parser (a request with tools), the reply is read for tool calls: streamed, the accumulated text
-    is re-parsed at every delta (a speculative step may add several tokens at once), content is sent up to a
-    possible call marker and each call as OpenAI's tool-call deltas; the finish reason of a reply that made
-    calls is ``tool_calls``.
+    With a tool parser (a request with tools), each choice's reply is read for tool calls: streamed, its
+    accumulated text is re-parsed at every delta (a speculative step may add several tokens at once), content is
+    sent up to a possible call marker and each call as OpenAI's tool-call deltas; the finish reason of a reply
+    that made calls is ``tool_calls``.
     """
 
     object_name = "chat.completion.chunk"
@@ -308,38 +331,42 @@ class _ChatFormat(_CompletionFormat):
     def __init__(self, request: GenerationRequest) -> None:
         super().__init__(request)
         self.parser = request.tool_parser
-        self._calls = self.parser.stream() if self.parser is not None else None
-        self._text = ""
+        self._calls = [self.parser.stream() for _ in range(self.n)] if self.parser is not None else None
+        self._texts = [""] * self.n
 
     def opening(self, include_usage: bool) -> list[dict]:
-        return [chat_chunk(self.request_id, self.created, self.model, {"role": "assistant", "content": ""}, None,
-                           include_usage)]
+        return [self._chunk({"role": "assistant", "content": ""}, None, index, include_usage)
+                for index in range(self.n)]
 
-    def delta(self, text: str, include_usage: bool) -> list[dict]:
+    def delta(self, text: str, index: int, include_usage: bool) -> list[dict]:
         if self._calls is None:
-            return [self._chunk({"content": text}, None, include_usage)]
-        self._text += text
-        return [self._chunk(delta, None, include_usage) for delta in self._calls.feed(self._text)]
+            return [self._chunk({"content": text}, None, index, include_usage)]
+        self._texts[index] += text
+        return [self._chunk(delta, None, index, include_usage)
+                for delta in self._calls[index].feed(self._texts[index])]
 
-    def closing(self, finish_reason: str, include_usage: bool) -> list[dict]:
+    def closing(self, finish_reason: str, index: int, include_usage: bool) -> list[dict]:
         if self._calls is None:
-            return [self._chunk({}, finish_reason, include_usage)]
-        chunks = [self._chunk(delta, None, include_usage) for delta in self._calls.finish(self._text)]
-        if self._calls.tool_calls_sent and finish_reason == "stop":
+            return [self._chunk({}, finish_reason, index, include_usage)]
+        calls = self._calls[index]
+        chunks = [self._chunk(delta, None, index, include_usage) for delta in calls.finish(self._texts[index])]
+        if calls.tool_calls_sent and finish_reason == "stop":
             finish_reason = "tool_calls"
-        return chunks + [self._chunk({}, finish_reason, include_usage)]
+        return chunks + [self._chunk({}, finish_reason, index, include_usage)]
 
-    def body(self, text: str, finish_reason: str, usage: Usage) -> dict:
+    def body(self, choices: list[_ChoiceText], usage: Usage) -> dict:
+        return chat_body(self.request_id, self.model, [self._choice(c) for c in choices], usage)
+
+    def _choice(self, choice: _ChoiceText):
         if self.parser is None:
-            return chat_body(self.request_id, self.model, text, finish_reason, usage)
-        parsed = self.parser.extract(text)
+            return chat_choice(choice.index, choice.text, choice.finish_reason)
+        parsed = self.parser.extract(choice.text)
         calls = [call.to_openai() for call in parsed.tool_calls]
-        if calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        return chat_body(self.request_id, self.model, parsed.content, finish_reason, usage, calls)
+        finish_reason = "tool_calls" if calls and choice.finish_reason == "stop" else choice.finish_reason
+        return chat_choice(choice.index, parsed.content, finish_reason, calls)
 
-    def _chunk(self, delta: dict, finish_reason: str | None, include_usage: bool) -> dict:
-        return chat_chunk(self.request_id, self.created, self.model, delta, finish_reason, include_usage)
+    def _chunk(self, delta: dict, finish_reason: str | None, index: int, include_usage: bool) -> dict:
+        return chat_chunk(self.request_id, self.created, self.model, delta, finish_reason, include_usage, index)
 
 
 async def _respond(state: ServerState, request: Request, prepared: GenerationRequest, fmt: _CompletionFormat,
@@ -367,8 +394,10 @@ async def _reply(state: ServerState, request: Request, prepared: GenerationReque
     collected = await _collect(handle, request, state.settings.disconnect_poll_s)
     if collected is None:
         return None
-    text, finished = collected
-    return fmt.body(text, finished.finish_reason, state.usage(prepared, finished))
+    texts, finished = collected
+    choices = [_ChoiceText(event.index, "".join(texts[event.index]), event.finish_reason)
+               for event in sorted(finished, key=lambda event: event.index)]
+    return fmt.body(choices, state.usage(prepared, finished))
 
 
 def _api_key(request: Request) -> str | None:
@@ -405,21 +434,26 @@ async def _watch_disconnect(request: Request, handle: RequestHandle, poll_s: flo
             return
 
 
-async def _collect(handle: RequestHandle, request: Request, poll_s: float) -> tuple[str, Finished] | None:
-    """Wait for a whole generation; None if the client left first.
+async def _collect(handle: RequestHandle, request: Request, poll_s: float
+                   ) -> tuple[list[list[str]], list[Finished]] | None:
+    """Wait for a whole generation: each choice's text parts (by index) and its :class:`Finished`; None if the
+    client left first.
 
     Raises:
         APIError: the generation failed.
     """
     watcher = asyncio.create_task(_watch_disconnect(request, handle, poll_s))
-    parts: list[str] = []
+    parts: list[list[str]] = [[] for _ in range(handle.request.n)]
+    finished: list[Finished] = []
     try:
         while True:
             event = await handle.next_event()
             if isinstance(event, TextDelta):
-                parts.append(event.text)
+                parts[event.index].append(event.text)
             elif isinstance(event, Finished):
-                return "".join(parts), event
+                finished.append(event)
+                if handle.done:
+                    return parts, finished
             elif isinstance(event, Failed):
                 raise _failure(event.error)
             else:
@@ -434,19 +468,23 @@ async def _chunks(state: ServerState, handle: RequestHandle, fmt: _CompletionFor
     """The request's chunks in OpenAI's format (dicts), then its usage chunk when asked; a failure is one
     OpenAI error body (``{"error": ...}``) and ends the chunks. Stops early, without an error, when the request
     was cancelled. ``finally`` cancels the generation (the client left and the response task was cancelled)."""
+    finished: list[Finished] = []
     try:
         for chunk in fmt.opening(include_usage):
             yield chunk
         while True:
             event = await handle.next_event()
             if isinstance(event, TextDelta):
-                for chunk in fmt.delta(event.text, include_usage):
+                for chunk in fmt.delta(event.text, event.index, include_usage):
                     yield chunk
             elif isinstance(event, Finished):
-                for chunk in fmt.closing(event.finish_reason, include_usage):
+                for chunk in fmt.closing(event.finish_reason, event.index, include_usage):
                     yield chunk
+                finished.append(event)
+                if not handle.done:
+                    continue
                 if include_usage:
-                    usage = state.usage(handle.request, event)
+                    usage = state.usage(handle.request, finished)
                     yield usage_chunk(fmt.request_id, fmt.created, fmt.model, fmt.object_name, usage)
                 return
             elif isinstance(event, Failed):

@@ -19,6 +19,11 @@ request not cancelled by its own client ends with exactly one ``Finished`` or ``
 Text is produced in the engine thread (detokenization and stop strings, :class:`OutputText`), so a stop string
 stops the sequence at the next step.
 
+A request with ``n`` choices takes ``n`` seats of the batch at once: it leaves the queue when ``n`` are free, its
+choices are ``n`` sequences added together (choice i with seed + i, the others forking the first one's prompt KV:
+``prompt_source``), each streaming its own text and finishing on its own; the request is recorded once (prompt
+tokens once, generated tokens summed) when its last choice ends, and a failure of one choice fails them all.
+
 Failures: every request reaching this loop has passed request validation (:mod:`draftwise.server.validation`),
 which refuses whatever :meth:`EngineCore.add` would; so any exception from here on, whatever its type, is the
 server's fault (a 5xx) and counts in :attr:`EngineLoop.health`. A failure fails only the requests whose
@@ -35,7 +40,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from draftwise.engine import BatchSequence, EngineCore, StepInfo
 from draftwise.machine import release_openmp_threads
@@ -44,7 +49,7 @@ from draftwise.server.health import EngineHealth
 from draftwise.server.metrics import RequestRecord
 from draftwise.server.text import OutputText
 from draftwise.server.validation import GenerationRequest
-from draftwise.stats import hybrid_steps_line
+from draftwise.stats import choices_stats, hybrid_steps_line
 
 __all__ = ["EngineLoop"]
 
@@ -53,15 +58,30 @@ logger = logging.getLogger(__name__)
 THREAD_NAME = "draftwise-batch-engine"
 
 
-@dataclass
-class _Running:
-    """A request inside the engine: its job, sequence, text state and timings (``time.perf_counter()``)."""
+@dataclass(eq=False)
+class _Request:
+    """A request inside the engine: its job, its choices and timings (``time.perf_counter()``)."""
 
     job: Job
-    sequence: BatchSequence
-    output: OutputText
     started: float
     first_token_at: float | None = None
+    choices: list[_Running] = field(default_factory=list)
+    left: int = 0  # choices still in the batch
+
+
+@dataclass(eq=False)
+class _Running:
+    """One choice of a request inside the engine: its sequence, text state and how it ended."""
+
+    request: _Request
+    index: int
+    sequence: BatchSequence
+    output: OutputText
+    reason: str = ""  # set when it left the batch
+
+    @property
+    def job(self) -> Job:
+        return self.request.job
 
 
 class EngineLoop:
@@ -87,8 +107,8 @@ class EngineLoop:
         self._max_waiting = max_waiting
         self._record_step = record_step
         self._waiting: deque[Job] = deque()
-        self._active: dict[int, _Running] = {}  # seq_id -> running request (the engine thread writes)
-        self._num_active = 0  # what num_running reports (jobs taken from the queue and not yet ended)
+        self._active: dict[int, _Running] = {}  # seq_id -> running choice (the engine thread writes)
+        self._num_active = 0  # what num_running reports (seats of jobs taken from the queue and not yet ended)
         self._wakeup = threading.Condition()  # guards the queue, the running state, _closing and _stopped
         self._closing = False
         self._stopped = False
@@ -171,9 +191,10 @@ class EngineLoop:
 
     @property
     def num_running(self) -> int:
-        """Requests in the running batch, or about to join it at the next step (at most ``core.max_num_seqs``)."""
+        """Sequences (a request's choices) in the running batch, or about to join it at the next step (at most
+        ``core.max_num_seqs``)."""
         with self._wakeup:
-            return min(self._core.max_num_seqs, self._num_active + len(self._waiting))
+            return min(self._core.max_num_seqs, self._num_active + sum(job.request.n for job in self._waiting))
 
     @property
     def num_waiting(self) -> int:
@@ -182,8 +203,14 @@ class EngineLoop:
             return self._num_queued()
 
     def _num_queued(self) -> int:
-        """Queued jobs beyond the free slots (call under the lock): the ones really waiting."""
-        return max(0, len(self._waiting) - (self._core.max_num_seqs - self._num_active))
+        """Queued jobs beyond the free seats (call under the lock): the ones really waiting (a job of n choices
+        needs n seats)."""
+        free = self._core.max_num_seqs - self._num_active
+        for taken, job in enumerate(self._waiting):
+            free -= job.request.n
+            if free < 0:
+                return len(self._waiting) - taken
+        return 0
 
     def _withdraw(self, job: Job) -> None:
         """Take a cancelled job out of the queue, if it is still there (else the engine thread has it)."""
@@ -198,8 +225,8 @@ class EngineLoop:
         """End of the grace period: fail the running requests (their handles get the event now, even if the
         engine is in the middle of a long step) and have the engine thread drop them at its next step."""
         with self._wakeup:
-            jobs = [running.job for running in self._active.values()]
-        for job in jobs:
+            requests = {running.request for running in self._active.values()}  # a request's choices share it
+        for job in (request.job for request in requests):
             job.cancelled.set()
             job.end(Failed(ServerClosingError("the server shut down before the request finished")))
 
@@ -220,9 +247,9 @@ class EngineLoop:
             if self._stopped:
                 return None
             jobs = []
-            while self._waiting and self._num_active < self._core.max_num_seqs:
+            while self._waiting and self._num_active + self._waiting[0].request.n <= self._core.max_num_seqs:
                 jobs.append(self._waiting.popleft())
-                self._num_active += 1
+                self._num_active += jobs[-1].request.n
             return jobs
 
     def _serve(self) -> None:
@@ -258,26 +285,36 @@ class EngineLoop:
                     self._deliver_guarded(running, output.token_ids, output.finished, now)
 
     def _admit(self, job: Job) -> None:
-        """Hand a queued job to the engine (it joins the batch at the next step)."""
+        """Hand a queued job's choices to the engine (they join the batch at the next step; the first prefills
+        the prompt, the others fork it)."""
         if job.cancelled.is_set():
-            self._end_job()
+            self._end_job(job)
             self._record_unfinished(job, "abort", "abandoned by its client while waiting")
             return
         request = job.request
+        sequences: list[BatchSequence] = []
         try:
-            sequence = self._core.add(request.prompt_ids, request.params, scope=request.scope,
-                                      num_speculative_tokens=request.num_speculative_tokens,
-                                      arrival_s=request.arrival_s, processors=request.processors)
+            for index in range(request.n):
+                sequences.append(self._core.add(
+                    request.prompt_ids, request.choice_params(index), scope=request.scope,
+                    num_speculative_tokens=request.num_speculative_tokens, arrival_s=request.arrival_s,
+                    processors=request.choice_processors_of(index), prompt_source=sequences[0] if index else None))
         except Exception as exc:  # validation refused what add() refuses: this is the server's fault
             logger.exception("%s: the engine refused a validated request", request.request_id)
+            for sequence in sequences:
+                self._core.cancel(sequence)
             self.health.failed(exc)
-            self._end_job()
+            self._end_job(job)
             job.end(Failed(exc))
             self._record_unfinished(job, "error", f"refused by the engine: {type(exc).__name__}: {exc}")
             return
-        output = OutputText(self._decode, request.prompt_ids, request.stops)
+        running = _Request(job, time.perf_counter(), left=len(sequences))
+        running.choices = [_Running(running, index, sequence, OutputText(self._decode, request.prompt_ids,
+                                                                         request.stops))
+                           for index, sequence in enumerate(sequences)]
         with self._wakeup:
-            self._active[sequence.seq_id] = _Running(job, sequence, output, time.perf_counter())
+            for choice in running.choices:
+                self._active[choice.sequence.seq_id] = choice
 
     def _drop_cancelled(self) -> None:
         """Cancel the sequences whose client left (or whose request shutdown failed): frees their slots."""
@@ -299,11 +336,11 @@ class EngineLoop:
     def _deliver(self, running: _Running, token_ids: list[int], finished: bool, now: float) -> None:
         """Stream a step's tokens of one sequence; finish it when the engine or a stop string ends it."""
         job = running.job
-        if token_ids and running.first_token_at is None:
-            running.first_token_at = now
+        if token_ids and running.request.first_token_at is None:
+            running.request.first_token_at = now
         text = running.output.add_tokens(token_ids)
         if text:
-            job.post(TextDelta(text))
+            job.post(TextDelta(text, running.index))
         if running.output.stopped and not finished:
             self._core.cancel(running.sequence)  # a stop string: the sequence leaves the batch now
             finished = True
@@ -314,11 +351,11 @@ class EngineLoop:
             return
         tail = running.output.finish()
         if tail:
-            job.post(TextDelta(tail))
+            job.post(TextDelta(tail, running.index))
         result = running.sequence.result
         reason = "stop" if running.output.stopped else result.finish_reason
         self._finish(running, reason)  # recorded first: a client reading /metrics after its response finds it
-        job.end(Finished(reason, running.output.num_tokens, result.stats))
+        job.end(Finished(reason, running.output.num_tokens, result.stats, running.index))
 
     def _fail_all(self, error: BaseException) -> None:
         self._core.abort_all("error")
@@ -326,35 +363,54 @@ class EngineLoop:
             self._fail(running, error)
 
     def _fail(self, running: _Running, error: BaseException) -> None:
-        """End a request with :class:`Failed` (its sequence has already left the engine) and record it."""
-        logger.error("%s: engine failure: %s: %s", running.job.request.request_id, type(error).__name__, error)
+        """End a request with :class:`Failed` (the failed choice's sequence has already left the engine; its
+        other choices are cancelled) and record it."""
         if running.sequence.seq_id in self._active:
-            self._finish(running, "error")
+            logger.error("%s: engine failure: %s: %s", running.job.request.request_id, type(error).__name__, error)
+        for choice in running.request.choices:
+            if choice.sequence.seq_id in self._active:
+                if choice is not running:
+                    self._core.cancel(choice.sequence)
+                self._finish(choice, "error")
         running.job.end(Failed(error))
 
-    def _end_job(self) -> None:
+    def _end_job(self, job: Job) -> None:
+        """A job taken from the queue never reached the engine: its seats are free again."""
         with self._wakeup:
-            self._num_active -= 1
+            self._num_active -= job.request.n
 
     def _finish(self, running: _Running, finish_reason: str) -> None:
-        """Record a request that left the batch and free its place in the count."""
+        """A choice left the batch: free its seat; once the request's last choice has left, record the request."""
         with self._wakeup:
             del self._active[running.sequence.seq_id]
             self._num_active -= 1
+        running.reason = finish_reason
+        running.request.left -= 1
+        if running.request.left == 0:
+            self._record_request(running.request)
+
+    def _record_request(self, running: _Request) -> None:
+        """Record a request whose choices have all left the batch (its reason: ``"error"`` or ``"abort"`` when any
+        choice ended so, else the first choice's)."""
         request = running.job.request
-        stats = running.sequence.result.stats if running.sequence.result is not None else None
+        reasons = [choice.reason for choice in running.choices]
+        reason = next((r for r in ("error", "abort") if r in reasons), reasons[0])
+        results = [choice.sequence.result for choice in running.choices]
+        stats = choices_stats([r.stats for r in results]) if all(r is not None for r in results) else None
+        generated = sum(choice.output.num_tokens for choice in running.choices)
         now = time.perf_counter()
         self._record(RequestRecord(
-            finished_reason=finish_reason,
+            finished_reason=reason,
             prompt_tokens=len(request.prompt_ids),
-            generation_tokens=running.output.num_tokens,
+            generation_tokens=generated,
             queue_time_s=running.started - request.arrival_s,
             ttft_s=None if running.first_token_at is None else running.first_token_at - request.arrival_s,
             e2e_s=now - request.arrival_s,
             stats=stats,
         ))
-        logger.info("%s: %s, %d prompt + %d generated tokens in %.2f s (queued %.2f s)%s",
-                    request.request_id, finish_reason, len(request.prompt_ids), running.output.num_tokens,
+        choices = f" ({request.n} choices)" if request.n > 1 else ""
+        logger.info("%s: %s, %d prompt + %d generated tokens%s in %.2f s (queued %.2f s)%s",
+                    request.request_id, reason, len(request.prompt_ids), generated, choices,
                     now - running.started, running.started - request.arrival_s, _speculation(stats))
 
     def _record_unfinished(self, job: Job, finished_reason: str, why: str) -> None:

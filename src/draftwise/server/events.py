@@ -1,9 +1,10 @@
 """A request's life between the event loop and the engine thread: its events and its handle.
 
 The engine loop (:class:`draftwise.server.engine_loop.EngineLoop`) runs the engine in a dedicated thread; the
-asyncio side reads what happens to a request as events (:class:`TextDelta`, then exactly one :class:`Finished`,
-:class:`Failed` or :class:`Aborted`) from its :class:`RequestHandle`, through a per-request
-:class:`asyncio.Queue`. A :class:`Job` is the state the two sides share.
+asyncio side reads what happens to a request as events from its :class:`RequestHandle`, through a per-request
+:class:`asyncio.Queue`: :class:`TextDelta` s, and one :class:`Finished` per choice (``n`` of them, each with its
+choice's ``index``), unless a :class:`Failed` or :class:`Aborted` ends the request first. A :class:`Job` is the
+state the two sides share.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ __all__ = ["Aborted", "Event", "Failed", "Finished", "Job", "QueueFullError", "R
 # ---------------------------------------------------------------------- events (engine thread -> event loop)
 @dataclass(frozen=True)
 class TextDelta:
-    """New output text (never empty)."""
+    """New output text (never empty) of choice ``index``."""
 
     text: str
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,13 @@ class Finished:
         completion_tokens: generated tokens counted for ``usage`` (up to and including the token that
             completed a stop string).
         stats: the engine's statistics for the request.
+        index: the choice that finished (``0..n-1``); the request is complete once all ``n`` have.
     """
 
     finish_reason: str
     completion_tokens: int
     stats: SpeculativeStats
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class Job:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = threading.Event()  # stop working on it (client gone, or shutdown)
         self._ended = False
+        self._choices_left = request.n  # choices whose Finished is still to come
         self._end_lock = threading.Lock()
 
     def post(self, event: Event) -> None:
@@ -88,22 +93,26 @@ class Job:
             self.cancelled.set()
 
     def end(self, event: Finished | Failed) -> bool:
-        """Post the request's terminal event unless one was posted already; True if this call posted it."""
+        """Post a choice's :class:`Finished` or the request's :class:`Failed` unless the request has ended (all its
+        choices finished, or it failed); True if this call posted it."""
         with self._end_lock:
             if self._ended:
                 return False
-            self._ended = True
+            self._choices_left -= 1
+            self._ended = isinstance(event, Failed) or self._choices_left == 0
         self.post(event)
         return True
 
 
 class RequestHandle:
-    """The event-loop side of a queued request. Read events with :meth:`next_event` until a
-    :class:`Finished`, :class:`Failed` or :class:`Aborted`; call :meth:`cancel` when the client leaves."""
+    """The event-loop side of a queued request. Read events with :meth:`next_event` until :attr:`done` (every
+    choice's :class:`Finished`, or a :class:`Failed` or :class:`Aborted`); call :meth:`cancel` when the client
+    leaves."""
 
     def __init__(self, job: Job, withdraw: Callable[[Job], None]) -> None:
         self._job = job
         self._withdraw = withdraw
+        self._choices_left = job.request.n
         self.done = False
 
     @property
@@ -114,7 +123,9 @@ class RequestHandle:
     async def next_event(self) -> Event:
         """Wait for the next event (must be awaited on the loop that submitted the request)."""
         event = await self._job.events.get()
-        if isinstance(event, (Finished, Failed, Aborted)):
+        if isinstance(event, Finished):
+            self._choices_left -= 1
+        if isinstance(event, (Failed, Aborted)) or self._choices_left == 0:
             self.done = True
         return event
 

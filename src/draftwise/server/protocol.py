@@ -1,8 +1,8 @@
 """OpenAI request and response schemas (the subset draftwise serves), as pydantic models.
 
 Requests are validated strictly (a string where a number belongs is a 400, not a silent conversion); fields
-this server does not know are accepted and ignored, as vLLM does. Fields it knows but cannot honour (``n``
-> 1, logprobs, tools, penalties...) are rejected with a 400 by :mod:`draftwise.server.validation`.
+this server does not know are accepted and ignored, as vLLM does. Fields it knows but cannot honour
+(``best_of`` > ``n``, logprobs, penalties...) are rejected with a 400 by :mod:`draftwise.server.validation`.
 
 vLLM's extra sampling fields ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted too (pass them
 with the OpenAI client's ``extra_body``), and draftwise's ``sampling`` (``"coupled"`` or ``"rejection"``).
@@ -79,7 +79,9 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of one of either."""
+    """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of one of either;
+    ``suffix``: the text after the cursor (fill-in-the-middle, :mod:`draftwise.server.fim`); ``echo``: the prompt's
+    text before each choice's."""
 
     prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False

@@ -17,8 +17,8 @@ from draftwise.server.protocol import (
 )
 from draftwise.stats import SpeculativeStats
 
-__all__ = ["make_usage", "completion_body", "chat_body", "completion_chunk", "chat_chunk", "usage_chunk",
-           "sse", "SSE_DONE"]
+__all__ = ["make_usage", "completion_choice", "chat_choice", "completion_body", "chat_body", "completion_chunk",
+           "chat_chunk", "usage_chunk", "sse", "SSE_DONE"]
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -47,39 +47,47 @@ def make_usage(prompt_tokens: int, completion_tokens: int, stats: SpeculativeSta
                  speculative=speculative)
 
 
-def completion_body(request_id: str, model: str, text: str, finish_reason: str, usage: Usage) -> dict:
-    """A ``text_completion`` object."""
-    return CompletionResponse(
-        id=request_id, created=int(time.time()), model=model,
-        choices=[CompletionChoice(text=text, finish_reason=finish_reason)], usage=usage,
-    ).model_dump()
+def completion_choice(index: int, text: str, finish_reason: str) -> CompletionChoice:
+    """One choice of a ``text_completion`` object."""
+    return CompletionChoice(index=index, text=text, finish_reason=finish_reason)
 
 
-def chat_body(request_id: str, model: str, text: str | None, finish_reason: str, usage: Usage,
-              tool_calls: list[dict] | None = None) -> dict:
-    """A ``chat.completion`` object (``text`` None: a reply of tool calls only)."""
+def chat_choice(index: int, text: str | None, finish_reason: str, tool_calls: list[dict] | None = None
+                ) -> ChatChoice:
+    """One choice of a ``chat.completion`` object (``text`` None: a reply of tool calls only)."""
     message = ChatMessageOut(content=text, tool_calls=tool_calls or None)
-    return ChatCompletionResponse(
-        id=request_id, created=int(time.time()), model=model,
-        choices=[ChatChoice(message=message, finish_reason=finish_reason)], usage=usage,
-    ).model_dump()
+    return ChatChoice(index=index, message=message, finish_reason=finish_reason)
+
+
+def completion_body(request_id: str, model: str, choices: list[CompletionChoice], usage: Usage) -> dict:
+    """A ``text_completion`` object (``choices`` in index order; usage over all of them)."""
+    return CompletionResponse(id=request_id, created=int(time.time()), model=model, choices=choices,
+                              usage=usage).model_dump()
+
+
+def chat_body(request_id: str, model: str, choices: list[ChatChoice], usage: Usage) -> dict:
+    """A ``chat.completion`` object (``choices`` in index order; usage over all of them)."""
+    return ChatCompletionResponse(id=request_id, created=int(time.time()), model=model, choices=choices,
+                                  usage=usage).model_dump()
 
 
 def completion_chunk(request_id: str, created: int, model: str, text: str, finish_reason: str | None,
-                     include_usage: bool) -> dict:
-    """A streamed ``text_completion`` chunk (``usage: null`` when the client asked for usage)."""
+                     include_usage: bool, index: int = 0) -> dict:
+    """A streamed ``text_completion`` chunk of choice ``index`` (``usage: null`` when the client asked for
+    usage)."""
     chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
 def chat_chunk(request_id: str, created: int, model: str, delta: dict, finish_reason: str | None,
-               include_usage: bool) -> dict:
-    """A ``chat.completion.chunk`` (``delta``: ``{"role": ...}``, ``{"content": ...}`` or ``{}``)."""
+               include_usage: bool, index: int = 0) -> dict:
+    """A ``chat.completion.chunk`` of choice ``index`` (``delta``: ``{"role": ...}``, ``{"content": ...}`` or
+    ``{}``)."""
     chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
     if include_usage:
         chunk["usage"] = None
     return chunk

@@ -4,8 +4,10 @@ name (:func:`public_model_name`)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from draftwise.server.generation_config import GenerationDefaults
 
 __all__ = ["ServerSettings", "public_model_name", "DEFAULT_MAX_TOKENS", "DEFAULT_MAX_REQUEST_BYTES",
            "DEFAULT_SHUTDOWN_GRACE_S", "DEFAULT_TOKENIZER_COPIES"]
@@ -64,6 +66,9 @@ class ServerSettings:
             template (:func:`~draftwise.server.tool_parsers.detect_tool_parser`); ``"none"``: tools refused.
         enable_docs: serve the OpenAPI schema and its viewers (``/openapi.json``, ``/docs``, ``/redoc``),
             behind the API key like ``/v1`` when one is set. Off: those paths are 404s.
+        generation_defaults: sampling defaults (the model's ``generation_config.json``, ``serve
+            --generation-config``) applied to the fields a request does not send, before validation; empty:
+            OpenAI's defaults.
 
     Raises:
         ValueError: out-of-range values.
@@ -80,6 +85,7 @@ class ServerSettings:
     tokenizer_copies: int = DEFAULT_TOKENIZER_COPIES
     enable_docs: bool = False
     tool_call_parser: str | None = None
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from draftwise.models.loading import LoadedModel
+from draftwise.server.fim import FimFormat, detect_fim
 from draftwise.structured.grammar import TokenVocabulary
 
 __all__ = ["TextCodec", "IncrementalDetokenizer", "StopStringMatcher", "OutputText", "PROMPT_CONTEXT_TOKENS"]
@@ -52,6 +53,8 @@ class TextCodec:
         self._chat_template = chat_template
         self._decoder = _private_copy(model)
         self._encoders = _ModelPool(model, copies)
+        self._fim: FimFormat | None | bool = False  # False: not looked up yet
+        self._fim_lock = threading.Lock()
 
     @property
     def has_chat_template(self) -> bool:
@@ -93,9 +96,50 @@ class TextCodec:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
+    def encode_fim(self, prefix: str | Sequence[int], suffix: str) -> list[int] | None:
+        """A fill-in-the-middle prompt (:mod:`draftwise.server.fim`): ``prefix`` (text, or token ids taken as
+        they are) and ``suffix`` (text) in the model's FIM order, the FIM tokens as single ids; None when the
+        model's vocabulary has no FIM tokens."""
+        fim = self.fim_format()
+        if fim is None:
+            return None
+        with self._encoders.borrow() as model:
+            prefix_ids = list(prefix) if not isinstance(prefix, str) else _plain_ids(model, prefix)
+            return fim.prompt_ids(prefix_ids, _plain_ids(model, suffix))
+
+    def fim_format(self) -> FimFormat | None:
+        """The model's FIM tokens (looked up in its vocabulary once), or None."""
+        with self._fim_lock:
+            if self._fim is False:
+                with self._encoders.borrow() as model:
+                    self._fim = _fim_of(model.tokenizer)
+            return self._fim
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Ids -> text (special tokens skipped) from any thread (a prompt given as ids, echoed back)."""
+        with self._encoders.borrow() as model:
+            return model.decode(list(token_ids))
+
     def decode(self, token_ids: list[int]) -> str:
         """Ids -> text, special tokens skipped. For the engine thread only (it owns the decoding copy)."""
         return self._decoder.decode(token_ids)
+
+
+def _plain_ids(model: LoadedModel, text: str) -> list[int]:
+    """Text -> ids without the special tokens a tokenizer adds (BOS), for a piece inside a FIM prompt."""
+    try:
+        return [int(t) for t in model.tokenizer.encode(text, add_special_tokens=False)]
+    except TypeError:  # a tokenizer without the flag (llama.cpp's)
+        return model.encode(text)
+
+
+def _fim_of(tokenizer) -> FimFormat | None:
+    """The FIM format of a tokenizer's vocabulary (``get_vocab()``, with added special tokens), or None."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    adds_bos = getattr(tokenizer, "add_bos_token", False)
+    return detect_fim(get_vocab(), getattr(tokenizer, "bos_token_id", None) if adds_bos else None)
 
 
 def _copyable(model: LoadedModel) -> bool:

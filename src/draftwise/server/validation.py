@@ -61,7 +61,12 @@ class GenerationRequest:
         grammar: what the output must match (``response_format``, a forced ``tool_choice``, vLLM's
             ``guided_*`` / ``structured_outputs``), or None.
         processors: the request's logits processors (the compiled grammar's), applied by the engine to every
-            draft and verification row; None: none.
+            draft and verification row; None: none. Those of choice 0 when ``n`` > 1.
+        n: the number of choices (1 <= n <= the engine's ``max_num_seqs``), run as a batch sharing the prompt's
+            KV state; choice i samples with seed ``params.seed + i`` (vLLM's convention), so each is
+            reproducible alone.
+        choice_processors: the processors of choices 1..n-1 (each its own state), in order; empty when n == 1.
+        echo: text prepended to each choice's text (``echo``: the prompt's text), ``""`` for none.
     """
 
     request_id: str
@@ -75,6 +80,19 @@ class GenerationRequest:
     tool_parser: ToolParser | None = None
     grammar: GrammarSpec | None = None
     processors: ProcessorChain | None = None
+    n: int = 1
+    choice_processors: tuple[ProcessorChain | None, ...] = ()
+    echo: str = ""
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice ``index``'s sampling parameters: the request's, with seed ``seed + index`` when it has a seed."""
+        if index == 0 or self.params.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=self.params.seed + index)
+
+    def choice_processors_of(self, index: int) -> ProcessorChain | None:
+        """Choice ``index``'s logits processors (:attr:`processors` for choice 0)."""
+        return self.processors if index == 0 else self.choice_processors[index - 1]
 
 
 @dataclass(frozen=True)
@@ -85,16 +103,19 @@ class EngineLimits:
         max_context: the context length in tokens (a prompt must be shorter).
         vocab_size: the width of the target's logits (valid token ids are below it).
         max_k: the engine's K (a request's ``num_speculative_tokens`` must be in 0..max_k; 0: plain decoding).
+        max_num_seqs: sequences the engine runs at once (a request's ``n`` choices run together, so at most this).
     """
 
     max_context: int
     vocab_size: int
     max_k: int = 0
+    max_num_seqs: int = 1
 
     @classmethod
     def of(cls, core: EngineCore) -> EngineLimits:
         """The limits :meth:`EngineCore.add` checks, read from the core and its slot backend."""
-        return cls(core.backend.max_context, core.backend.vocab_size, core.num_speculative_tokens)
+        return cls(core.backend.max_context, core.backend.vocab_size, core.num_speculative_tokens,
+                   core.max_num_seqs)
 
 
 def cache_scope(api_key: str | None, user: str | None) -> str:
@@ -126,6 +147,7 @@ class RequestValidator:
         self._codec = codec
         self._limits = limits
         self._default_max_tokens = settings.default_max_tokens
+        self._generation_defaults = settings.generation_defaults
         self.target_name = public_model_name(model_name)
         self.served_names = settings.served_model_names or (self.target_name,)
         self.tool_parser = _tool_parser(settings.tool_call_parser, codec.chat_template)
@@ -156,13 +178,16 @@ class RequestValidator:
         """
         arrival = time.perf_counter()
         model = self.check_model(request.model)
+        request = self._generation_defaults.apply(request)
         _reject_unsupported_common(request)
         _reject_unsupported_completion(request)
         _check_extra_fields(request)
         grammar = output_grammar(request)
-        prompt_ids = self._completion_prompt(request.prompt)
+        prompt = self._single_prompt(request.prompt)
+        prompt_ids = self._completion_prompt(prompt, request.suffix)
+        echo = self._echo_text(prompt) if request.echo else ""
         return self._build("cmpl", request, _Prompt(prompt_ids, "prompt", model, arrival, api_key),
-                           request.max_tokens, "max_tokens", grammar=grammar)
+                           request.max_tokens, "max_tokens", grammar=grammar, echo=echo)
 
     def chat(self, request: ChatCompletionRequest, api_key: str | None = None) -> GenerationRequest:
         """Validate and template a chat request.
@@ -176,6 +201,7 @@ class RequestValidator:
         """
         arrival = time.perf_counter()
         model = self.check_model(request.model)
+        request = self._generation_defaults.apply(request)
         _reject_unsupported_common(request)
         _reject_unsupported_chat(request)
         _check_extra_fields(request)
@@ -212,15 +238,36 @@ class RequestValidator:
         return BareJsonFallback(self.tool_parser, [tool["function"]["name"] for tool in tools])
 
     # ------------------------------------------------------------------ prompts
-    def _completion_prompt(self, prompt: str | list) -> list[int]:
+    @staticmethod
+    def _single_prompt(prompt: str | list) -> str | list[int]:
+        """The one prompt of a completion request (a string or token ids). Raises RequestError for a batch."""
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise RequestError(f"batched prompts are not supported: send one prompt per request "
                                    f"(got {len(prompt)})", param="prompt")
             prompt = prompt[0]
-        if isinstance(prompt, str) and not prompt:
+        return prompt
+
+    def _completion_prompt(self, prompt: str | list[int], suffix: str | None) -> list[int]:
+        """The prompt's ids; with a ``suffix``, the fill-in-the-middle prompt (:mod:`draftwise.server.fim`).
+
+        Raises:
+            RequestError: an empty prompt; a suffix on a model without FIM tokens (naming ``suffix``).
+        """
+        if isinstance(prompt, str) and not prompt and suffix is None:
             raise RequestError("the prompt is empty: give at least one character or token id", param="prompt")
+        if suffix is not None:
+            ids = self._codec.encode_fim(prompt, suffix)
+            if ids is None:
+                raise RequestError(f"model '{self.target_name}' has no fill-in-the-middle tokens in its vocabulary "
+                                   "(such as Qwen2.5-Coder's <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>), so "
+                                   "'suffix' cannot be served: leave it out", param="suffix")
+            return ids
         return self._codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        """The prompt's text, as ``echo`` prepends it to each choice (ids are decoded, special tokens skipped)."""
+        return prompt if isinstance(prompt, str) else self._codec.detokenize(prompt)
 
     def _chat_prompt(self, messages: list[ChatMessage], tools: list[dict] | None) -> list[int]:
         if not messages:
@@ -292,11 +339,12 @@ class RequestValidator:
             raise RequestError(f"{grammar.field} cannot be followed: {exc}", param=grammar.field) from exc
 
     def _build(self, kind: str, request, prompt: _Prompt, max_tokens: int | None, max_param: str, *,
-               tool_parser: ToolParser | None = None, grammar: RequestedGrammar | None = None,
+               tool_parser: ToolParser | None = None, grammar: RequestedGrammar | None = None, echo: str = "",
                ) -> GenerationRequest:
         self._check_prompt_ids(prompt.ids, prompt.param)
         limit = self._max_tokens(len(prompt.ids), max_tokens, max_param)
         self._check_stop_token_ids(request.stop_token_ids)
+        n = self._choices(request)
         return GenerationRequest(
             request_id=f"{kind}-{uuid.uuid4().hex}",
             prompt_ids=tuple(prompt.ids),
@@ -309,7 +357,25 @@ class RequestValidator:
             tool_parser=tool_parser,
             grammar=grammar.spec if grammar is not None else None,
             processors=self._processors(grammar),
+            n=n,
+            choice_processors=tuple(self._processors(grammar) for _ in range(n - 1)),
+            echo=echo,
         )
+
+    def _choices(self, request) -> int:
+        """The request's ``n``: 1..the engine's ``max_num_seqs`` (its choices run together), and with a seed,
+        ``seed + n - 1`` still a valid seed (choice i samples with ``seed + i``).
+
+        Raises:
+            RequestError: naming ``n`` or ``seed``.
+        """
+        n = 1 if request.n is None else request.n
+        max_n = self._limits.max_num_seqs
+        _reject(n > max_n, f"n={n} is more than this server runs at once (--max-num-seqs {max_n}): the choices of "
+                f"a request run together, so n must be at most {max_n}", "n")
+        _reject(request.seed is not None and n > 1 and request.seed + n - 1 >= 2**63,
+                f"with n={n}, choice i samples with seed + i, so the seed must be below 2**63 - {n - 1}", "seed")
+        return n
 
     def _request_k(self, requested: int | None) -> int | None:
         if requested is None:
@@ -474,8 +540,6 @@ def _reject_unsupported_common(request) -> None:
     """Fields that would change the output in ways this server does not implement -> 400 (never ignored)."""
     n = 1 if request.n is None else request.n
     _reject(n < 1, f"'n' must be at least 1, got {n}", "n")
-    _reject(n > 1, f"n={n} is not supported: this server returns one choice per request; "
-            "send n separate requests (with different seeds) instead", "n")
     _reject(request.presence_penalty not in (None, 0, 0.0), "presence_penalty is not supported", "presence_penalty")
     _reject(request.frequency_penalty not in (None, 0, 0.0), "frequency_penalty is not supported",
             "frequency_penalty")
@@ -488,18 +552,31 @@ def _reject_unsupported_common(request) -> None:
 
 
 def _reject_unsupported_completion(request: CompletionRequest) -> None:
-    _reject(request.echo, "echo is not supported", "echo")
-    _reject(request.suffix is not None, "suffix is not supported", "suffix")
-    _reject(request.best_of is not None and request.best_of < 1,
-            f"'best_of' must be at least 1, got {request.best_of}", "best_of")
-    _reject(request.best_of is not None and request.best_of > 1,
-            f"best_of={request.best_of} is not supported: this server generates one completion per request "
-            "(send best_of 1 or leave it unset)", "best_of")
+    _reject(request.echo and request.logprobs is not None, "echo with logprobs is not supported yet: send one "
+            "or the other", "echo")
+    _check_best_of(request)
     _reject(request.logprobs is not None, "logprobs are not supported", "logprobs")
     extra = request.model_extra or {}  # chat fields sent to the completions endpoint change nothing here: refuse
     _reject(bool(extra.get("tools")) or bool(extra.get("functions")),
             "tools are served on /v1/chat/completions (and /v1/responses), not on /v1/completions", "tools")
     _reject(extra.get("top_logprobs") not in (None, 0), "logprobs are not supported", "top_logprobs")
+
+
+def _check_best_of(request: CompletionRequest) -> None:
+    """``best_of``: unset, or equal to ``n`` (every candidate is returned). Ranking more candidates than are
+    returned (``best_of`` > ``n``, by each candidate's mean token logprob) is not served yet.
+
+    Raises:
+        RequestError: naming ``best_of``.
+    """
+    n = 1 if request.n is None else request.n
+    best_of = request.best_of
+    if best_of is None:
+        return
+    _reject(best_of < 1, f"'best_of' must be at least 1, got {best_of}", "best_of")
+    _reject(best_of < n, f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
+    _reject(best_of > n, f"best_of={best_of} is not supported with n={n} yet (the server does not rank candidates): "
+            f"send best_of equal to n, or leave it unset", "best_of")
 
 
 def _reject_unsupported_chat(request: ChatCompletionRequest) -> None:
