@@ -72,6 +72,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = None
     # draftwise extra: "coupled" or "rejection" (unset: coupled with a seed); validated in validation.py
     sampling: str | None = None
     # draftwise extra: this request's K, 0..the server's K (0: plain decoding); unset: the server's policy
