@@ -113,6 +113,20 @@ def test_draft_trees_with_every_field_are_exact(tiny_pair, width, k):
         assert result.stats.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 4, "min_p": 0.1}])
+def test_a_draft_model_drafts_from_the_processed_distribution(tiny_pair, sampling):
+    """The target's own weights as the draft accept every draft token only if the draft's rows are processed
+    with the same fields and paths as the target's."""
+    target, _ = tiny_pair
+    same = build_lean(tiny_llama(3).model, quantization=MODE, name="same")
+    params = SamplingParams(**{**TINY_FIELDS, **sampling})
+    spec = one_slot_core(target, DraftModelProposer(same, 96), 4, [1])
+    result = run(spec, [5, 6, 7, 5, 6, 7, 5, 6], params)
+    assert result.token_ids == run(one_slot_core(target, eos_token_ids=[1]), [5, 6, 7, 5, 6, 7, 5, 6],
+                                   params).token_ids
+    assert result.stats.num_accepted_tokens == result.stats.num_draft_tokens > 0
+
+
 def test_requests_with_different_fields_in_one_batch_equal_each_alone(tiny_pair):
     target, _ = tiny_pair
     hf = tiny_llama(3).model

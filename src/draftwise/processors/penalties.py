@@ -145,5 +145,5 @@ class _SeenTokens:
         return column
 
     def _grow(self) -> None:
-        self.tokens, self.output_counts, self.in_prompt = (
-            np.concatenate([array, np.zeros_like(array)]) for array in (self.tokens, self.output_counts, self.in_prompt))
+        arrays = (self.tokens, self.output_counts, self.in_prompt)
+        self.tokens, self.output_counts, self.in_prompt = (np.concatenate([a, np.zeros_like(a)]) for a in arrays)
