@@ -320,7 +320,7 @@ class EngineCore:
         sequence, proposal = scheduled.sequence, scheduled.proposal
         context_len = len(sequence.context)
         logits = out.logits[scheduled.logit_rows]  # [1 + rows of the draft, V]
-        sequence.stats.processor_time_s += process_rows(sequence.processors, logits, proposal)  # a grammar's masks
+        sequence.stats.processor_time_s += process_rows(sequence.processors, logits, proposal)  # grammar, penalties
         result = verify(proposal.token_ids, proposal.node_parents, proposal.draft_probs, logits, sequence.sampler,
                         context_len)
         keep = self._roll_back(sequence, context_len, result)

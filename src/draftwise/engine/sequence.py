@@ -73,9 +73,9 @@ class BatchSequence:
         controller: its own K policy (:class:`~draftwise.speculation.controller.KController`, e.g. AutoK), or None
             when the engine plans K for the batch (fixed or load-aware; ``backoff``: the load-aware plan's probe
             schedule).
-        processors: its logits processors (:class:`~draftwise.processors.base.LogitsProcessor`, e.g. a grammar
-            from ``response_format``), applied to every verification row and draft, advanced by committed tokens
-            only; None: none.
+        processors: its logits processors (:class:`~draftwise.processors.base.LogitsProcessor`: a grammar from
+            ``response_format``, then those its ``params`` ask for), applied to every verification row and draft,
+            advanced by committed tokens only; None: none.
     """
 
     seq_id: int
@@ -99,7 +99,7 @@ class BatchSequence:
     backoff: ProbeBackoff | None = None  # load-aware K: plain steps before a probe with K = 1
     probing: bool = False
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [rows, H] per prefill chunk (Medusa/EAGLE)
-    processors: LogitsProcessor | None = None  # its logits processors (a grammar), advanced by committed tokens
+    processors: LogitsProcessor | None = None  # its logits processors (grammar, penalties), moved by committed tokens
 
     @property
     def state(self) -> RequestState:

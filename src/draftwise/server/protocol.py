@@ -135,7 +135,8 @@ class SpeculativeUsage(_Response):
     fraction of drafts whose token at position i was accepted; ``hybrid_steps`` = the ``hybrid`` method's
     verification passes by the side that drafted them (``suffix``, ``draft_model``, ``plain``: none), None for
     other methods; ``jump_forward_tokens`` = tokens the request's grammar forced, drafted for free and accepted
-    (not in the draft counts); ``grammar_time_s`` = seconds its grammar took to mask the target's rows.
+    (not in the draft counts); ``grammar_time_s`` = seconds its logits processors (grammar, penalties, ``logit_bias``,
+    ``min_tokens``) took on the target's rows.
     """
 
     method: str
