@@ -29,8 +29,8 @@ PROPOSERS = {
 }
 
 
-def run(core: EngineCore, prompt: list[int], params: SamplingParams):
-    sequence = core.add(prompt, params)
+def run(core: EngineCore, prompt: list[int], params: SamplingParams, processors=None):
+    sequence = core.add(prompt, params, processors=processors)
     while not sequence.finish_reason:
         core.step()
     return sequence.result
@@ -111,6 +111,27 @@ def test_draft_trees_with_every_field_are_exact(tiny_pair, width, k):
             assert result.token_ids == oracle.token_ids, (type(proposer).__name__, width, k, prompt)
             assert len(oracle.token_ids) >= 12
         assert result.stats.num_draft_tokens > 0
+
+
+def test_with_a_grammar_that_must_end_before_min_tokens_the_output_ends_and_stays_exact(tiny_pair):
+    """The grammar's mask comes first; where it allows only the stop token, min_tokens yields (no empty row)."""
+    from draftwise.processors.base import ProcessorChain
+    from draftwise.structured.grammar import GrammarCompiler, TokenVocabulary
+    from draftwise.structured.spec import Regex
+
+    target, draft = tiny_pair
+    chars = [bytes([c]) for c in range(33, 128)] + [b"</s>"]  # ids 0..94 are '!'..'\x7f'; id 95 stops (not the
+    compiler = GrammarCompiler(TokenVocabulary.from_token_bytes(chars, stop_token_ids=[95]))  # argmax of -inf's)
+    spec = Regex(r"[a-f]{2,6}(,[a-f0-9]{1,4}){1,5};")  # at most 32 characters
+    params = SamplingParams(max_tokens=40, min_tokens=36, presence_penalty=0.5, repetition_penalty=1.3)
+    plain = one_slot_core(target, eos_token_ids=[95])
+    tree = one_slot_core(target, DraftModelProposer(draft, 96, tree_width=2), 4, [95])
+    for prompt in ([5, 6, 7], [40, 41, 42, 43]):
+        oracle = run(plain, prompt, params, ProcessorChain([compiler.processor(spec)]))
+        result = run(tree, prompt, params, ProcessorChain([compiler.processor(spec)]))
+        assert result.token_ids == oracle.token_ids, prompt
+        text = bytes(b"".join(chars[t] for t in oracle.token_ids)).decode()
+        assert oracle.finish_reason == "stop" and text.endswith(";") and len(text) < 36, text
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 4, "min_p": 0.1}])
