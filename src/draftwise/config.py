@@ -60,7 +60,8 @@ class SamplingParams:
             bias, in [-100, 100], is added to the token's logit at every position (OpenAI's ``logit_bias``).
             Token ids must be below the model's vocabulary size, which the engine checks.
         min_tokens: the stop tokens (``stop_token_ids`` and, unless ``ignore_eos``, the model's EOS ids) are
-            forbidden until this many tokens were generated (vLLM's ``min_tokens``), 0..``max_tokens``.
+            forbidden until this many tokens were generated (vLLM's ``min_tokens``), 0..``max_tokens``; where a
+            grammar allows nothing but a stop token, it stays allowed (:mod:`draftwise.processors.min_tokens`).
         min_p: after temperature, tokens whose probability is below ``min_p`` times the most likely token's
             are dropped (vLLM's ``min_p``), in [0, 1]; 0 disables it. Greedy decoding ignores it.
 
