@@ -424,8 +424,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "catch_up": "deferred"}, 400, "catch_up"),
     ("completions", {"prompt": "hi", "backend": "llama.cpp"}, 400, "backend"),
     ("completions", {"prompt": "hi", "suffix_decoding_min_token_prob": 0.5}, 400, "suffix_decoding_min_token_prob"),
-    # vLLM extras that change the output were ignored (200): min_p 0.99 changed nothing
-    ("completions", {"prompt": "hi", "min_p": 0.5}, 400, "min_p"),
+    # vLLM extras that change the output were ignored (200): min_p 0.99 changed nothing (min_p is served now)
+    ("completions", {"prompt": "hi", "length_penalty": 0.5}, 400, "length_penalty"),
+    ("completions", {"prompt": "hi", "min_p": 1.5}, 400, "min_p"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_json": "{not json"}, 400,
      "guided_json"),  # structured output is served; a schema that is not JSON is the client's fault
 ]

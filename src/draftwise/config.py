@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from draftwise.methods import BACKENDS, DEFAULT_CATCH_UP, DEFAULT_DRAFT_CONFIDENCE, validate_config
 
 __all__ = ["SamplingParams", "SpeculativeConfig", "GREEDY_TEMPERATURE", "SAMPLING_RULES", "BACKENDS",
-           "MAX_SPECULATIVE_TOKENS", "DEFAULT_DRAFT_CONFIDENCE"]
+           "MAX_SPECULATIVE_TOKENS", "DEFAULT_DRAFT_CONFIDENCE", "MAX_PENALTY", "MAX_LOGIT_BIAS"]
 
 #: Temperatures below this are greedy decoding (as vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE = 1e-5
@@ -16,6 +18,10 @@ GREEDY_TEMPERATURE = 1e-5
 SAMPLING_RULES = ("coupled", "rejection")
 #: The largest ``num_speculative_tokens`` (K) accepted anywhere (config, server, ``bench --ks``).
 MAX_SPECULATIVE_TOKENS = 64
+#: ``presence_penalty`` and ``frequency_penalty`` lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range).
+MAX_PENALTY = 2.0
+#: A ``logit_bias`` value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range).
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,24 @@ class SamplingParams:
             draft can be higher (``sum(min(p, q))``, the best any coupling reaches) but whose text for a seed
             depends on the configuration. ``None`` (default): coupled when ``seed`` is set, else rejection.
             Both emit exactly the target's distribution. See :mod:`draftwise.sampling`.
+        presence_penalty: subtracted from the logit of every token that occurs in the output so far, in
+            [-2, 2] (OpenAI's definition; 0 disables it). The output is the generated tokens, not the prompt.
+        frequency_penalty: subtracted from a token's logit once per occurrence in the output so far, in [-2, 2]
+            (OpenAI's definition; 0 disables it).
+        repetition_penalty: > 0; the logit of every token in the prompt or the output so far is divided by it
+            when positive and multiplied by it otherwise (CTRL, Keskar et al. 2019, as transformers and vLLM
+            apply it); 1 disables it, above 1 discourages repeats.
+        logit_bias: ``(token_id, bias)`` pairs (a mapping is accepted and stored as pairs sorted by id): the
+            bias, in [-100, 100], is added to the token's logit at every position (OpenAI's ``logit_bias``).
+            Token ids must be below the model's vocabulary size, which the engine checks.
+        min_tokens: the stop tokens (``stop_token_ids`` and, unless ``ignore_eos``, the model's EOS ids) are
+            forbidden until this many tokens were generated (vLLM's ``min_tokens``), 0..``max_tokens``; where a
+            grammar allows nothing but a stop token, it stays allowed (:mod:`draftwise.processors.min_tokens`).
+        min_p: after temperature, tokens whose probability is below ``min_p`` times the most likely token's
+            are dropped (vLLM's ``min_p``), in [0, 1]; 0 disables it. Greedy decoding ignores it.
+
+        The penalties, ``logit_bias`` and ``min_tokens`` act as the request's logits processors
+        (:func:`draftwise.processors.request.request_processors`), before temperature, in vLLM's order.
 
     Raises:
         ValueError: on any out-of-range field.
@@ -56,6 +80,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     sampling: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
@@ -71,6 +101,21 @@ class SamplingParams:
         if self.sampling is not None and self.sampling not in SAMPLING_RULES:
             raise ValueError(f"sampling must be one of {SAMPLING_RULES} (or unset), got {self.sampling!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self._check_penalties()
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), "
+                             f"got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +130,23 @@ class SamplingParams:
         if self.greedy:
             return False
         return self.sampling == "coupled" or (self.sampling is None and self.seed is not None)
+
+
+def _logit_bias_pairs(bias: Mapping[int, float] | tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as ``(token_id, bias)`` pairs sorted by id.
+
+    Raises:
+        ValueError: (naming ``logit_bias``) a negative or repeated id, or a bias outside [-100, 100].
+    """
+    pairs = sorted((int(token), float(value)) for token, value in
+                   (bias.items() if isinstance(bias, Mapping) else bias))
+    for index, (token, value) in enumerate(pairs):
+        if token < 0 or (index and pairs[index - 1][0] == token):
+            raise ValueError(f"logit_bias token ids must be distinct and >= 0, got {token}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                             f"got {value} for token {token}")
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Logits processing (temperature, top-k, top-p) and how a request turns target / draft logits into tokens.
+"""Logits processing (temperature, min-p, top-k, top-p) and how a request turns target / draft logits into tokens.
 
 The same processing turns the target's logits into ``target_probs`` and the draft's logits into
 ``draft_probs``, as lossless speculative sampling requires (both distributions after the same processing).
@@ -36,7 +36,11 @@ __all__ = ["processed_scores", "logits_to_probs", "gumbel_noise", "gumbel_argmax
 
 
 def processed_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits with the tokens outside top-k / top-p set to -inf.
+    """Temperature-scaled logits with the tokens outside min-p / top-k / top-p set to -inf.
+
+    In vLLM's order: temperature; min-p (a token whose probability is below ``min_p`` times the most likely
+    token's is dropped: ``score < max_score + log(min_p)``); then top-k and top-p over what is left. The request's
+    logits processors (penalties, ``logit_bias``, a grammar) have already acted on ``logits``.
 
     Args:
         logits: ``[n, vocab]`` raw logits (any float dtype, any device).
@@ -52,6 +56,9 @@ def processed_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
         raise ValueError("sampling needs temperature > 0; greedy decoding uses argmax")
     scores = logits.float() / params.temperature  # [n, vocab]
     vocab = scores.shape[-1]
+    if params.min_p > 0.0:
+        floor = scores.amax(dim=-1, keepdim=True) + math.log(params.min_p)  # [n, 1]
+        scores = scores.masked_fill(scores < floor, float("-inf"))
     if 0 < params.top_k < vocab:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -68,7 +75,7 @@ def processed_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Apply temperature, top-k and top-p to logits and return probabilities.
+    """Apply temperature, min-p, top-k and top-p to logits and return probabilities.
 
     Args:
         logits: ``[n, vocab]`` raw logits (any float dtype, any device).
@@ -201,7 +208,7 @@ class Sampler:
 
     def logprob(self, logits: torch.Tensor, token: int, probs: torch.Tensor | None = None) -> float:
         """The log-probability of ``token`` under the processed distribution of ``logits`` (``[vocab]``, a
-        draft's; temperature / top-k / top-p, plain log-softmax when greedy): the draft's confidence in a token
+        draft's; temperature / min-p / top-k / top-p, plain log-softmax when greedy): the draft's confidence in a token
         :meth:`choose` returned. ``probs``: that distribution when :meth:`choose` gave it (rejection sampling),
         read instead of recomputed. -inf for a token the distribution excludes."""
         if probs is not None:
@@ -213,7 +220,7 @@ class Sampler:
     def candidates(self, logits: torch.Tensor, position: int, n: int) -> tuple[list[int], list[float]]:
         """The ``n`` best distinct tokens at sequence ``position`` for a deterministic draft tree's children
         (``logits [vocab]``, a draft's), best first, and their log-probabilities under the processed
-        distribution (temperature / top-k / top-p; plain log-softmax when greedy).
+        distribution (temperature / min-p / top-k / top-p; plain log-softmax when greedy).
 
         Greedy and rejection sampling rank by log-probability (deterministic distinct siblings keep SpecInfer's
         multi-candidate rejection lossless); coupled sampling ranks by the Gumbel-perturbed score with the

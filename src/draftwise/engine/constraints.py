@@ -1,4 +1,4 @@
-"""A request's logits processors (a grammar, later penalties) inside a speculative step.
+"""A request's logits processors (a grammar, penalties, ``logit_bias``, ``min_tokens``) inside a speculative step.
 
 The processors act on the target: each verification row is processed with the state after the committed tokens
 and the draft tokens before it (:func:`row_paths`: a chain's prefixes, a tree node's ancestor path), so the
@@ -7,9 +7,9 @@ the same processors would use; the verification rule (greedy, coupled, rejection
 alone advance the processors (the engine calls ``accept`` after each commit), so a rejected draft leaves no
 trace, as the KV cache's rollback leaves none.
 
-Drafts are cut where the grammar refuses a token (:func:`constrain`), keeping the first refused token itself:
-the masked target always rejects it, and for a sampled draft its row is where rejection sampling draws the
-correction from ``max(0, p - q)``, which dropping it before the draw would bias. Where the grammar admits exactly
+Drafts are cut where a processor (a grammar, ``min_tokens``) refuses a token (:func:`constrain`), keeping the
+first refused token itself: the masked target always rejects it, and for a sampled draft its row is where
+rejection sampling draws the correction from ``max(0, p - q)``, which dropping it before the draw would bias. Where the grammar admits exactly
 one continuation text (a fixed key, ``{"name": "``), :func:`forced_draft` offers its tokens as a free draft instead
 of the proposer's (jump-forward, as SGLang's compressed-FSM decoding; here only a draft: the target verifies it like
 any deterministic draft, since the same text may be spelled with other tokens).

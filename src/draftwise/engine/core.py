@@ -35,6 +35,7 @@ from draftwise.engine.scheduler import ScheduledSequence, Scheduler, StepInfo, S
 from draftwise.engine.sequence import BatchSequence, GenerationResult, SequenceOutput, check_request
 from draftwise.prefix_cache import PrefixCache
 from draftwise.processors.base import LogitsProcessor
+from draftwise.processors.request import request_processors
 from draftwise.proposers.base import DraftProposal, Proposer, StepPricing
 from draftwise.sampling import Sampler
 from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
@@ -176,13 +177,15 @@ class EngineCore:
                 engine's K and policy.
             arrival_s: ``time.perf_counter()`` of its arrival (default now).
             processors: its logits processors (a grammar; :mod:`draftwise.engine.constraints`), fresh (nothing
-                accepted yet); None: none.
+                accepted yet); None: none. Those ``params`` asks for (penalties, ``logit_bias``, ``min_tokens``)
+                follow them (:func:`~draftwise.processors.request.request_processors`).
             prompt_source: a sequence added before it with the same prompt (another choice of the same request):
                 this one takes a slot once that one's prompt is in its slot and forks that KV state
                 (:mod:`draftwise.engine.prefix_reuse`) instead of prefilling the prompt again; None: none.
 
         Raises:
-            ValueError: empty prompt, token ids outside the vocabulary, a K outside 0..K.
+            ValueError: empty prompt, token ids outside the vocabulary (the prompt's or ``logit_bias``'s), a K
+                outside 0..K.
             ContextOverflowError: the prompt leaves no room for a new token.
         """
         prompt = [int(t) for t in prompt_ids]
@@ -191,6 +194,7 @@ class EngineCore:
         own_policy = num_speculative_tokens is None and self.proposer is not None  # the engine's K policy
         controller = self.controller_factory() if own_policy and self.controller_factory is not None else None
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        processors = request_processors(params, prompt, stop_ids, self.backend.vocab_size, processors)
         sequence = BatchSequence(
             seq_id=self._next_id, prompt=prompt, params=params, sampler=Sampler(params), scope=scope, max_k=max_k,
             stop_ids=stop_ids, estimator=self.memory.seeded(8.0),
@@ -320,7 +324,7 @@ class EngineCore:
         sequence, proposal = scheduled.sequence, scheduled.proposal
         context_len = len(sequence.context)
         logits = out.logits[scheduled.logit_rows]  # [1 + rows of the draft, V]
-        sequence.stats.processor_time_s += process_rows(sequence.processors, logits, proposal)  # a grammar's masks
+        sequence.stats.processor_time_s += process_rows(sequence.processors, logits, proposal)  # grammar, penalties
         result = verify(proposal.token_ids, proposal.node_parents, proposal.draft_probs, logits, sequence.sampler,
                         context_len)
         keep = self._roll_back(sequence, context_len, result)

@@ -73,9 +73,9 @@ class BatchSequence:
         controller: its own K policy (:class:`~draftwise.speculation.controller.KController`, e.g. AutoK), or None
             when the engine plans K for the batch (fixed or load-aware; ``backoff``: the load-aware plan's probe
             schedule).
-        processors: its logits processors (:class:`~draftwise.processors.base.LogitsProcessor`, e.g. a grammar
-            from ``response_format``), applied to every verification row and draft, advanced by committed tokens
-            only; None: none.
+        processors: its logits processors (:class:`~draftwise.processors.base.LogitsProcessor`: a grammar from
+            ``response_format``, then those its ``params`` ask for), applied to every verification row and draft,
+            advanced by committed tokens only; None: none.
         prompt_source: a sibling sequence with the same prompt (another choice of one request, ``n`` > 1) whose
             slot's prompt KV this one forks when it takes a slot (:mod:`~draftwise.engine.prefix_reuse`), so the
             prompt is computed once; it waits for a slot until the sibling's prompt is in the sibling's slot
@@ -103,7 +103,7 @@ class BatchSequence:
     backoff: ProbeBackoff | None = None  # load-aware K: plain steps before a probe with K = 1
     probing: bool = False
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [rows, H] per prefill chunk (Medusa/EAGLE)
-    processors: LogitsProcessor | None = None  # its logits processors (a grammar), advanced by committed tokens
+    processors: LogitsProcessor | None = None  # its logits processors (grammar, penalties), moved by committed tokens
     prompt_source: BatchSequence | None = None  # the sibling whose prompt KV it forks (n > 1 choices)
 
     @property

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from draftwise.config import SamplingParams
+from draftwise.processors.base import LogitsProcessor
 from draftwise.sampling import Sampler
 from draftwise.tree import chain_parents, check_parents, node_depths
 
@@ -130,6 +131,7 @@ class DraftSequence(Protocol):
     params: SamplingParams
     sampler: Sampler
     scope: str  # who may share cached state with it
+    processors: LogitsProcessor | None  # its logits processors (a grammar, penalties), moved by committed tokens only
 
     @property
     def context(self) -> list[int]:

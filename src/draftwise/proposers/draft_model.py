@@ -12,7 +12,10 @@ rejected draft tokens are discarded without the engine's help. :class:`DraftMode
 Draft tokens are drawn through the request's :class:`~draftwise.sampling.Sampler`: greedy (argmax), rejection
 (a draw from the processed draft distribution, returned as ``draft_probs``) or coupled (the Gumbel-argmax with
 the target's noise for the same sequence position, so a well-matched draft picks the target's token with high
-probability; the draft is then deterministic given the noise and ``draft_probs`` is None).
+probability; the draft is then deterministic given the noise and ``draft_probs`` is None). The request's logits
+processors (a grammar, penalties, ``logit_bias``, ``min_tokens``) process each draft row first, with the draft
+tokens before it, as they process the target's verification rows: the draft proposes from the distribution the
+target verifies with, which raises acceptance and changes nothing in the output.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from draftwise.backends.slots import (
     chunk_counts,
 )
 from draftwise.methods import FIXED_DRAFT_CONFIDENCE, MIN_DRAFT_WINDOW, is_confidence_threshold
+from draftwise.processors.base import LogitsProcessor, Path
 from draftwise.speculation.cost_model import PassCostCurve
 from draftwise.proposers.base import DraftProposal, DraftSequence, Proposer, StepPricing, common_prefix_length
 from draftwise.sampling import Sampler
@@ -79,7 +83,10 @@ class DraftRequest:
 
     ``offset``: sequence positions the context skips (0, or for a windowed draft's view of it, see
     :func:`window_view`): a token at view index i >= :data:`WINDOW_SINKS` has sequence position ``i + offset``,
-    which the sampler draws at (coupled noise, seeds)."""
+    which the sampler draws at (coupled noise, seeds).
+
+    ``processors``: the sequence's logits processors (None: none), applied to each draft row with the draft tokens
+    before it; their state is the committed context's and is not moved."""
 
     key: int
     slot: int
@@ -89,6 +96,7 @@ class DraftRequest:
     width: int = 1
     budget: int | None = None
     offset: int = 0
+    processors: LogitsProcessor | None = None
 
 
 def window_view(context: Sequence[int], cut: int) -> tuple[list[int], int]:
@@ -349,6 +357,8 @@ class DraftSlots:
         """The children (at ``depth``) of each expanded node from its logits row (``rows [m, V]``)."""
         request = growth.request
         position = len(request.context) + request.offset + depth - 1  # the sequence position the children take
+        if request.processors is not None:
+            rows = processed_rows(request.processors, rows, [draft_path(growth.nodes, p) for p in growth.expanded])
         for parent, logits in zip(growth.expanded, rows):
             base_score = 0.0 if parent < 0 else growth.nodes[parent].score
             if not growth.is_tree:
@@ -604,7 +614,7 @@ class DraftModelProposer(Proposer):
     def propose(self, requests: Sequence[tuple[DraftSequence, int]],
                 pricing: StepPricing | None = None) -> list[DraftProposal]:
         return self.slots.draft([DraftRequest(self._key(s), s.slot, list(s.context), s.sampler, k, self.tree_width,
-                                              self.tree_budget) for s, k in requests])
+                                              self.tree_budget, processors=s.processors) for s, k in requests])
 
 
 def sized_tree(nodes: Sequence[DraftNode], budget: int, draft_s: float, verify_seconds: Callable[[int], float]) -> int:
@@ -647,6 +657,24 @@ def tree_nodes(k: int, tree_width: int, tree_budget: int | None) -> int:
     if tree_width == 1:
         return k
     return tree_budget if tree_budget is not None else k * tree_width
+
+
+def draft_path(nodes: Sequence[DraftNode], node: int) -> Path:
+    """The draft tokens from the committed context down to ``node`` (itself included; ``()`` for the root, -1)."""
+    path = []
+    while node >= 0:
+        path.append(nodes[node].token)
+        node = nodes[node].parent
+    return tuple(reversed(path))
+
+
+def processed_rows(processors: LogitsProcessor, rows: torch.Tensor, paths: Sequence[Path]) -> torch.Tensor:
+    """A copy of draft logits ``rows [m, V]`` processed by ``processors``, row i after the draft tokens
+    ``paths[i]`` (:meth:`~draftwise.processors.base.LogitsProcessor.apply`)."""
+    with torch.inference_mode():  # a pass's logits are inference tensors
+        rows = rows.clone()
+        processors.apply(rows, paths)
+    return rows
 
 
 def fit_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:

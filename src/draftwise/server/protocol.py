@@ -72,6 +72,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = None
     # draftwise extra: "coupled" or "rejection" (unset: coupled with a seed); validated in validation.py
     sampling: str | None = None
     # draftwise extra: this request's K, 0..the server's K (0: plain decoding); unset: the server's policy
@@ -136,7 +137,8 @@ class SpeculativeUsage(_Response):
     fraction of drafts whose token at position i was accepted; ``hybrid_steps`` = the ``hybrid`` method's
     verification passes by the side that drafted them (``suffix``, ``draft_model``, ``plain``: none), None for
     other methods; ``jump_forward_tokens`` = tokens the request's grammar forced, drafted for free and accepted
-    (not in the draft counts); ``grammar_time_s`` = seconds its grammar took to mask the target's rows.
+    (not in the draft counts); ``grammar_time_s`` = seconds its logits processors (grammar, penalties, ``logit_bias``,
+    ``min_tokens``) took on the target's rows.
     """
 
     method: str

@@ -49,7 +49,7 @@ __all__ = ["CHAT_EXTRAS", "ToolCall", "ChatOutcome", "new_response_id", "to_chat
            "responses_usage", "response_object"]
 
 CHAT_EXTRAS = ("seed", "stop", "top_k", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
-               "presence_penalty", "frequency_penalty", "sampling", "num_speculative_tokens")
+               "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "sampling", "num_speculative_tokens")
 """Fields outside the Responses API passed on to the chat body when sent (the chat endpoint's sampling
 extras, sent with the OpenAI client's ``extra_body``)."""
 

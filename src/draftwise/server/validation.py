@@ -348,7 +348,7 @@ class RequestValidator:
         return GenerationRequest(
             request_id=f"{kind}-{uuid.uuid4().hex}",
             prompt_ids=tuple(prompt.ids),
-            params=_sampling_params(request, limit),
+            params=_sampling_params(request, limit, self._limits.vocab_size),
             stops=_stop_strings(request.stop),
             arrival_s=prompt.arrival_s,
             scope=cache_scope(prompt.api_key, request.user),
@@ -430,11 +430,13 @@ def _count(value: int) -> str:
     return str(value) if digits < 30 else f"a {digits}-digit number"
 
 
-def _sampling_params(request, max_tokens: int) -> SamplingParams:
+def _sampling_params(request, max_tokens: int, vocab_size: int) -> SamplingParams:
     """OpenAI defaults: temperature 1, top_p 1. vLLM's ``top_k=-1`` means disabled.
 
     ``temperature`` must be a finite number >= 0 and ``top_p`` a finite number in (0, 1] (NaN and infinities,
-    which Python's JSON reader accepts, are 400s); further limits are :class:`SamplingParams`' own.
+    which Python's JSON reader accepts, are 400s); ``logit_bias`` keys token ids below ``vocab_size``
+    (:func:`_logit_bias`); further limits (penalties, ``min_tokens``, ``min_p``, bias values) are
+    :class:`SamplingParams`' own, each a 400 naming its field.
     """
     _check_temperature_and_top_p(request.temperature, request.top_p)
     top_k = request.top_k if request.top_k is not None else 0
@@ -448,6 +450,12 @@ def _sampling_params(request, max_tokens: int) -> SamplingParams:
             stop_token_ids=tuple(request.stop_token_ids or ()),
             ignore_eos=request.ignore_eos,
             sampling=request.sampling,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            logit_bias=_logit_bias(request.logit_bias, vocab_size),
+            min_tokens=request.min_tokens or 0,
+            min_p=request.min_p or 0.0,
         )
     except ValueError as exc:
         message = str(exc)
@@ -455,7 +463,32 @@ def _sampling_params(request, max_tokens: int) -> SamplingParams:
         raise RequestError(message, param=param if param in _SAMPLING_FIELDS else None) from exc
 
 
-_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "seed", "sampling"}
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "seed", "sampling", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p"}
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """``logit_bias`` with its keys read as token ids (OpenAI sends them as strings of digits); the values are
+    checked by :class:`SamplingParams`.
+
+    Raises:
+        RequestError: naming ``logit_bias``: a key that is not an integer, a token id outside
+            ``[0, vocab_size)``, or one id given twice (``"5"`` and ``"05"``).
+    """
+    parsed: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:  # not digits, or past Python's 4,300-digit limit
+            raise RequestError(f"logit_bias keys must be token ids (integers as strings), got "
+                               f"{key[:_LOGGED_NAME_CHARS]!r}", param="logit_bias") from None
+        if not 0 <= token < vocab_size:
+            shown = _count(token) if token >= 0 else f"-{_count(-token)}"
+            raise RequestError(f"logit_bias token id {shown} is outside the vocabulary [0, {vocab_size})",
+                               param="logit_bias")
+        _reject(token in parsed, f"logit_bias names token {token} twice", "logit_bias")
+        parsed[token] = value
+    return parsed
 
 
 def _check_temperature_and_top_p(temperature: float | None, top_p: float | None) -> None:
@@ -496,7 +529,7 @@ _SERVER_SETTING_WORDS = frozenset({"speculative", "speculation", "draft", "propo
 _SERVER_SETTING_NAMES = frozenset({"kpolicy"} | {field.name for field in dataclasses.fields(SpeculativeConfig)}
                                   - {"model", "num_speculative_tokens"})
 # vLLM's extra sampling fields that change the output, which this server does not implement: a 400, never ignored
-_UNSUPPORTED_VLLM_FIELDS = ("min_p", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
+_UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
                             "logits_processors", "prompt_logprobs", "include_stop_str_in_output",
                             "truncate_prompt_tokens")
 # extra fields this server serves (not part of OpenAI's schema): not logged as ignored
@@ -540,13 +573,6 @@ def _reject_unsupported_common(request) -> None:
     """Fields that would change the output in ways this server does not implement -> 400 (never ignored)."""
     n = 1 if request.n is None else request.n
     _reject(n < 1, f"'n' must be at least 1, got {n}", "n")
-    _reject(request.presence_penalty not in (None, 0, 0.0), "presence_penalty is not supported", "presence_penalty")
-    _reject(request.frequency_penalty not in (None, 0, 0.0), "frequency_penalty is not supported",
-            "frequency_penalty")
-    _reject(bool(request.logit_bias), "logit_bias is not supported", "logit_bias")
-    _reject(request.min_tokens not in (None, 0), "min_tokens is not supported", "min_tokens")
-    _reject(request.repetition_penalty not in (None, 1, 1.0), "repetition_penalty is not supported",
-            "repetition_penalty")
     for name, value in (request.model_extra or {}).items():  # vLLM extras outside the protocol's fields
         _reject(name in _UNSUPPORTED_VLLM_FIELDS and _changes_the_output(value), f"{name} is not supported", name)
 
