@@ -42,11 +42,12 @@ def test_defaults_fill_only_the_fields_a_request_did_not_send():
     assert defaults.apply(ChatCompletionRequest(messages=[])).max_tokens == 512
 
 
-def test_a_default_of_an_extra_field_is_set_as_an_extra():
-    applied = GenerationDefaults({"min_p": 0.05}).apply(CompletionRequest(prompt="x"))
-    assert (applied.model_extra or {}).get("min_p") == 0.05
-    sent = CompletionRequest.model_validate({"prompt": "x", "min_p": 0.1})
-    assert GenerationDefaults({"min_p": 0.05}).apply(sent).model_extra["min_p"] == 0.1
+def test_vllm_sampling_defaults_fill_only_unsent_fields():
+    defaults = GenerationDefaults({"min_p": 0.05, "repetition_penalty": 1.1})
+    applied = defaults.apply(CompletionRequest(prompt="x"))
+    assert (applied.min_p, applied.repetition_penalty) == (0.05, 1.1)
+    sent = CompletionRequest.model_validate({"prompt": "x", "min_p": 0.1, "repetition_penalty": 1.0})
+    assert (defaults.apply(sent).min_p, defaults.apply(sent).repetition_penalty) == (0.1, 1.0)
 
 
 def test_auto_finds_the_file_beside_a_directory_or_a_gguf(tmp_path):

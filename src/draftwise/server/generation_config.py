@@ -59,12 +59,10 @@ class GenerationDefaults:
     def apply(self, request):
         """``request`` (a pydantic request model) with every default whose field it did not send (absent or
         null) filled in; itself when nothing is missing. A chat request that sent ``max_completion_tokens``
-        sent its ``max_tokens``. Extra fields (vLLM's, e.g. ``min_p``) are set as extras, so validation sees
-        them as if sent."""
-        extra = request.model_extra or {}
+        sent its ``max_tokens``. Validation then sees the defaults as if sent."""
         missing = {}
         for name, value in self.values.items():
-            sent = getattr(request, name, None) if name in type(request).model_fields else extra.get(name)
+            sent = getattr(request, name, None)
             if name == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
                 continue
             if sent is None:
