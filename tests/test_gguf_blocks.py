@@ -7,6 +7,8 @@ once per test session (into the session's DRAFTWISE_HOME); every test is skipped
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -217,6 +219,8 @@ def test_every_linear_layer_of_the_qwen_gguf_runs_on_its_blocks(name):
     path = pulled_model_path(name)
     if not path.is_file():
         pytest.skip(f"{path} not pulled (draftwise pull {name})")
+    from collections import Counter
+
     from draftwise.backends.kernels.layers import _KernelLinear
     from draftwise.backends.quantization import Int8Linear
     from draftwise.models.loading import load_model
@@ -225,6 +229,9 @@ def test_every_linear_layer_of_the_qwen_gguf_runs_on_its_blocks(name):
     int8 = [n for n, m in model.named_modules() if isinstance(m, Int8Linear)]
     kernels = {n: m.kernel_name for n, m in model.named_modules() if isinstance(m, _KernelLinear)
                and "segments." not in n}
+    by_role = Counter((layer.rsplit(".", 1)[-1], kernel) for layer, kernel in kernels.items())
+    logging.getLogger(__name__).info("%s: %s", name, ", ".join(f"{role} {kernel} x{n}" for (role, kernel), n in
+                                                             sorted(by_role.items())))
     assert not int8, f"{len(int8)} layers on int8: {int8[:5]}"
-    assert set(kernels.values()) <= {"q4k-cpp", "q6k-cpp", "q8_0-cpp", "q5_0-cpp"} | {
-        k for k in kernels.values() if "+" in k}
+    known = {"q4k-cpp", "q6k-cpp", "q8_0-cpp", "q5_0-cpp"}
+    assert kernels and all(set(kernel.split("+")) <= known for kernel in kernels.values()), kernels
