@@ -188,6 +188,7 @@ def test_source_serves_every_type_and_fused_weights_of_mixed_types(tmp_path):
     layer = source.linear_for(fused, bias)
     assert isinstance(layer, SegmentedLinear) and layer.kernel_name == "q4k-cpp+q6k-cpp+q4k-cpp"
     assert [type(s) for s in layer.segments] == [Q4KLinear, GGUFBlockLinear, Q4KLinear]
+    assert list(layer.modules()) == [layer] and layer.weight_bytes == sum(s.weight_bytes for s in layer.segments)
     x = torch.randn(12, 512, generator=torch.Generator().manual_seed(5))
     y = layer(x)
     assert y.shape == (12, 8)
@@ -227,8 +228,7 @@ def test_every_linear_layer_of_the_qwen_gguf_runs_on_its_blocks(name):
 
     model = load_model(str(path), quantization="q4k", runtime="lean", device="cpu").backend.model
     int8 = [n for n, m in model.named_modules() if isinstance(m, Int8Linear)]
-    kernels = {n: m.kernel_name for n, m in model.named_modules() if isinstance(m, _KernelLinear)
-               and "segments." not in n}
+    kernels = {n: m.kernel_name for n, m in model.named_modules() if isinstance(m, _KernelLinear)}
     by_role = Counter((layer.rsplit(".", 1)[-1], kernel) for layer, kernel in kernels.items())
     logging.getLogger(__name__).info("%s: %s", name, ", ".join(f"{role} {kernel} x{n}" for (role, kernel), n in
                                                              sorted(by_role.items())))

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from draftwise.backends.kernels.layers import KernelError, _KernelLinear, _PackedLinear
 from draftwise.backends.kernels.q4k import Q4KLinear, load_q4k_ops, pack_gguf_q4k
@@ -201,7 +200,8 @@ class SegmentedLinear(_KernelLinear):
     """A linear layer whose output features come in consecutive segments of different formats (a fused q/k/v
     projection with q and k in Q4_K and v in Q6_K): ``x [m, in]`` -> the segments' outputs side by side
     ``[m, sum out]``. Row-invariant when every segment is: each output element is computed by one segment's
-    kernel alone.
+    kernel alone. The segments are not registered as submodules (``model.modules()`` lists this layer once,
+    with the segments' bytes in :attr:`weight_bytes`).
 
     Args:
         layers: the segments' modules in output order, all with the same ``in_features``.
@@ -214,7 +214,8 @@ class SegmentedLinear(_KernelLinear):
         if not layers or len({layer.in_features for layer in layers}) != 1:
             raise KernelError("segments need one input width and at least one layer")
         super().__init__(sum(layer.out_features for layer in layers), layers[0].in_features, None)
-        self.segments = nn.ModuleList(layers)
+        # a plain tuple, not submodules: the model's layer walks (shapes, weight bytes) see this one layer
+        self.segments = tuple(layers)
         self.kernel_name = "+".join(layer.kernel_name for layer in layers)
 
     @property

@@ -75,7 +75,8 @@ class GGUFSource:
             index = len(self._tensors)
             self._tensors.append((kind, raw))
             for start in range(0, raw.shape[0], _DEQUANTIZE_ROWS):
-                floats = dequantize(raw[start:start + _DEQUANTIZE_ROWS], tensor.tensor_type).astype(np.float32, copy=False)
+                chunk = raw[start:start + _DEQUANTIZE_ROWS]
+                floats = dequantize(chunk, tensor.tensor_type).astype(np.float32, copy=False)
                 for r in range(floats.shape[0]):
                     self._rows.setdefault(_row_key(floats[r]), (index, start + r))
         logger.info("%s: %d quantized rows in %d tensors (%s)", self.path, len(self._rows), len(self._tensors),

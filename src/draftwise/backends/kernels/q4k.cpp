@@ -334,7 +334,8 @@ struct Q6K : RawRows {
     // byte shuffles over 8 int16 scales: 128-bit lane 0 takes scale 2k, lane 1 scale 2k + 1
     alignas(32) static const uint8_t kPick[4][32] = {
 #define DW_PICK(k) {4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, \
-                    4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3}
+                    4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, \
+                    4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3}
         DW_PICK(0), DW_PICK(1), DW_PICK(2), DW_PICK(3)};
 #undef DW_PICK
     const int8_t* qrow[T];

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from draftwise.backends.kernels.layers import KernelError, _PackedLinear
 from draftwise.files import draftwise_home
@@ -233,7 +232,8 @@ class Q4KLinear(_PackedLinear):
     (``draftwise_q4k::linear``): ``x [m, in]`` fp32 -> ``[m, out]`` fp32.
 
     Args:
-        packed: ``[out, in / 256 * 152]`` uint8 from :func:`quantize_q4k` or :meth:`draftwise.backends.kernels.gguf_source.GGUFSource.blocks_for`.
+        packed: ``[out, in / 256 * 152]`` uint8 from :func:`quantize_q4k` or :func:`pack_gguf_q4k` (a GGUF file's
+            rows, :class:`draftwise.backends.kernels.gguf_source.GGUFSource`).
         bias: ``[out]`` or None.
 
     Raises:

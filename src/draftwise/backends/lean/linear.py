@@ -82,8 +82,8 @@ def selected_linear_factory(quantization: str | None, config, q4k_source=None):
 
     Args:
         quantization: ``"none"``, ``"int8"`` or ``"q4k"`` (a kernel per GGUF block type, row-invariant by
-            construction: :func:`draftwise.backends.kernels.gguf_source.q4k_linear_factory`; the load-time self-test on the real
-            weights checks it).
+            construction: :func:`draftwise.backends.kernels.gguf_source.q4k_linear_factory`; the load-time
+            self-test on the real weights checks it).
         config: the model's :class:`draftwise.backends.lean.model.LeanConfig`.
         q4k_source: the GGUF file's quantized rows (:class:`draftwise.backends.kernels.gguf_source.GGUFSource`)
             or None.
