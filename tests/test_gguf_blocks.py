@@ -235,3 +235,62 @@ def test_every_linear_layer_of_the_qwen_gguf_runs_on_its_blocks(name):
     assert not int8, f"{len(int8)} layers on int8: {int8[:5]}"
     known = {"q4k-cpp", "q6k-cpp", "q8_0-cpp", "q5_0-cpp"}
     assert kernels and all(set(kernel.split("+")) <= known for kernel in kernels.values()), kernels
+
+
+_BUILD_AND_RUN = """
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+source, march, build, data = sys.argv[1:5]
+lib = Path(torch.__file__).parent / "lib"
+Path(build).mkdir(parents=True, exist_ok=True)
+cpp_extension.load(name="draftwise_check_" + march.replace("-", "_"), sources=[source], build_directory=build,
+                   is_python_module=False, extra_cflags=["-O3", "-march=" + march, "-fopenmp", "-ffp-contract=off"],
+                   extra_ldflags=["-L" + str(lib), "-lgomp", "-Wl,-rpath," + str(lib)])
+results = {}
+for op, (x, packed) in torch.load(data).items():
+    run = lambda rows: getattr(torch.ops.draftwise_q4k, op)(rows, packed, torch.empty(0))
+    alone = torch.cat([run(x[i:i + 1]) for i in range(x.shape[0])])
+    results[op] = (run(x), all(torch.equal(run(x[:m]), alone[:m]) for m in range(1, x.shape[0] + 1)))
+torch.save(results, data + ".out")
+"""
+
+
+@pytest.mark.slow
+def test_the_kernels_build_and_agree_on_avx2_only_and_portable_builds(tmp_path):
+    """The extension built for an AVX2-only CPU (haswell: no AVX-512) gives this machine's bits; built without
+    AVX2 (x86-64-v2: the portable path, software fp16) it is row-invariant and computes the same arithmetic."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from draftwise.backends.kernels import q4k
+
+    from test_q4k import q8_reference
+
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(16, 512, generator=generator) * 2
+    packed_q4k = q4k.quantize_q4k(torch.randn(24, 512, generator=generator) * 0.05)
+    cases = {"linear": (x, packed_q4k)}
+    references = {"linear": q8_reference(x, q4k.dequantize_q4k(packed_q4k))}
+    for fmt in FORMATS:
+        raw = torch.from_numpy(random_blocks(fmt.ggml_type, 24, 512, seed=fmt.block_bytes))
+        cases[fmt.op] = (x, raw)
+        references[fmt.op] = int8_reference(x, dequantize_blocks(raw, fmt), fmt.block_weights)
+    native = {op: getattr(torch.ops.draftwise_q4k, op)(x, packed, torch.empty(0)) for op, (x, packed) in cases.items()}
+    data = tmp_path / "cases.pt"
+    torch.save(cases, data)
+    source = Path(q4k.__file__).with_name("q4k.cpp")
+    for march in ("haswell", "x86-64-v2"):
+        done = subprocess.run([sys.executable, "-c", _BUILD_AND_RUN, str(source), march, str(tmp_path / march),
+                               str(data)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        for op, (y, invariant) in torch.load(str(data) + ".out").items():
+            assert invariant, (march, op)
+            if march == "haswell":
+                assert torch.equal(y, native[op]), op  # the AVX2 path, compiled without AVX-512: the same bits
+            reference = references[op]
+            assert torch.allclose(y.double(), reference, rtol=1e-5, atol=1e-4 * reference.abs().max().item()), (march, op)
