@@ -293,4 +293,5 @@ def test_the_kernels_build_and_agree_on_avx2_only_and_portable_builds(tmp_path):
             if march == "haswell":
                 assert torch.equal(y, native[op]), op  # the AVX2 path, compiled without AVX-512: the same bits
             reference = references[op]
-            assert torch.allclose(y.double(), reference, rtol=1e-5, atol=1e-4 * reference.abs().max().item()), (march, op)
+            assert torch.allclose(y.double(), reference, rtol=1e-5,
+                                  atol=1e-4 * reference.abs().max().item()), (march, op)
