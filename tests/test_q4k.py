@@ -10,16 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+from draftwise.backends.kernels.gguf_source import GGUFSource, q4k_linear_factory
 from draftwise.backends.kernels.q4k import (
     GGUF_BLOCK_BYTES,
     Q4KError,
     Q4KLinear,
-    Q4KSource,
     dequantize_q4k,
     pack_gguf_q4k,
     q4k_available,
     q4k_linear,
-    q4k_linear_factory,
     quantize_q4k,
 )
 
@@ -118,17 +117,17 @@ def test_source_finds_fused_and_reordered_rows_of_a_gguf_file(tmp_path):
         step()
     writer.close()
 
-    source = Q4KSource(path)
+    source = GGUFSource(path)
     assert len(source) == 10
     floats_a = torch.from_numpy(dequantize(raw_a, GGMLQuantizationType.Q4_K).astype(np.float32))
     floats_b = torch.from_numpy(dequantize(raw_b, GGMLQuantizationType.Q4_K).astype(np.float32))
     fused = torch.cat([floats_a[[3, 0, 5]], floats_b])  # a permuted slice of one tensor fused with another
-    packed = source.rows_for(fused)
-    assert packed is not None and torch.equal(dequantize_q4k(packed), fused)
+    ((kind, raw),) = source.blocks_for(fused)
+    assert kind == "Q4_K" and torch.equal(dequantize_q4k(pack_gguf_q4k(raw)), fused)
     changed = fused.clone()
     changed[2, 7] += 1e-3
-    assert source.rows_for(changed) is None  # one row not in the file: not a Q4_K weight of it
-    assert source.rows_for(torch.ones(2, 512)) is None  # a float tensor of the file
+    assert source.blocks_for(changed) is None  # one row not in the file: not a Q4_K weight of it
+    assert source.blocks_for(torch.ones(2, 512)) is None  # a float tensor of the file
 
     build = q4k_linear_factory(source)
     assert isinstance(build(fused, None), Q4KLinear)
@@ -196,7 +195,7 @@ def test_greedy_speculation_equals_plain_in_q4k(q4k_lean, method, k):
 def test_quantize_model_q4k_makes_transformers_row_invariant():
     from draftwise.backends.quantization import quantize_model
 
-    from draftwise.backends.kernels.q4k import Q4KKernel
+    from draftwise.backends.kernels.gguf_source import Q4KKernel
 
     model = quantize_model(q4k_qwen2(), "q4k", kernel=Q4KKernel())
     assert any(isinstance(m, Q4KLinear) for m in model.modules())

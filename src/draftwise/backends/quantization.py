@@ -240,7 +240,7 @@ def quantize_model(model: nn.Module, mode: str | None = "int8", *, kernel: Any =
     if kernel is None:
         _require_int8_kernels()
     if mode == "q4k" and kernel is None:
-        raise ValueError("q4k needs kernel=draftwise.backends.kernels.q4k.Q4KKernel() (the kernels import this "
+        raise ValueError("q4k needs kernel=draftwise.backends.kernels.gguf_source.Q4KKernel() (the kernels import this "
                          "module, so it cannot build them itself)")
     devices = {p.device.type for p in model.parameters()}
     if devices != {"cpu"}:

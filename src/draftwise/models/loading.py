@@ -247,7 +247,7 @@ def load_model(
     if quantization != "none":
         progress.report(f"quantizing the linear layers ({quantization})", model=spec)
     if quantization == "q4k":
-        from draftwise.backends.kernels.q4k import Q4KKernel
+        from draftwise.backends.kernels.gguf_source import Q4KKernel
 
         quantize_model(model, quantization, kernel=Q4KKernel(_q4k_source(path, quantization, label=spec)))
     else:
@@ -372,13 +372,14 @@ def select_runtime(runtime: str, model, *, device: str, dtype: torch.dtype, quan
 
 
 def _q4k_source(path: str, quantization: str, *, label: str):
-    """The Q4_K rows of a ``.gguf`` file for the ``q4k`` mode (used as they are), else None."""
+    """The quantized rows of a ``.gguf`` file for the ``q4k`` mode (Q4_K, Q6_K, Q8_0, Q5_0; used as they are),
+    else None."""
     if quantization != "q4k" or not str(path).endswith(".gguf"):
         return None
-    from draftwise.backends.kernels.q4k import Q4KSource
+    from draftwise.backends.kernels.gguf_source import GGUFSource
 
-    progress.report("reading the GGUF's Q4_K blocks", model=label)
-    return Q4KSource(path)
+    progress.report("reading the GGUF's quantized blocks", model=label)
+    return GGUFSource(path)
 
 
 def _head_subset_ids(model, head_subset: HeadSubset, tokenizer, eos_ids, name: str) -> list[int] | None:

@@ -10,7 +10,9 @@ is fastest, depends on the CPU (AVX2 vs AVX-512/VNNI vs AMX) and the torch build
 - :data:`LINEAR_KERNELS` lists the candidates (:class:`LinearKernel`), one quantization mode each:
   ``"none"`` (fp32 weights: MKL with rows zero-padded to a multiple of R, oneDNN prepacked), ``"bf16"``
   (oneDNN bf16), ``"int8"`` (fbgemm and oneDNN u8 x s8 with per-row activation scales, weight-only int8) and
-  ``"int4"`` (weight-only int4, group size 32/64/128). Kernels of one mode may differ in their rounding
+  ``"int4"`` (weight-only int4, group size 32/64/128), and GGUF's block formats on draftwise's C++ kernels:
+  ``"q4k"`` (:mod:`.q4k`), ``"q6k"``, ``"q8_0"``, ``"q5_0"`` (:mod:`.gguf_blocks`); :mod:`.gguf_source` maps a
+  GGUF file's dequantized weights back to its blocks. Kernels of one mode may differ in their rounding
   (:attr:`LinearKernel.numerics` says how they compute); a run uses one kernel for every layer.
 - :func:`select_linear_kernel` checks each available candidate on synthetic weights of the model's layer
   shapes (:func:`check_row_invariance`: rows of an m-row call, m = 1..17 and some prefill sizes, equal to

@@ -1,23 +1,29 @@
-// Row-invariant 4-bit linear layer: weights in Q4_K super-blocks (GGUF's format, repacked with decoded
-// scales), activations quantized per row to int8 in blocks of 256, integer dot products, fp32 accumulation
-// in one fixed order per output element.
+// Row-invariant linear layers on GGUF's quantized weights (Q4_K, Q6_K, Q8_0, Q5_0): activations quantized
+// per row to int8 per block, integer dot products, fp32 accumulation in one fixed order per output element.
 //
-// Written for draftwise from the GGUF Q4_K format description (ggml's k-quants: 256-weight super-blocks
-// of 8 sub-blocks of 32, a 6-bit scale and min per sub-block, fp16 super-scales d and dmin; w = d*sc*q -
-// dmin*m). The arithmetic follows the k-quant dot product (activations as int8 with a float scale per 256
-// and integer sums per 32) so that it reads as many bytes per weight as llama.cpp does.
+// Written for draftwise from the GGUF block formats (ggml's ggml-common.h / ggml-quants.c, dequantize_row_*):
+//   Q4_K: 256-weight super-blocks of 8 sub-blocks of 32, a 6-bit scale and min per sub-block, fp16 d and
+//         dmin; w = d*sc*q - dmin*m, q in 0..15. Repacked here with decoded scales (see the layout below).
+//   Q6_K: 256 weights {ql[128] low nibbles, qh[64] 2 high bits, int8 scales[16] (one per 16), fp16 d};
+//         w = d*sc*(q - 32), q in 0..63. 210 bytes, used as the file stores it.
+//   Q8_0: 32 weights {fp16 d, int8 q[32]}; w = d*q. 34 bytes, as stored.
+//   Q5_0: 32 weights {fp16 d, uint32 qh (5th bits), qs[16] (low nibble: weight j, high: j + 16)};
+//         w = d*(q - 16), q in 0..31. 22 bytes, as stored.
+// The arithmetic follows ggml's dot products (activations as int8 with a float scale per 256 for the k-quants,
+// per 32 for Q8_0/Q5_0, integer sums inside a block), so it reads as many bytes per weight as llama.cpp does.
 //
 // Row invariance by construction: y[r, n] depends only on x[r, :] and weight row n. The activation row is
-// quantized on its own; each super-block's integer dot product is exact; the float accumulation over
-// super-blocks, the 8-lane horizontal sum, the min correction and the bias are added in an order that
-// depends on neither the number of rows in the call, nor the row's position, nor the thread split (threads
-// split the output features, never a reduction).
+// quantized on its own; each block's integer dot product is exact; the float accumulation over blocks, the
+// 8-lane horizontal sum, the min correction and the bias are added in an order that depends on neither the
+// number of rows in the call, nor the row's position, nor the thread split (threads split the output
+// features, never a reduction). Each weight block loaded serves up to 8 activation rows of the call.
 //
-// Packed weight layout: one uint8 tensor [out, nb * 152] (nb = in_features / 256) in two planes, so that
+// Packed Q4_K layout: one uint8 tensor [out, nb * 152] (nb = in_features / 256) in two planes, so that
 // every 32-byte load of quants is aligned:
 //   bytes [0, out*nb*128):          qs[out][nb][128]; qs[32*j + l]: low nibble = quant of sub-block 2j at l,
 //                                   high nibble = sub-block 2j+1 at l (GGUF order)
 //   bytes [out*nb*128, out*nb*152): meta[out][nb] = {float d; float dmin; uint8 sc[8]; uint8 mn[8]}
+// Q6_K, Q8_0, Q5_0: the GGUF rows as they are, [out, nb * block bytes] uint8.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,56 +39,62 @@
 
 namespace {
 
-constexpr int64_t kSuper = 256;  // weights per super-block
-constexpr int64_t kBlockBytes = 152;  // 128 bytes of quants + 24 of meta
-constexpr int kRowTile = 8;
-constexpr int64_t kPrefetchRows = 16;  // weight rows ahead of the pair being computed  // activation rows computed together against one unpacked weight super-block
+constexpr int kRowTile = 8;  // activation rows computed together against one unpacked weight block
+constexpr int64_t kPrefetchRows = 16;  // weight rows ahead of the pair being computed
 
-struct Meta {
-  float d;
-  float dmin;
-  uint8_t sc[8];
-  uint8_t mn[8];
-};
-static_assert(sizeof(Meta) == 24, "packed Q4_K meta must be 24 bytes");
-
-// One weight row: its nb super-blocks' quants (128 bytes each, 32-byte aligned) and meta.
-struct WeightRow {
-  const uint8_t* qs;
-  const Meta* meta;
-};
-
-// One activation row quantized: q [in] int8, d [nb] float, bsum [nb * 8] int16 (sum of q per 32).
+// One set of activation rows quantized: q [m, in] int8, d [m, nb] float (one scale per block of `block`
+// inputs), bsum [m, nb * sums] int16 (sums of q over `block / sums` consecutive inputs; none when sums is 0).
 struct ActRows {
   const int8_t* q;
   const float* d;
   const int16_t* bsum;
   int64_t in;
   int64_t nb;
+  int64_t sums;
 };
 
-// Quantize rows [r0, r1) of x [m, in] to int8 per 256-block: d = amax / 127, q = round-half-even(x * (127 /
-// amax)) clamped to [-127, 127]. The same fp32 operations on every path (the max is exact in any order, the
-// product is one IEEE multiply, the rounding is to nearest even), so the bits do not depend on the
-// instruction set.
-void quantize_block(const float* xb, int8_t* qb, float* d, int16_t* bsum) {
+// fp16 -> fp32 (exact: every half is a float).
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -f : f;
+  }
+  const uint32_t bits = exp == 31 ? (sign | 0x7F800000u | (mant << 13)) : (sign | ((exp + 112) << 23) | (mant << 13));
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// Quantize one block of `len` (a multiple of 32) inputs to int8: d = amax / 127, q = round-half-even(x *
+// (127 / amax)) clamped to [-127, 127], and `sums` sums of q over equal spans. The same fp32 operations on
+// every path (the max is exact in any order, the product is one IEEE multiply, the rounding is to nearest
+// even), so the bits do not depend on the instruction set.
+void quantize_block(const float* xb, int64_t len, int64_t sums, int8_t* qb, float* d, int16_t* bsum) {
 #if defined(__AVX2__)
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 vmax = _mm256_setzero_ps();
-  for (int i = 0; i < kSuper; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+  for (int64_t i = 0; i < len; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   const float amax = _mm_cvtss_f32(m4);
 #else
   float amax = 0.f;
-  for (int i = 0; i < kSuper; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+  for (int64_t i = 0; i < len; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
 #endif
   *d = amax / 127.f;
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
 #if defined(__AVX2__)
   const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
-  for (int i = 0; i < kSuper; i += 32) {
+  for (int64_t i = 0; i < len; i += 32) {
     __m256i v[4];
     for (int k = 0; k < 4; ++k) {
       __m256 y = _mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * k), vinv);
@@ -96,24 +108,28 @@ void quantize_block(const float* xb, int8_t* qb, float* d, int16_t* bsum) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i), ordered);
   }
 #else
-  for (int i = 0; i < kSuper; ++i) {
+  for (int64_t i = 0; i < len; ++i) {
     float v = std::nearbyint(xb[i] * inv);
     v = std::fmin(127.f, std::fmax(-127.f, v));
     qb[i] = static_cast<int8_t>(v);
   }
 #endif
-  for (int j = 0; j < 8; ++j) {
+  if (sums == 0) return;
+  const int64_t span = len / sums;
+  for (int64_t j = 0; j < sums; ++j) {
     int sum = 0;
-    for (int i = 0; i < 32; ++i) sum += qb[j * 32 + i];
+    for (int64_t i = 0; i < span; ++i) sum += qb[j * span + i];
     bsum[j] = static_cast<int16_t>(sum);
   }
 }
 
-void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t in, int8_t* q, float* d, int16_t* bsum) {
-  const int64_t nb = in / kSuper;
+void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t in, int64_t block, int64_t sums, int8_t* q,
+                   float* d, int16_t* bsum) {
+  const int64_t nb = in / block;
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t b = 0; b < nb; ++b)
-      quantize_block(x + r * in + b * kSuper, q + r * in + b * kSuper, d + r * nb + b, bsum + (r * nb + b) * 8);
+      quantize_block(x + r * in + b * block, block, sums, q + r * in + b * block, d + r * nb + b,
+                     bsum + (r * nb + b) * sums);
 }
 
 #if defined(__AVX2__)
@@ -131,150 +147,440 @@ inline float hsum4(__m128 s) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-
-// Rows rows[0..T) of the activations against U weight rows w[u] (nb blocks each): out[u * T + t] = <x_t, w_u>
-// before bias. Per super-block and sub-block, U unpacked weight vectors meet T activation vectors in T x U
-// products (maddubs: u8 quants x s8 activations -> s16 pairs; madd with the sub-block scale -> s32), so each
-// load serves several products; the min correction sum_j mn_j * bsum_j is one madd per row and weight row,
-// kept in lane-wise fp32 accumulators (one horizontal sum at the end). Every (t, u) result is computed by
-// the same operations in the same order whatever T and U are.
-template <int T, int U>
-void dot_rows(const WeightRow* w, const ActRows& a, const int64_t* rows, float* out) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  // byte shuffles that broadcast 16-bit scale j of 8 to every 16-bit lane
-  alignas(32) static const uint8_t kPick[8][32] = {
-#define DW_PICK(j) {2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, \
-                    2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1}
-      DW_PICK(0), DW_PICK(1), DW_PICK(2), DW_PICK(3), DW_PICK(4), DW_PICK(5), DW_PICK(6), DW_PICK(7)};
-#undef DW_PICK
-  const int8_t* qrow[T];
-  const float* drow[T];
-  const int16_t* brow[T];
-  __m256 facc[U][T];
-  __m128 macc[U][T];
-  for (int t = 0; t < T; ++t) {
-    qrow[t] = a.q + rows[t] * a.in;
-    drow[t] = a.d + rows[t] * a.nb;
-    brow[t] = a.bsum + rows[t] * a.nb * 8;
-    for (int u = 0; u < U; ++u) {
-      facc[u][t] = _mm256_setzero_ps();
-      macc[u][t] = _mm_setzero_ps();
-    }
-  }
-  for (int64_t b = 0; b < a.nb; ++b) {
-    __m256i iacc[U][T];
-    __m256i scales[U];
-    const __m256i* qs[U];
-    for (int u = 0; u < U; ++u) {
-      for (int t = 0; t < T; ++t) iacc[u][t] = _mm256_setzero_si256();
-      scales[u] = _mm256_broadcastsi128_si256(
-          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[u].meta[b].sc))));
-      qs[u] = reinterpret_cast<const __m256i*>(w[u].qs + b * 128);
-    }
-    for (int j = 0; j < 8; ++j) {
-      const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPick[j]));
-      __m256i wq[U], ws[U];
-      for (int u = 0; u < U; ++u) {
-        const __m256i bits = _mm256_load_si256(qs[u] + (j >> 1));
-        wq[u] = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(bits, 4) : bits, low4);
-        ws[u] = _mm256_shuffle_epi8(scales[u], pick);
-      }
-      for (int t = 0; t < T; ++t) {
-        const __m256i act = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow[t] + b * kSuper + 32 * j));
-        for (int u = 0; u < U; ++u)
-          iacc[u][t] = _mm256_add_epi32(iacc[u][t], _mm256_madd_epi16(_mm256_maddubs_epi16(wq[u], act), ws[u]));
-      }
-    }
-    for (int u = 0; u < U; ++u) {
-      const Meta& meta = w[u].meta[b];
-      const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta.mn)));
-      for (int t = 0; t < T; ++t) {
-        const float da = drow[t][b];
-        facc[u][t] = _mm256_fmadd_ps(_mm256_set1_ps(meta.d * da), _mm256_cvtepi32_ps(iacc[u][t]), facc[u][t]);
-        const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(brow[t] + b * 8));
-        macc[u][t] = _mm_fmadd_ps(_mm_set1_ps(meta.dmin * da), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs)),
-                                  macc[u][t]);
-      }
-    }
-  }
-  for (int u = 0; u < U; ++u)
-    for (int t = 0; t < T; ++t) out[u * T + t] = hsum8(facc[u][t]) - hsum4(macc[u][t]);
-}
-#else
-// Portable path: the same integer sums; fp32 accumulation per super-block in a fixed order.
-template <int T, int U>
-void dot_rows(const WeightRow* w, const ActRows& a, const int64_t* rows, float* out) {
-  for (int u = 0; u < U; ++u) {
-    for (int t = 0; t < T; ++t) {
-      float facc = 0.f, macc = 0.f;
-      for (int64_t b = 0; b < a.nb; ++b) {
-        const Meta& blk = w[u].meta[b];
-        const uint8_t* qs = w[u].qs + b * 128;
-        const int8_t* q = a.q + rows[t] * a.in + b * kSuper;
-        int isum = 0;
-        for (int j = 0; j < 4; ++j) {
-          int lo = 0, hi = 0;
-          for (int l = 0; l < 32; ++l) {
-            lo += (qs[32 * j + l] & 0x0F) * q[64 * j + l];
-            hi += (qs[32 * j + l] >> 4) * q[64 * j + 32 + l];
-          }
-          isum += blk.sc[2 * j] * lo + blk.sc[2 * j + 1] * hi;
-        }
-        const int64_t ab = rows[t] * a.nb + b;
-        int msum = 0;
-        for (int j = 0; j < 8; ++j) msum += blk.mn[j] * a.bsum[ab * 8 + j];
-        facc = std::fma(blk.d * a.d[ab], static_cast<float>(isum), facc);
-        macc = std::fma(blk.dmin * a.d[ab], static_cast<float>(msum), macc);
-      }
-      out[u * T + t] = facc - macc;
-    }
-  }
-}
 #endif
 
-template <int U>
-void dot_tile(const WeightRow* w, const ActRows& a, const int64_t* rows, int count, float* out) {
+inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
+#if defined(__AVX2__)
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------- formats
+// A format F gives: kWeights (weights per block, = inputs per activation block), kSums (activation sums per
+// block), kBytes (packed bytes per block and weight row), Row (one weight row) and row(), prefetch(), and
+// dot<T, U>(w, a, rows, out): out[u * T + t] = <x_rows[t], w_u> before bias, by the same operations in the
+// same order whatever T and U are.
+
+struct Q4K {
+  static constexpr int64_t kWeights = 256;
+  static constexpr int64_t kSums = 8;
+  static constexpr int64_t kBytes = 152;  // 128 bytes of quants + 24 of meta
+  static constexpr const char* kName = "q4k_linear";
+
+  struct Meta {
+    float d;
+    float dmin;
+    uint8_t sc[8];
+    uint8_t mn[8];
+  };
+  static_assert(sizeof(Meta) == 24, "packed Q4_K meta must be 24 bytes");
+
+  // One weight row: its nb super-blocks' quants (128 bytes each, 32-byte aligned) and meta.
+  struct Row {
+    const uint8_t* qs;
+    const Meta* meta;
+  };
+
+  static Row row(const uint8_t* base, int64_t out, int64_t nb, int64_t n) {
+    const Meta* meta_plane = reinterpret_cast<const Meta*>(base + out * nb * 128);
+    return {base + n * nb * 128, meta_plane + n * nb};
+  }
+
+  static void check(const uint8_t* base) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 32 == 0, "q4k_linear: packed must be 32-byte aligned");
+  }
+
+  static void prefetch(const uint8_t* base, int64_t out, int64_t nb, int64_t n, int count) {
+    prefetch_bytes(base + n * nb * 128, count * nb * 128);
+    prefetch_bytes(base + out * nb * 128 + n * nb * 24, count * nb * 24);
+  }
+
+#if defined(__AVX2__)
+  // Per super-block and sub-block, U unpacked weight vectors meet T activation vectors in T x U products
+  // (maddubs: u8 quants x s8 activations -> s16 pairs; madd with the sub-block scale -> s32), so each load
+  // serves several products; the min correction sum_j mn_j * bsum_j is one madd per row and weight row, kept
+  // in lane-wise fp32 accumulators (one horizontal sum at the end).
+  template <int T, int U>
+  static void dot(const Row* w, const ActRows& a, const int64_t* rows, float* out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    // byte shuffles that broadcast 16-bit scale j of 8 to every 16-bit lane
+    alignas(32) static const uint8_t kPick[8][32] = {
+#define DW_PICK(j) {2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, \
+                    2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1}
+        DW_PICK(0), DW_PICK(1), DW_PICK(2), DW_PICK(3), DW_PICK(4), DW_PICK(5), DW_PICK(6), DW_PICK(7)};
+#undef DW_PICK
+    const int8_t* qrow[T];
+    const float* drow[T];
+    const int16_t* brow[T];
+    __m256 facc[U][T];
+    __m128 macc[U][T];
+    for (int t = 0; t < T; ++t) {
+      qrow[t] = a.q + rows[t] * a.in;
+      drow[t] = a.d + rows[t] * a.nb;
+      brow[t] = a.bsum + rows[t] * a.nb * kSums;
+      for (int u = 0; u < U; ++u) {
+        facc[u][t] = _mm256_setzero_ps();
+        macc[u][t] = _mm_setzero_ps();
+      }
+    }
+    for (int64_t b = 0; b < a.nb; ++b) {
+      __m256i iacc[U][T];
+      __m256i scales[U];
+      const __m256i* qs[U];
+      for (int u = 0; u < U; ++u) {
+        for (int t = 0; t < T; ++t) iacc[u][t] = _mm256_setzero_si256();
+        scales[u] = _mm256_broadcastsi128_si256(
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[u].meta[b].sc))));
+        qs[u] = reinterpret_cast<const __m256i*>(w[u].qs + b * 128);
+      }
+      for (int j = 0; j < 8; ++j) {
+        const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPick[j]));
+        __m256i wq[U], ws[U];
+        for (int u = 0; u < U; ++u) {
+          const __m256i bits = _mm256_load_si256(qs[u] + (j >> 1));
+          wq[u] = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(bits, 4) : bits, low4);
+          ws[u] = _mm256_shuffle_epi8(scales[u], pick);
+        }
+        for (int t = 0; t < T; ++t) {
+          const __m256i act = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow[t] + b * kWeights + 32 * j));
+          for (int u = 0; u < U; ++u)
+            iacc[u][t] = _mm256_add_epi32(iacc[u][t], _mm256_madd_epi16(_mm256_maddubs_epi16(wq[u], act), ws[u]));
+        }
+      }
+      for (int u = 0; u < U; ++u) {
+        const Meta& meta = w[u].meta[b];
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta.mn)));
+        for (int t = 0; t < T; ++t) {
+          const float da = drow[t][b];
+          facc[u][t] = _mm256_fmadd_ps(_mm256_set1_ps(meta.d * da), _mm256_cvtepi32_ps(iacc[u][t]), facc[u][t]);
+          const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(brow[t] + b * kSums));
+          macc[u][t] = _mm_fmadd_ps(_mm_set1_ps(meta.dmin * da), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs)),
+                                    macc[u][t]);
+        }
+      }
+    }
+    for (int u = 0; u < U; ++u)
+      for (int t = 0; t < T; ++t) out[u * T + t] = hsum8(facc[u][t]) - hsum4(macc[u][t]);
+  }
+#else
+  // Portable path: the same integer sums; fp32 accumulation per super-block in a fixed order.
+  template <int T, int U>
+  static void dot(const Row* w, const ActRows& a, const int64_t* rows, float* out) {
+    for (int u = 0; u < U; ++u) {
+      for (int t = 0; t < T; ++t) {
+        float facc = 0.f, macc = 0.f;
+        for (int64_t b = 0; b < a.nb; ++b) {
+          const Meta& blk = w[u].meta[b];
+          const uint8_t* qs = w[u].qs + b * 128;
+          const int8_t* q = a.q + rows[t] * a.in + b * kWeights;
+          int isum = 0;
+          for (int j = 0; j < 4; ++j) {
+            int lo = 0, hi = 0;
+            for (int l = 0; l < 32; ++l) {
+              lo += (qs[32 * j + l] & 0x0F) * q[64 * j + l];
+              hi += (qs[32 * j + l] >> 4) * q[64 * j + 32 + l];
+            }
+            isum += blk.sc[2 * j] * lo + blk.sc[2 * j + 1] * hi;
+          }
+          const int64_t ab = rows[t] * a.nb + b;
+          int msum = 0;
+          for (int j = 0; j < 8; ++j) msum += blk.mn[j] * a.bsum[ab * kSums + j];
+          facc = std::fma(blk.d * a.d[ab], static_cast<float>(isum), facc);
+          macc = std::fma(blk.dmin * a.d[ab], static_cast<float>(msum), macc);
+        }
+        out[u * T + t] = facc - macc;
+      }
+    }
+  }
+#endif
+};
+
+// The formats used as GGUF stores them: a weight row is nb consecutive blocks of kBytes.
+struct RawRows {
+  using Row = const uint8_t*;
+  static void check(const uint8_t*) {}
+};
+
+struct Q6K : RawRows {
+  static constexpr int64_t kWeights = 256;
+  static constexpr int64_t kSums = 16;  // one activation sum per 16: the -32 offset times each sub-block's scale
+  static constexpr int64_t kBytes = 210;
+  static constexpr const char* kName = "q6k_linear";
+
+  static Row row(const uint8_t* base, int64_t, int64_t nb, int64_t n) { return base + n * nb * kBytes; }
+  static void prefetch(const uint8_t* base, int64_t, int64_t nb, int64_t n, int count) {
+    prefetch_bytes(base + n * nb * kBytes, count * nb * kBytes);
+  }
+
+  // quant (0..63) of weight e (0..255) of a super-block, as dequantize_row_q6_K reads it
+  static int quant(const uint8_t* blk, int e) {
+    const int h = e / 128, k = (e % 128) / 32, l = e % 32;
+    const uint8_t ql = blk[64 * h + 32 * (k & 1) + l];
+    const int low = (k >> 1) ? (ql >> 4) : (ql & 0x0F);
+    return low | (((blk[128 + 32 * h + l] >> (2 * k)) & 3) << 4);
+  }
+
+#if defined(__AVX2__)
+  // Per half (128 weights) and k (32 weights: sub-blocks 8h + 2k and 8h + 2k + 1), the unsigned 6-bit quants of
+  // U weight rows meet T activation vectors (maddubs u8 x s8 -> s16 pairs, madd with the two sub-block
+  // scales -> s32); the -32 offset is the integer 32 * sum_s sc_s * bsum16_s, subtracted in the same int32
+  // lanes, so each super-block's sum is exact before its one fp32 multiply-add.
+  template <int T, int U>
+  static void dot(const Row* w, const ActRows& a, const int64_t* rows, float* out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    // byte shuffles over 8 int16 scales: 128-bit lane 0 takes scale 2k, lane 1 scale 2k + 1
+    alignas(32) static const uint8_t kPick[4][32] = {
+#define DW_PICK(k) {4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, \
+                    4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, \
+                    4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3}
+        DW_PICK(0), DW_PICK(1), DW_PICK(2), DW_PICK(3)};
+#undef DW_PICK
+    const int8_t* qrow[T];
+    const float* drow[T];
+    const int16_t* brow[T];
+    __m256 facc[U][T];
+    for (int t = 0; t < T; ++t) {
+      qrow[t] = a.q + rows[t] * a.in;
+      drow[t] = a.d + rows[t] * a.nb;
+      brow[t] = a.bsum + rows[t] * a.nb * kSums;
+      for (int u = 0; u < U; ++u) facc[u][t] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < a.nb; ++b) {
+      __m256i iacc[U][T];
+      const uint8_t* blk[U];
+      for (int u = 0; u < U; ++u) {
+        blk[u] = w[u] + b * kBytes;
+        for (int t = 0; t < T; ++t) iacc[u][t] = _mm256_setzero_si256();
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m256i scales[U];
+        for (int u = 0; u < U; ++u)
+          scales[u] = _mm256_broadcastsi128_si256(
+              _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk[u] + 192 + 8 * h))));
+        for (int k = 0; k < 4; ++k) {
+          const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPick[k]));
+          const __m256i high2 = _mm256_set1_epi8(static_cast<char>(3 << (2 * k)));
+          __m256i wq[U], ws[U];
+          for (int u = 0; u < U; ++u) {
+            const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[u] + 64 * h + 32 * (k & 1)));
+            const __m256i qh = _mm256_and_si256(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[u] + 128 + 32 * h)), high2);
+            const __m256i low = _mm256_and_si256((k >> 1) ? _mm256_srli_epi16(ql, 4) : ql, low4);
+            // the two high bits of this k (bits 2k, 2k + 1 of qh) to bits 4, 5
+            const __m256i hi = k == 0 ? _mm256_slli_epi16(qh, 4)
+                             : k == 1 ? _mm256_slli_epi16(qh, 2)
+                             : k == 2 ? qh
+                                      : _mm256_srli_epi16(qh, 2);
+            wq[u] = _mm256_or_si256(low, hi);
+            ws[u] = _mm256_shuffle_epi8(scales[u], pick);
+          }
+          for (int t = 0; t < T; ++t) {
+            const __m256i act =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow[t] + b * kWeights + 128 * h + 32 * k));
+            for (int u = 0; u < U; ++u)
+              iacc[u][t] = _mm256_add_epi32(iacc[u][t], _mm256_madd_epi16(_mm256_maddubs_epi16(wq[u], act), ws[u]));
+          }
+        }
+      }
+      for (int u = 0; u < U; ++u) {
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[u] + 192)));
+        const float dw = half_to_float(blk[u] + 208);
+        for (int t = 0; t < T; ++t) {
+          const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(brow[t] + b * kSums));
+          const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);  // 32 * sc * bsum16
+          const __m256i isum = _mm256_sub_epi32(iacc[u][t], offset);
+          facc[u][t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * drow[t][b]), _mm256_cvtepi32_ps(isum), facc[u][t]);
+        }
+      }
+    }
+    for (int u = 0; u < U; ++u)
+      for (int t = 0; t < T; ++t) out[u * T + t] = hsum8(facc[u][t]);
+  }
+#else
+  template <int T, int U>
+  static void dot(const Row* w, const ActRows& a, const int64_t* rows, float* out) {
+    for (int u = 0; u < U; ++u) {
+      for (int t = 0; t < T; ++t) {
+        float facc = 0.f;
+        for (int64_t b = 0; b < a.nb; ++b) {
+          const uint8_t* blk = w[u] + b * kBytes;
+          const int8_t* q = a.q + rows[t] * a.in + b * kWeights;
+          int isum = 0;
+          for (int s = 0; s < 16; ++s) {
+            int sub = 0;
+            for (int i = 16 * s; i < 16 * s + 16; ++i) sub += (quant(blk, i) - 32) * q[i];
+            isum += static_cast<int8_t>(blk[192 + s]) * sub;
+          }
+          facc = std::fma(half_to_float(blk + 208) * a.d[rows[t] * a.nb + b], static_cast<float>(isum), facc);
+        }
+        out[u * T + t] = facc;
+      }
+    }
+  }
+#endif
+};
+
+// Q8_0 and Q5_0: 32-weight blocks {fp16 d, signed quants}; Decode gives a block's 32 quants as int8.
+template <class Decode>
+struct Block32 : RawRows {
+  static constexpr int64_t kWeights = 32;
+  static constexpr int64_t kSums = 0;
+  static constexpr int64_t kBytes = Decode::kBytes;
+  static constexpr const char* kName = Decode::kName;
+
+  static Row row(const uint8_t* base, int64_t, int64_t nb, int64_t n) { return base + n * nb * kBytes; }
+  static void prefetch(const uint8_t* base, int64_t, int64_t nb, int64_t n, int count) {
+    prefetch_bytes(base + n * nb * kBytes, count * nb * kBytes);
+  }
+
+#if defined(__AVX2__)
+  // Per block, U decoded weight vectors meet T activation vectors: |w| x (a * sign(w)) by maddubs (u8 x s8;
+  // |w| <= 128 and |a| <= 127, so the s16 pair sums do not saturate), madd with ones -> 8 int32 lanes, one
+  // fp32 multiply-add per lane with d_w * d_a.
+  template <int T, int U>
+  static void dot(const Row* w, const ActRows& a, const int64_t* rows, float* out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* qrow[T];
+    const float* drow[T];
+    __m256 facc[U][T];
+    for (int t = 0; t < T; ++t) {
+      qrow[t] = a.q + rows[t] * a.in;
+      drow[t] = a.d + rows[t] * a.nb;
+      for (int u = 0; u < U; ++u) facc[u][t] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < a.nb; ++b) {
+      __m256i wq[U], wabs[U];
+      float dw[U];
+      for (int u = 0; u < U; ++u) {
+        const uint8_t* blk = w[u] + b * kBytes;
+        wq[u] = Decode::load(blk);
+        wabs[u] = _mm256_sign_epi8(wq[u], wq[u]);
+        dw[u] = half_to_float(blk);
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m256i act = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow[t] + b * kWeights));
+        const float da = drow[t][b];
+        for (int u = 0; u < U; ++u) {
+          const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[u], _mm256_sign_epi8(act, wq[u])), ones);
+          facc[u][t] = _mm256_fmadd_ps(_mm256_set1_ps(dw[u] * da), _mm256_cvtepi32_ps(isum), facc[u][t]);
+        }
+      }
+    }
+    for (int u = 0; u < U; ++u)
+      for (int t = 0; t < T; ++t) out[u * T + t] = hsum8(facc[u][t]);
+  }
+#else
+  template <int T, int U>
+  static void dot(const Row* w, const ActRows& a, const int64_t* rows, float* out) {
+    for (int u = 0; u < U; ++u) {
+      for (int t = 0; t < T; ++t) {
+        float facc = 0.f;
+        for (int64_t b = 0; b < a.nb; ++b) {
+          const uint8_t* blk = w[u] + b * kBytes;
+          const int8_t* q = a.q + rows[t] * a.in + b * kWeights;
+          int isum = 0;
+          for (int i = 0; i < 32; ++i) isum += Decode::quant(blk, i) * q[i];
+          facc = std::fma(half_to_float(blk) * a.d[rows[t] * a.nb + b], static_cast<float>(isum), facc);
+        }
+        out[u * T + t] = facc;
+      }
+    }
+  }
+#endif
+};
+
+struct Q8_0Decode {
+  static constexpr int64_t kBytes = 34;
+  static constexpr const char* kName = "q8_0_linear";
+  static int quant(const uint8_t* blk, int i) { return static_cast<int8_t>(blk[2 + i]); }
+#if defined(__AVX2__)
+  static __m256i load(const uint8_t* blk) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)); }
+#endif
+};
+
+struct Q5_0Decode {
+  static constexpr int64_t kBytes = 22;
+  static constexpr const char* kName = "q5_0_linear";
+  static int quant(const uint8_t* blk, int i) {
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    const int low = i < 16 ? (blk[6 + i] & 0x0F) : (blk[6 + i - 16] >> 4);
+    return (low | (((qh >> i) & 1) << 4)) - 16;
+  }
+#if defined(__AVX2__)
+  // nibbles to bytes (weights 0..15 from the low nibbles, 16..31 from the high ones); where the fifth bit is
+  // clear the byte gets 0xF0, which makes it the signed q - 16 directly (ggml's trick)
+  static __m256i load(const uint8_t* blk) {
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
+    const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0F));
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(qh)),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+    const __m256i bit_set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                              _mm256_set1_epi64x(-1));
+    return _mm256_or_si256(nibbles, _mm256_andnot_si256(bit_set, _mm256_set1_epi8(static_cast<char>(0xF0))));
+  }
+#endif
+};
+
+using Q8_0 = Block32<Q8_0Decode>;
+using Q5_0 = Block32<Q5_0Decode>;
+
+// ------------------------------------------------------------------------------------------------ the driver
+template <class F, int U>
+void dot_tile(const typename F::Row* w, const ActRows& a, const int64_t* rows, int count, float* out) {
   switch (count) {
-    case 8: dot_rows<8, U>(w, a, rows, out); break;
-    case 7: dot_rows<7, U>(w, a, rows, out); break;
-    case 6: dot_rows<6, U>(w, a, rows, out); break;
-    case 5: dot_rows<5, U>(w, a, rows, out); break;
-    case 4: dot_rows<4, U>(w, a, rows, out); break;
-    case 3: dot_rows<3, U>(w, a, rows, out); break;
-    case 2: dot_rows<2, U>(w, a, rows, out); break;
-    default: dot_rows<1, U>(w, a, rows, out); break;
+    case 8: F::template dot<8, U>(w, a, rows, out); break;
+    case 7: F::template dot<7, U>(w, a, rows, out); break;
+    case 6: F::template dot<6, U>(w, a, rows, out); break;
+    case 5: F::template dot<5, U>(w, a, rows, out); break;
+    case 4: F::template dot<4, U>(w, a, rows, out); break;
+    case 3: F::template dot<3, U>(w, a, rows, out); break;
+    case 2: F::template dot<2, U>(w, a, rows, out); break;
+    default: F::template dot<1, U>(w, a, rows, out); break;
   }
 }
 
-at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4k_linear: x must be [m, in] float32");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, "q4k_linear: packed must be [out, bytes] uint8");
+// y [m, out] = x [m, in] W^T + bias for W in format F: activation rows quantized once, then threads over the
+// output features, each taking weight rows in pairs (up to 4 rows) or one at a time against tiles of up to 8
+// activation rows.
+template <class F>
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
+  const char* name = F::kName;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be [m, in] float32");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, name, ": packed must be [out, bytes] uint8");
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), in = xc.size(1), out_features = packed.size(0);
-  TORCH_CHECK(in % kSuper == 0, "q4k_linear: in_features must be a multiple of 256, got ", in);
-  const int64_t nb = in / kSuper;
-  TORCH_CHECK(packed.size(1) == nb * kBlockBytes, "q4k_linear: packed rows hold ", packed.size(1),
-              " bytes, expected ", nb * kBlockBytes, " for ", in, " inputs");
-  TORCH_CHECK(packed.is_contiguous(), "q4k_linear: packed must be contiguous");
+  TORCH_CHECK(in % F::kWeights == 0, name, ": in_features must be a multiple of ", F::kWeights, ", got ", in);
+  const int64_t nb = in / F::kWeights;
+  TORCH_CHECK(packed.size(1) == nb * F::kBytes, name, ": packed rows hold ", packed.size(1), " bytes, expected ",
+              nb * F::kBytes, " for ", in, " inputs");
+  TORCH_CHECK(packed.is_contiguous(), name, ": packed must be contiguous");
   const bool has_bias = bias.numel() > 0;
   TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.numel() == out_features),
-              "q4k_linear: bias must be [out] float32 or empty");
+              name, ": bias must be [out] float32 or empty");
   const at::Tensor bias_c = has_bias ? bias.contiguous() : bias;
 
   at::Tensor q = at::empty({m, in}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({m, nb}, x.options());
-  at::Tensor bsum = at::empty({m, nb * 8}, x.options().dtype(at::kShort));
+  at::Tensor bsum = at::empty({m, nb * F::kSums}, x.options().dtype(at::kShort));
   at::Tensor y = at::empty({m, out_features}, x.options());
   const float* xp = xc.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = d.data_ptr<float>();
   int16_t* bp = bsum.data_ptr<int16_t>();
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { quantize_rows(xp, r0, r1, in, qp, dp, bp); });
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    quantize_rows(xp, r0, r1, in, F::kWeights, F::kSums, qp, dp, bp);
+  });
 
-  const ActRows act{qp, dp, bp, in, nb};
-  const uint8_t* qs_plane = packed.data_ptr<uint8_t>();
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(qs_plane) % 32 == 0, "q4k_linear: packed must be 32-byte aligned");
-  const Meta* meta_plane = reinterpret_cast<const Meta*>(qs_plane + out_features * nb * 128);
+  const ActRows act{qp, dp, bp, in, nb, F::kSums};
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  F::check(base);
   const float* biasp = has_bias ? bias_c.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   // activation rows per pass over a chunk of weight rows: about 128 KiB of int8 activations (cache-resident)
@@ -290,28 +596,18 @@ at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
       const int64_t r1 = std::min(m, r0 + row_chunk);
       for (int64_t n = n0; n < n1; n += pair_rows) {
         const int pair = n + 1 < n1 ? pair_rows : 1;
-#if defined(__AVX2__)
         // software prefetch of the weight rows kPrefetchRows ahead (the hardware prefetcher alone reads DRAM
         // at about a third of its bandwidth here: measured 5 against 15 GB/s on one Zen3 core)
-        if (n + kPrefetchRows + pair <= n1) {
-          const uint8_t* ahead = qs_plane + (n + kPrefetchRows) * nb * 128;
-          for (int64_t off = 0; off < pair * nb * 128; off += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
-          }
-          const char* meta_ahead = reinterpret_cast<const char*>(meta_plane + (n + kPrefetchRows) * nb);
-          for (int64_t off = 0; off < pair * nb * 24; off += 64) _mm_prefetch(meta_ahead + off, _MM_HINT_T0);
-        }
-#endif
-        const int64_t n1w = n + pair - 1;
-        const WeightRow w[2] = {{qs_plane + n * nb * 128, meta_plane + n * nb},
-                                {qs_plane + n1w * nb * 128, meta_plane + n1w * nb}};
+        if (n + kPrefetchRows + pair <= n1) F::prefetch(base, out_features, nb, n + kPrefetchRows, pair);
+        const typename F::Row w[2] = {F::row(base, out_features, nb, n),
+                                      F::row(base, out_features, nb, n + pair - 1)};
         for (int64_t r = r0; r < r1; r += row_tile) {
           const int count = static_cast<int>(std::min<int64_t>(row_tile, r1 - r));
           for (int t = 0; t < count; ++t) rows[t] = r + t;
           if (pair == 2) {
-            dot_tile<2>(w, act, rows, count, tile);
+            dot_tile<F, 2>(w, act, rows, count, tile);
           } else {
-            dot_tile<1>(w, act, rows, count, tile);
+            dot_tile<F, 1>(w, act, rows, count, tile);
           }
           for (int u = 0; u < pair; ++u) {
             const float b = has_bias ? biasp[n + u] : 0.f;
@@ -328,8 +624,14 @@ at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
 
 TORCH_LIBRARY(draftwise_q4k, lib) {
   lib.def("linear(Tensor x, Tensor packed, Tensor bias) -> Tensor");
+  lib.def("linear_q6_k(Tensor x, Tensor packed, Tensor bias) -> Tensor");
+  lib.def("linear_q8_0(Tensor x, Tensor packed, Tensor bias) -> Tensor");
+  lib.def("linear_q5_0(Tensor x, Tensor packed, Tensor bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(draftwise_q4k, CPU, lib) {
-  lib.impl("linear", &q4k_linear);
+  lib.impl("linear", &linear<Q4K>);
+  lib.impl("linear_q6_k", &linear<Q6K>);
+  lib.impl("linear_q8_0", &linear<Q8_0>);
+  lib.impl("linear_q5_0", &linear<Q5_0>);
 }

@@ -11,11 +11,15 @@ Arithmetic (``draftwise_q4k::linear``, ``q4k.cpp``): each activation row is quan
 in one fixed order per output element. So a row's output does not depend on the other rows of the call:
 row-invariant by construction (the self-test checks it anyway).
 
-Where the blocks come from (:class:`Q4KSource`): a weight row that equals, bit for bit, the dequantization
-of a row of a Q4_K tensor of the model's GGUF file keeps that row's blocks as they are (the same weights
-llama.cpp runs); a weight of a float checkpoint is quantized here (:func:`quantize_q4k`, min-max per
-sub-block). The kernel is compiled once per machine at first use (``torch.utils.cpp_extension``, with
-``-march=native``; about a minute) into ``$DRAFTWISE_HOME/extensions/``.
+Where the blocks come from (:class:`draftwise.backends.kernels.gguf_source.GGUFSource`): a weight row that
+equals, bit for bit, the dequantization of a row of a Q4_K tensor of the model's GGUF file keeps that row's
+blocks as they are (the same weights llama.cpp runs); a weight of a float checkpoint is quantized here
+(:func:`quantize_q4k`, min-max per sub-block).
+
+The extension (``q4k.cpp``) also holds the kernels of GGUF's Q6_K, Q8_0 and Q5_0 blocks
+(:mod:`draftwise.backends.kernels.gguf_blocks`). It is compiled once per machine at first use
+(``torch.utils.cpp_extension``, with ``-march=native``: AVX2 intrinsics where the CPU has them, a portable path
+elsewhere; about a minute) into ``$DRAFTWISE_HOME/extensions/``.
 """
 
 from __future__ import annotations
@@ -27,13 +31,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from draftwise.backends.kernels.layers import KernelError, _PackedLinear
 from draftwise.files import draftwise_home
 
 __all__ = ["SUPER_BLOCK", "PACKED_BLOCK_BYTES", "Q4KError", "q4k_available", "load_q4k_ops", "q4k_linear",
-           "quantize_q4k", "dequantize_q4k", "pack_gguf_q4k", "Q4KSource", "Q4KLinear", "q4k_linear_factory"]
+           "quantize_q4k", "dequantize_q4k", "pack_gguf_q4k", "Q4KLinear"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,8 @@ def _build_key() -> str:
 
 @functools.lru_cache(maxsize=1)
 def load_q4k_ops() -> str:
-    """Compile (once per machine, cached on disk) and load the kernel; returns the library's path.
+    """Compile (once per machine, cached on disk) and load the extension (the Q4_K, Q6_K, Q8_0 and Q5_0 ops of
+    ``torch.ops.draftwise_q4k``); returns the library's path.
 
     Raises:
         Q4KError: the build failed (no compiler, missing ninja) or the library does not load.
@@ -83,7 +87,7 @@ def load_q4k_ops() -> str:
     name = f"draftwise_q4k_{key}"
     library = build_dir / f"{name}.so"
     if not library.exists():
-        logger.info("compiling the Q4_K kernel for this CPU into %s (once)", build_dir)
+        logger.info("compiling the GGUF kernels for this CPU into %s (once)", build_dir)
     try:
         cpp_extension.load(
             name=name, sources=[str(_SOURCE)], build_directory=str(build_dir), is_python_module=False,
@@ -222,69 +226,14 @@ def pack_gguf_q4k(raw: np.ndarray) -> torch.Tensor:
     return _pack(d, dmin, sc, mn, np.ascontiguousarray(blocks[..., 16:]))
 
 
-# ------------------------------------------------------------------------------------------ GGUF row source
-def _row_key(row: np.ndarray) -> bytes:
-    return hashlib.blake2b(row.tobytes(), digest_size=16).digest()
-
-
-class Q4KSource:
-    """The Q4_K rows of a GGUF file, found by value: ``rows_for(weight)`` returns the packed blocks of a float
-    weight whose every row is the exact dequantization of some Q4_K row of the file (fused or permuted
-    projections included), else None.
-
-    Args:
-        path: the ``.gguf`` file. Reading dequantizes every Q4_K tensor once (numpy; tens of seconds for 1.5B
-            weights) and keeps a 16-byte digest per row, not the floats.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        from gguf import GGMLQuantizationType, GGUFReader
-        from gguf.quants import dequantize
-
-        self.path = str(path)
-        self._reader = GGUFReader(self.path)
-        self._rows: dict[bytes, tuple[int, int]] = {}
-        self._tensors = []
-        for tensor in self._reader.tensors:
-            if tensor.tensor_type != GGMLQuantizationType.Q4_K:
-                continue
-            raw = np.asarray(tensor.data).reshape(int(tensor.shape[-1]) if tensor.shape.size > 1 else 1, -1)
-            index = len(self._tensors)
-            self._tensors.append(raw)
-            floats = dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float32, copy=False)
-            for r in range(floats.shape[0]):
-                self._rows.setdefault(_row_key(floats[r]), (index, r))
-        logger.info("%s: %d Q4_K rows in %d tensors", self.path, len(self._rows), len(self._tensors))
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def rows_for(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """Packed ``[out, in / 256 * 152]`` for ``weight [out, in]`` fp32 when all its rows are Q4_K rows of
-        the file (checked bit for bit after repacking), else None."""
-        rows = weight.detach().to(torch.float32).contiguous().numpy()
-        found = []
-        for row in rows:
-            hit = self._rows.get(_row_key(row))
-            if hit is None:
-                return None
-            found.append(hit)
-        raw = np.stack([self._tensors[t][r] for t, r in found])
-        packed = pack_gguf_q4k(raw)
-        if not torch.equal(dequantize_q4k(packed), weight.detach().to(torch.float32)):
-            logger.warning("%s: Q4_K rows matched by digest did not dequantize to the weight; quantizing anew",
-                           self.path)
-            return None
-        return packed
-
-
 # -------------------------------------------------------------------------------------------- the module
 class Q4KLinear(_PackedLinear):
     """``y = x W^T + b`` with ``W`` in packed Q4_K blocks on the row-invariant kernel
     (``draftwise_q4k::linear``): ``x [m, in]`` fp32 -> ``[m, out]`` fp32.
 
     Args:
-        packed: ``[out, in / 256 * 152]`` uint8 from :func:`quantize_q4k` or :meth:`Q4KSource.rows_for`.
+        packed: ``[out, in / 256 * 152]`` uint8 from :func:`quantize_q4k` or :func:`pack_gguf_q4k` (a GGUF file's
+            rows, :class:`draftwise.backends.kernels.gguf_source.GGUFSource`).
         bias: ``[out]`` or None.
 
     Raises:
@@ -322,44 +271,3 @@ class Q4KLinear(_PackedLinear):
         if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == self.in_features:
             return self._op(x, self.packed, self._bias)
         return super().forward(x)
-
-
-class Q4KKernel:
-    """The q4k mode as a ``kernel=`` for :func:`draftwise.backends.quantization.quantize_model`."""
-
-    mode = "q4k"
-    name = "q4k-cpp"
-
-    def __init__(self, source: Q4KSource | None = None) -> None:
-        self._build = q4k_linear_factory(source)
-
-    def build(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-        """The layer for ``weight [out, in]`` (Q4_K where it can, else int8)."""
-        return self._build(weight, bias)
-
-
-def q4k_linear_factory(source: Q4KSource | None = None):
-    """The lean runtime's layer factory for the ``q4k`` mode: ``build(weight [out, in], bias) -> nn.Module``.
-
-    With a GGUF ``source``, a weight whose rows are all Q4_K rows of the file runs on :class:`Q4KLinear` with
-    those blocks; any other weight of that file (Q6_K, Q8_0, float tensors, a projection fused from mixed
-    types) stays int8, as re-quantizing an already quantized weight would compound two roundings. Without a
-    source (a float checkpoint), every weight with ``in`` a multiple of 256 is quantized to Q4_K
-    (:func:`quantize_q4k`). Weights of other widths run int8.
-
-    Raises:
-        Q4KError: the kernel cannot be built here.
-    """
-    from importlib import import_module
-
-    Int8Linear = import_module("draftwise.backends.quantization").Int8Linear  # noqa: N806 - below layers
-    load_q4k_ops()
-
-    def build(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-        if weight.shape[1] % SUPER_BLOCK == 0:
-            packed = quantize_q4k(weight) if source is None else source.rows_for(weight)
-            if packed is not None:
-                return Q4KLinear(packed, bias)
-        return Int8Linear(weight, bias)
-
-    return build

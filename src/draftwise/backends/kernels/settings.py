@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 #: Quantization modes a kernel can serve: the float or integer format of the stored weights.
-KERNEL_MODES = ("none", "bf16", "int8", "int4", "q4k")
+KERNEL_MODES = ("none", "bf16", "int8", "int4", "q4k", "q6k", "q8_0", "q5_0")
 #: Environment variable that forces a kernel: a name, or comma-separated names (the one of the mode applies).
 KERNEL_ENV = "DRAFTWISE_KERNEL"
 #: Row counts whose rows must equal the same rows computed alone: decode, verify and tree passes (1..17)

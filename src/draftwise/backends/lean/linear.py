@@ -81,11 +81,12 @@ def selected_linear_factory(quantization: str | None, config, q4k_source=None):
     not cover (an FR-Spec subset head).
 
     Args:
-        quantization: ``"none"``, ``"int8"`` or ``"q4k"`` (one kernel, row-invariant by construction:
-            :func:`draftwise.backends.kernels.q4k.q4k_linear_factory`; the load-time self-test on the real
-            weights checks it).
+        quantization: ``"none"``, ``"int8"`` or ``"q4k"`` (a kernel per GGUF block type, row-invariant by
+            construction: :func:`draftwise.backends.kernels.gguf_source.q4k_linear_factory`; the load-time
+            self-test on the real weights checks it).
         config: the model's :class:`draftwise.backends.lean.model.LeanConfig`.
-        q4k_source: the GGUF file's Q4_K rows (:class:`draftwise.backends.kernels.q4k.Q4KSource`) or None.
+        q4k_source: the GGUF file's quantized rows (:class:`draftwise.backends.kernels.gguf_source.GGUFSource`)
+            or None.
     """
     from draftwise.backends.kernels import KernelError, linear_kernels, llama_linear_shapes, select_linear_kernel
 
@@ -114,14 +115,15 @@ def selected_linear_factory(quantization: str | None, config, q4k_source=None):
 def linear_factory(quantization: str | None, q4k_source=None):
     """The row-invariant linear layer factory ``(weight [out, in], bias) -> module`` of a quantization mode:
     :class:`Int8Linear` for ``"int8"``, :class:`PaddedLinear` for ``"none"``, and for ``"q4k"``
-    :func:`draftwise.backends.kernels.q4k.q4k_linear_factory` (Q4_K blocks from ``q4k_source`` when given).
+    :func:`draftwise.backends.kernels.gguf_source.q4k_linear_factory` (the GGUF file's blocks from ``q4k_source``
+    when given).
 
     Raises:
         ValueError: unknown mode. draftwise.backends.kernels.q4k.Q4KError: q4k without its kernel here.
     """
     mode = parse_quantization(quantization)
     if mode == "q4k":
-        from draftwise.backends.kernels.q4k import q4k_linear_factory
+        from draftwise.backends.kernels.gguf_source import q4k_linear_factory
 
         return q4k_linear_factory(q4k_source)
     return Int8Linear if mode == "int8" else PaddedLinear

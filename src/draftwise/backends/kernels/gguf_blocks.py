@@ -1,0 +1,238 @@
+"""GGUF's other block formats on the row-invariant C++ kernels: Q6_K, Q8_0 and Q5_0, used as the file stores them.
+
+Formats (ggml's ``ggml-common.h``; dequantization as ``dequantize_row_q6_K`` / ``_q8_0`` / ``_q5_0`` of
+``ggml-quants.c``, and as the ``gguf`` package's ``gguf.quants.dequantize``):
+
+- Q6_K: super-blocks of 256 weights, 210 bytes: ``ql[128]`` (low 4 bits), ``qh[64]`` (high 2 bits), 16 int8
+  scales (one per 16 weights), fp16 ``d``; ``w = d * sc * (q - 32)``, q in 0..63.
+- Q8_0: blocks of 32, 34 bytes: fp16 ``d``, 32 int8 quants; ``w = d * q``.
+- Q5_0: blocks of 32, 22 bytes: fp16 ``d``, 32 fifth bits, 16 bytes of nibbles (low: weight j, high: j + 16);
+  ``w = d * (q - 16)``, q in 0..31.
+
+A packed weight is the GGUF rows as they are, ``[out, in / block * block_bytes]`` uint8 (no repacking, so no
+second rounding, and the bytes streamed per weight are llama.cpp's). The kernels (``q4k.cpp``) quantize each
+activation row on its own to int8 (per 256 for Q6_K, per 32 for Q8_0 and Q5_0), sum each block in integers
+and accumulate in fp32 in one fixed order: row-invariant by construction, as the Q4_K kernel
+(:mod:`draftwise.backends.kernels.q4k`, whose extension holds them all).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from draftwise.backends.kernels.layers import KernelError, _KernelLinear, _PackedLinear
+from draftwise.backends.kernels.q4k import Q4KLinear, load_q4k_ops, pack_gguf_q4k
+
+__all__ = ["BlockFormat", "BLOCK_FORMATS", "block_format", "quantize_blocks", "dequantize_blocks", "quantize_q6k",
+           "GGUFBlockLinear", "SegmentedLinear", "gguf_linear"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One GGUF block format with a kernel of its own.
+
+    Attributes:
+        ggml_type: the ``gguf.GGMLQuantizationType`` name (``"Q6_K"``).
+        mode: the kernel mode (:data:`draftwise.backends.kernels.settings.KERNEL_MODES`).
+        kernel_name: the kernel's name in :data:`draftwise.backends.kernels.LINEAR_KERNELS`.
+        op: the op of ``torch.ops.draftwise_q4k``.
+        block_weights: weights per block (``in_features`` must be a multiple).
+        block_bytes: bytes per block.
+    """
+
+    ggml_type: str
+    mode: str
+    kernel_name: str
+    op: str
+    block_weights: int
+    block_bytes: int
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """Stored bytes per weight, scales included."""
+        return self.block_bytes / self.block_weights
+
+
+#: The formats served as stored, by ``GGMLQuantizationType`` name.
+BLOCK_FORMATS: dict[str, BlockFormat] = {
+    f.ggml_type: f for f in (
+        BlockFormat("Q6_K", "q6k", "q6k-cpp", "linear_q6_k", 256, 210),
+        BlockFormat("Q8_0", "q8_0", "q8_0-cpp", "linear_q8_0", 32, 34),
+        BlockFormat("Q5_0", "q5_0", "q5_0-cpp", "linear_q5_0", 32, 22),
+    )
+}
+
+
+def block_format(ggml_type: str) -> BlockFormat:
+    """The :class:`BlockFormat` of a ``GGMLQuantizationType`` name.
+
+    Raises:
+        KernelError: a type without a kernel here.
+    """
+    try:
+        return BLOCK_FORMATS[ggml_type]
+    except KeyError:
+        raise KernelError(f"no kernel for GGUF type {ggml_type}; kernels exist for Q4_K, "
+                          f"{', '.join(BLOCK_FORMATS)}") from None
+
+
+def _ggml_type(fmt: BlockFormat):
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType[fmt.ggml_type]
+
+
+def _check_width(fmt: BlockFormat, in_features: int) -> int:
+    if in_features % fmt.block_weights:
+        raise KernelError(f"{fmt.ggml_type} needs in_features divisible by {fmt.block_weights}, got {in_features}")
+    return in_features // fmt.block_weights
+
+
+# ------------------------------------------------------------------------------------------ format helpers
+def quantize_q6k(weight: np.ndarray) -> np.ndarray:
+    """Float ``weight [out, in]`` (``in`` a multiple of 256) -> GGUF Q6_K rows ``[out, in / 256 * 210]`` uint8:
+    per 16 weights a scale putting the largest magnitude at -32 (ggml's sign convention), the 16 scales on int8
+    against the super-block's fp16 ``d``, quants rounded against the scale as dequantized (a plain fit, without
+    ggml's iterative search of ``make_qx_quants``)."""
+    out, in_features = weight.shape
+    nb = in_features // 256
+    x = np.asarray(weight, dtype=np.float64).reshape(out, nb, 16, 16)
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]  # [out, nb, 16] signed
+    scale = peak / -32.0
+    d = (np.abs(scale).max(-1) / 127.0).astype(np.float16)  # [out, nb]
+    d32 = d.astype(np.float32)
+    sc = np.clip(np.rint(np.divide(scale, d32[..., None], out=np.zeros_like(scale), where=d32[..., None] > 0)),
+                 -128, 127).astype(np.int8)
+    step = (d32[..., None] * sc.astype(np.float32)).astype(np.float64)  # what dequantization multiplies by
+    q = np.divide(x, step[..., None], out=np.zeros_like(x), where=step[..., None] != 0)
+    q = (np.clip(np.rint(q), -32, 31) + 32).astype(np.uint8).reshape(out, nb, 2, 4, 32)  # [.., half, k, l]
+    ql = (q[..., 0:2, :] & 0x0F) | ((q[..., 2:4, :] & 0x0F) << 4)  # [.., half, 2, 32]
+    qh = sum(((q[..., k, :] >> 4) << (2 * k)) for k in range(4)).astype(np.uint8)  # [.., half, 32]
+    blocks = np.empty((out, nb, 210), dtype=np.uint8)
+    blocks[..., 0:128] = ql.reshape(out, nb, 128)
+    blocks[..., 128:192] = qh.reshape(out, nb, 64)
+    blocks[..., 192:208] = sc.view(np.uint8)
+    blocks[..., 208:210] = d.reshape(out, nb, 1).view(np.uint8)
+    return blocks.reshape(out, nb * 210)
+
+
+def quantize_blocks(weight: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """Float ``weight [out, in]`` -> its GGUF rows in ``fmt`` ``[out, in / block * block_bytes]`` uint8 (Q8_0 and
+    Q5_0 by the ``gguf`` package's quantizers, Q6_K by :func:`quantize_q6k`).
+
+    Raises:
+        KernelError: ``in`` not a multiple of the block.
+    """
+    _check_width(fmt, weight.shape[1])
+    floats = weight.detach().to(torch.float32).cpu().contiguous().numpy()
+    if fmt.ggml_type == "Q6_K":
+        raw = quantize_q6k(floats)
+    else:
+        from gguf.quants import quantize
+
+        raw = quantize(floats, _ggml_type(fmt))
+    return torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8))
+
+
+def dequantize_blocks(packed: torch.Tensor | np.ndarray, fmt: BlockFormat) -> torch.Tensor:
+    """GGUF rows ``[out, nb * block_bytes]`` -> float32 ``[out, nb * block_weights]``, as ``gguf`` dequantizes
+    them (ggml's ``dequantize_row_*``)."""
+    from gguf.quants import dequantize
+
+    raw = packed.contiguous().numpy() if isinstance(packed, torch.Tensor) else np.asarray(packed)
+    return torch.from_numpy(np.ascontiguousarray(dequantize(raw, _ggml_type(fmt)), dtype=np.float32))
+
+
+# -------------------------------------------------------------------------------------------- the modules
+class GGUFBlockLinear(_PackedLinear):
+    """``y = x W^T + b`` with ``W`` in GGUF rows of a :class:`BlockFormat` (Q6_K, Q8_0, Q5_0) on its row-invariant
+    kernel: ``x [m, in]`` fp32 -> ``[m, out]`` fp32.
+
+    Args:
+        fmt: the format.
+        packed: ``[out, in / block * block_bytes]`` uint8, the file's rows or :func:`quantize_blocks`' output.
+        bias: ``[out]`` or None.
+
+    Raises:
+        KernelError: the kernel is not available here (a :class:`draftwise.backends.kernels.q4k.Q4KError`), or
+            ``packed`` is not a uint8 matrix of whole blocks.
+    """
+
+    def __init__(self, fmt: BlockFormat, packed: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if packed.dim() != 2 or packed.dtype != torch.uint8 or packed.shape[1] % fmt.block_bytes:
+            raise KernelError(f"{fmt.ggml_type} weights are [out, nb * {fmt.block_bytes}] uint8, got "
+                              f"{tuple(packed.shape)} {packed.dtype}")
+        super().__init__(packed.shape[0], packed.shape[1] // fmt.block_bytes * fmt.block_weights, bias)
+        load_q4k_ops()
+        self.format = fmt
+        self.kernel_name = fmt.kernel_name
+        self.packed = packed.contiguous()  # a plain attribute: read on every call, no module lookup
+        self._bias = self.bias.data if self.bias is not None else torch.empty(0)
+        self._op = getattr(torch.ops.draftwise_q4k, fmt.op).default
+
+    @classmethod
+    def from_float(cls, fmt: BlockFormat, weight: torch.Tensor, bias: torch.Tensor | None = None) -> GGUFBlockLinear:
+        """Quantize ``weight [out, in]`` to ``fmt`` (:func:`quantize_blocks`)."""
+        return cls(fmt, quantize_blocks(weight, fmt), bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.numel() + (0 if self.bias is None else 4 * self.out_features)
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._op(rows, self.packed, self._bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in_features]`` -> ``[..., out_features]``; ``[m, in]`` fp32 goes straight to the kernel."""
+        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == self.in_features:
+            return self._op(x, self.packed, self._bias)
+        return super().forward(x)
+
+
+class SegmentedLinear(_KernelLinear):
+    """A linear layer whose output features come in consecutive segments of different formats (a fused q/k/v
+    projection with q and k in Q4_K and v in Q6_K): ``x [m, in]`` -> the segments' outputs side by side
+    ``[m, sum out]``. Row-invariant when every segment is: each output element is computed by one segment's
+    kernel alone. The segments are not registered as submodules (``model.modules()`` lists this layer once,
+    with the segments' bytes in :attr:`weight_bytes`).
+
+    Args:
+        layers: the segments' modules in output order, all with the same ``in_features``.
+
+    Raises:
+        KernelError: no segments, or different input widths.
+    """
+
+    def __init__(self, layers: Sequence[_KernelLinear]) -> None:
+        if not layers or len({layer.in_features for layer in layers}) != 1:
+            raise KernelError("segments need one input width and at least one layer")
+        super().__init__(sum(layer.out_features for layer in layers), layers[0].in_features, None)
+        # a plain tuple, not submodules: the model's layer walks (shapes, weight bytes) see this one layer
+        self.segments = tuple(layers)
+        self.kernel_name = "+".join(layer.kernel_name for layer in layers)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(layer.weight_bytes for layer in self.segments)
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([layer(rows) for layer in self.segments], dim=-1)  # [m, out]
+
+
+def gguf_linear(ggml_type: str, raw: np.ndarray, bias: torch.Tensor | None = None) -> _KernelLinear:
+    """The kernel layer for GGUF rows ``raw [out, row bytes]`` uint8 of type ``ggml_type`` (``"Q4_K"`` repacked
+    for :class:`Q4KLinear`; Q6_K, Q8_0, Q5_0 as they are for :class:`GGUFBlockLinear`).
+
+    Raises:
+        KernelError: a type without a kernel, or the kernel not available here.
+    """
+    if ggml_type == "Q4_K":
+        return Q4KLinear(pack_gguf_q4k(raw), bias)
+    return GGUFBlockLinear(block_format(ggml_type), torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8)), bias)
