@@ -29,6 +29,12 @@ USER_MODELS_DIR = models_dir()
 _session: dict[str, str | None] = {}
 
 
+long_test = pytest.mark.skipif(
+    not os.environ.get("DRAFTWISE_LONG_TESTS"),
+    reason="takes minutes of CPU (a real model's whole load, extension builds): set DRAFTWISE_LONG_TESTS=1")
+"""A test outside the default run's 10-minute budget, run with ``DRAFTWISE_LONG_TESTS=1``."""
+
+
 def pulled_model_path(name: str) -> Path:
     """Where ``draftwise pull NAME`` put registry model ``name`` in the user's models directory (it need not
     exist; tests only read it)."""

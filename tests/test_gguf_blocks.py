@@ -25,7 +25,7 @@ from draftwise.backends.kernels.gguf_source import GGUFSource, q4k_linear_factor
 from draftwise.backends.kernels.layers import KernelError
 from draftwise.backends.kernels.q4k import Q4KLinear, q4k_available
 
-from conftest import pulled_model_path
+from conftest import long_test, pulled_model_path
 from test_q4k import random_gguf_q4k
 
 pytestmark = pytest.mark.skipif(q4k_available() is not None, reason=f"GGUF kernels unavailable: {q4k_available()}")
@@ -215,6 +215,7 @@ def _dequantize(raw: np.ndarray, kind: str) -> torch.Tensor:
 
 
 @pytest.mark.slow
+@long_test
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
 def test_every_linear_layer_of_the_qwen_gguf_runs_on_its_blocks(name):
     path = pulled_model_path(name)
@@ -260,6 +261,7 @@ torch.save(results, data + ".out")
 
 
 @pytest.mark.slow
+@long_test
 def test_the_kernels_build_and_agree_on_avx2_only_and_portable_builds(tmp_path):
     """The extension built for an AVX2-only CPU (haswell: no AVX-512) gives this machine's bits; built without
     AVX2 (x86-64-v2: the portable path, software fp16) it is row-invariant and computes the same arithmetic."""
