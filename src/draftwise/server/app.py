@@ -21,7 +21,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,7 +42,9 @@ from draftwise.server.errors import (
     install_error_handlers,
     validation_error,
 )
+from draftwise.logprobs import TokenLogprob
 from draftwise.server.events import Failed, Finished, QueueFullError, RequestHandle, ServerClosingError, TextDelta
+from draftwise.server.logprobs import CompletionLogprobs, TokenBytes, chat_logprobs, prompt_logprobs_field
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, bearer_token
 from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
@@ -79,6 +82,7 @@ class ServerState:
     metrics: ServerMetrics
     created: int
     response_store: ResponseStore  # conversations of kept /v1/responses answers (previous_response_id)
+    token_bytes: TokenBytes  # ids -> each token's bytes (logprobs' token strings)
 
     @property
     def model_name(self) -> str:
@@ -168,7 +172,9 @@ def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
     engine_loop = EngineLoop(core, codec.decode, metrics.record, settings.max_waiting_requests,
                              record_step=metrics.record_step)
     metrics.track_queue(lambda: engine_loop.num_running, lambda: engine_loop.num_waiting)
-    return ServerState(bundle, settings, validator, engine_loop, metrics, int(time.time()), ResponseStore())
+    token_bytes = partial(codec.token_bytes, vocab_size=core.backend.vocab_size)
+    return ServerState(bundle, settings, validator, engine_loop, metrics, int(time.time()), ResponseStore(),
+                       token_bytes)
 
 
 # ---------------------------------------------------------------------- routes
@@ -217,13 +223,13 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI text completions, streamed or not."""
         prepared = await run_in_threadpool(state.validator.completion, body, _api_key(request))
-        return await _respond(state, request, prepared, _CompletionFormat(prepared), body)
+        return await _respond(state, request, prepared, _CompletionFormat(prepared, state.token_bytes), body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completions, streamed or not."""
         prepared = await run_in_threadpool(state.validator.chat, body, _api_key(request))
-        return await _respond(state, request, prepared, _ChatFormat(prepared), body)
+        return await _respond(state, request, prepared, _ChatFormat(prepared, state.token_bytes), body)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
@@ -233,7 +239,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         history, chat = _responses_chat(state, body, scope)
         prepared = await run_in_threadpool(state.validator.chat, chat, api_key)
         created_at, response_id = time.time(), new_response_id()
-        fmt = _ChatFormat(prepared)
+        fmt = _ChatFormat(prepared, state.token_bytes)
         if body.stream:
             translator = ResponsesStream(body, response_id=response_id, created_at=created_at, model=prepared.model)
             events = _responses_events(state, _submit(state, prepared), fmt, translator, scope, history)
@@ -273,25 +279,57 @@ def _keep_response(state: ServerState, body: ResponsesRequest, scope: str, histo
         state.response_store.keep(scope, response["id"], conversation(body, history, response))
 
 
+@dataclass
+class _Collected:
+    """A whole generation's output as the events brought it: text, the tokens' logprobs (when asked for), the
+    prompt's (when asked for), and its end."""
+
+    finished: Finished | None = None
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, delta: TextDelta) -> None:
+        self.parts.append(delta.text)
+        self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+
+
 class _CompletionFormat:
-    """Shapes of ``/v1/completions`` bodies and chunks."""
+    """Shapes of ``/v1/completions`` bodies and chunks (with OpenAI's legacy ``logprobs`` object and vLLM's
+    ``prompt_logprobs`` when the request asked for them)."""
 
     object_name = "text_completion"
 
-    def __init__(self, request: GenerationRequest) -> None:
+    def __init__(self, request: GenerationRequest, token_bytes: TokenBytes) -> None:
         self.request_id, self.model, self.created = request.request_id, request.model, int(time.time())
+        self.token_bytes = token_bytes
+        self.wants_logprobs = request.params.logprobs is not None
+        self._offsets = CompletionLogprobs(token_bytes)  # text_offset runs on across the chunks
 
     def opening(self, include_usage: bool) -> list[dict]:
         return []
 
-    def delta(self, text: str, include_usage: bool) -> list[dict]:
-        return [completion_chunk(self.request_id, self.created, self.model, text, None, include_usage)]
+    def delta(self, event: TextDelta, include_usage: bool) -> list[dict]:
+        logprobs = self._offsets.next(event.logprobs) if self.wants_logprobs else None
+        return [completion_chunk(self.request_id, self.created, self.model, event.text, None, include_usage,
+                                 logprobs, self._prompt(event.prompt_logprobs))]
 
     def closing(self, finish_reason: str, include_usage: bool) -> list[dict]:
         return [completion_chunk(self.request_id, self.created, self.model, "", finish_reason, include_usage)]
 
-    def body(self, text: str, finish_reason: str, usage: Usage) -> dict:
-        return completion_body(self.request_id, self.model, text, finish_reason, usage)
+    def body(self, collected: _Collected, usage: Usage) -> dict:
+        logprobs = CompletionLogprobs(self.token_bytes).next(collected.logprobs) if self.wants_logprobs else None
+        return completion_body(self.request_id, self.model, collected.text, collected.finished.finish_reason, usage,
+                               logprobs, self._prompt(collected.prompt_logprobs))
+
+    def _prompt(self, entries: tuple[TokenLogprob | None, ...] | None) -> list | None:
+        return None if entries is None else prompt_logprobs_field(entries, self.token_bytes)
 
 
 class _ChatFormat(_CompletionFormat):
@@ -300,13 +338,14 @@ class _ChatFormat(_CompletionFormat):
     With a tool parser (a request with tools), the reply is read for tool calls: streamed, the accumulated text
     is re-parsed at every delta (a speculative step may add several tokens at once), content is sent up to a
     possible call marker and each call as OpenAI's tool-call deltas; the finish reason of a reply that made
-    calls is ``tool_calls``.
+    calls is ``tool_calls``. A delta's token logprobs ride on its first chunk (on an empty delta ``{}`` when the
+    parser holds its text back).
     """
 
     object_name = "chat.completion.chunk"
 
-    def __init__(self, request: GenerationRequest) -> None:
-        super().__init__(request)
+    def __init__(self, request: GenerationRequest, token_bytes: TokenBytes) -> None:
+        super().__init__(request, token_bytes)
         self.parser = request.tool_parser
         self._calls = self.parser.stream() if self.parser is not None else None
         self._text = ""
@@ -315,11 +354,20 @@ class _ChatFormat(_CompletionFormat):
         return [chat_chunk(self.request_id, self.created, self.model, {"role": "assistant", "content": ""}, None,
                            include_usage)]
 
-    def delta(self, text: str, include_usage: bool) -> list[dict]:
+    def delta(self, event: TextDelta, include_usage: bool) -> list[dict]:
         if self._calls is None:
-            return [self._chunk({"content": text}, None, include_usage)]
-        self._text += text
-        return [self._chunk(delta, None, include_usage) for delta in self._calls.feed(self._text)]
+            deltas = [{"content": event.text}] if event.text else []
+        else:
+            self._text += event.text
+            deltas = list(self._calls.feed(self._text))
+        logprobs = chat_logprobs(event.logprobs, self.token_bytes) if self.wants_logprobs else None
+        prompt = self._prompt(event.prompt_logprobs)
+        if not deltas and (event.logprobs or prompt is not None):
+            deltas = [{}]
+        chunks = [self._chunk(delta, None, include_usage) for delta in deltas]
+        if chunks:
+            chunks[0] = self._chunk(deltas[0], None, include_usage, logprobs, prompt)
+        return chunks
 
     def closing(self, finish_reason: str, include_usage: bool) -> list[dict]:
         if self._calls is None:
@@ -329,17 +377,23 @@ class _ChatFormat(_CompletionFormat):
             finish_reason = "tool_calls"
         return chunks + [self._chunk({}, finish_reason, include_usage)]
 
-    def body(self, text: str, finish_reason: str, usage: Usage) -> dict:
+    def body(self, collected: _Collected, usage: Usage) -> dict:
+        text, finish_reason = collected.text, collected.finished.finish_reason
+        logprobs = chat_logprobs(collected.logprobs, self.token_bytes) if self.wants_logprobs else None
+        prompt = self._prompt(collected.prompt_logprobs)
         if self.parser is None:
-            return chat_body(self.request_id, self.model, text, finish_reason, usage)
+            return chat_body(self.request_id, self.model, text, finish_reason, usage, logprobs=logprobs,
+                             prompt_logprobs=prompt)
         parsed = self.parser.extract(text)
         calls = [call.to_openai() for call in parsed.tool_calls]
         if calls and finish_reason == "stop":
             finish_reason = "tool_calls"
-        return chat_body(self.request_id, self.model, parsed.content, finish_reason, usage, calls)
+        return chat_body(self.request_id, self.model, parsed.content, finish_reason, usage, calls, logprobs, prompt)
 
-    def _chunk(self, delta: dict, finish_reason: str | None, include_usage: bool) -> dict:
-        return chat_chunk(self.request_id, self.created, self.model, delta, finish_reason, include_usage)
+    def _chunk(self, delta: dict, finish_reason: str | None, include_usage: bool, logprobs: dict | None = None,
+               prompt_logprobs: list | None = None) -> dict:
+        return chat_chunk(self.request_id, self.created, self.model, delta, finish_reason, include_usage, logprobs,
+                          prompt_logprobs)
 
 
 async def _respond(state: ServerState, request: Request, prepared: GenerationRequest, fmt: _CompletionFormat,
@@ -367,8 +421,7 @@ async def _reply(state: ServerState, request: Request, prepared: GenerationReque
     collected = await _collect(handle, request, state.settings.disconnect_poll_s)
     if collected is None:
         return None
-    text, finished = collected
-    return fmt.body(text, finished.finish_reason, state.usage(prepared, finished))
+    return fmt.body(collected, state.usage(prepared, collected.finished))
 
 
 def _api_key(request: Request) -> str | None:
@@ -405,21 +458,22 @@ async def _watch_disconnect(request: Request, handle: RequestHandle, poll_s: flo
             return
 
 
-async def _collect(handle: RequestHandle, request: Request, poll_s: float) -> tuple[str, Finished] | None:
+async def _collect(handle: RequestHandle, request: Request, poll_s: float) -> _Collected | None:
     """Wait for a whole generation; None if the client left first.
 
     Raises:
         APIError: the generation failed.
     """
     watcher = asyncio.create_task(_watch_disconnect(request, handle, poll_s))
-    parts: list[str] = []
+    collected = _Collected()
     try:
         while True:
             event = await handle.next_event()
             if isinstance(event, TextDelta):
-                parts.append(event.text)
+                collected.add(event)
             elif isinstance(event, Finished):
-                return "".join(parts), event
+                collected.finished = event
+                return collected
             elif isinstance(event, Failed):
                 raise _failure(event.error)
             else:
@@ -440,7 +494,7 @@ async def _chunks(state: ServerState, handle: RequestHandle, fmt: _CompletionFor
         while True:
             event = await handle.next_event()
             if isinstance(event, TextDelta):
-                for chunk in fmt.delta(event.text, include_usage):
+                for chunk in fmt.delta(event, include_usage):
                     yield chunk
             elif isinstance(event, Finished):
                 for chunk in fmt.closing(event.finish_reason, include_usage):

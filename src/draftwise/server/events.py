@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from draftwise.logprobs import TokenLogprob
 from draftwise.server.validation import GenerationRequest
 from draftwise.stats import SpeculativeStats
 
@@ -23,9 +24,13 @@ __all__ = ["Aborted", "Event", "Failed", "Finished", "Job", "QueueFullError", "R
 # ---------------------------------------------------------------------- events (engine thread -> event loop)
 @dataclass(frozen=True)
 class TextDelta:
-    """New output text (never empty)."""
+    """New output text, and the log-probabilities of the tokens consumed with it (a request that asked for
+    them); never both empty. ``prompt_logprobs``: the first delta of a request that asked for its prompt's
+    carries them (None for the first prompt token)."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -47,39 +47,49 @@ def make_usage(prompt_tokens: int, completion_tokens: int, stats: SpeculativeSta
                  speculative=speculative)
 
 
-def completion_body(request_id: str, model: str, text: str, finish_reason: str, usage: Usage) -> dict:
-    """A ``text_completion`` object."""
-    return CompletionResponse(
-        id=request_id, created=int(time.time()), model=model,
-        choices=[CompletionChoice(text=text, finish_reason=finish_reason)], usage=usage,
-    ).model_dump()
+def completion_body(request_id: str, model: str, text: str, finish_reason: str, usage: Usage,
+                    logprobs: dict | None = None, prompt_logprobs: list | None = None) -> dict:
+    """A ``text_completion`` object (``logprobs`` / ``prompt_logprobs``: :mod:`draftwise.server.logprobs`)."""
+    choice = CompletionChoice(text=text, finish_reason=finish_reason, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
+    return CompletionResponse(id=request_id, created=int(time.time()), model=model, choices=[choice],
+                              usage=usage).model_dump()
 
 
 def chat_body(request_id: str, model: str, text: str | None, finish_reason: str, usage: Usage,
-              tool_calls: list[dict] | None = None) -> dict:
-    """A ``chat.completion`` object (``text`` None: a reply of tool calls only)."""
+              tool_calls: list[dict] | None = None, logprobs: dict | None = None,
+              prompt_logprobs: list | None = None) -> dict:
+    """A ``chat.completion`` object (``text`` None: a reply of tool calls only; ``logprobs`` /
+    ``prompt_logprobs``: :mod:`draftwise.server.logprobs`)."""
     message = ChatMessageOut(content=text, tool_calls=tool_calls or None)
     return ChatCompletionResponse(
         id=request_id, created=int(time.time()), model=model,
-        choices=[ChatChoice(message=message, finish_reason=finish_reason)], usage=usage,
+        choices=[ChatChoice(message=message, finish_reason=finish_reason, logprobs=logprobs)], usage=usage,
+        prompt_logprobs=prompt_logprobs,
     ).model_dump()
 
 
 def completion_chunk(request_id: str, created: int, model: str, text: str, finish_reason: str | None,
-                     include_usage: bool) -> dict:
-    """A streamed ``text_completion`` chunk (``usage: null`` when the client asked for usage)."""
-    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                     include_usage: bool, logprobs: dict | None = None, prompt_logprobs: list | None = None) -> dict:
+    """A streamed ``text_completion`` chunk (``usage: null`` when the client asked for usage; ``logprobs``: its
+    tokens'; ``prompt_logprobs``: on the first chunk of a request that asked for them)."""
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
 def chat_chunk(request_id: str, created: int, model: str, delta: dict, finish_reason: str | None,
-               include_usage: bool) -> dict:
-    """A ``chat.completion.chunk`` (``delta``: ``{"role": ...}``, ``{"content": ...}`` or ``{}``)."""
+               include_usage: bool, logprobs: dict | None = None, prompt_logprobs: list | None = None) -> dict:
+    """A ``chat.completion.chunk`` (``delta``: ``{"role": ...}``, ``{"content": ...}`` or ``{}``; ``logprobs``: its
+    tokens'; ``prompt_logprobs``: on the first chunk of a request that asked for them)."""
     chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if prompt_logprobs is not None:
+        chunk["prompt_logprobs"] = prompt_logprobs
     if include_usage:
         chunk["usage"] = None
     return chunk

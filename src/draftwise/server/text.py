@@ -52,6 +52,8 @@ class TextCodec:
         self._chat_template = chat_template
         self._decoder = _private_copy(model)
         self._encoders = _ModelPool(model, copies)
+        self._token_bytes: list[bytes] | None = None  # each id's bytes, read once (token_bytes)
+        self._token_bytes_lock = threading.Lock()
 
     @property
     def has_chat_template(self) -> bool:
@@ -92,6 +94,17 @@ class TextCodec:
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
+
+    def token_bytes(self, token_ids: Sequence[int], vocab_size: int) -> list[bytes]:
+        """The bytes each token adds to the text (``b" time"``; a byte-fallback token's one byte; a special token's
+        own text, ``b"</s>"``), as the grammar engine reads them from the tokenizer (its vocabulary is
+        ``vocab_size`` wide, the logits'); ids past the tokenizer's vocabulary give ``b""``. For logprobs' token
+        strings and ``bytes``. Thread-safe; the table is read at the first call."""
+        with self._token_bytes_lock:
+            if self._token_bytes is None:
+                self._token_bytes = list(self.grammar_vocabulary(vocab_size).info.decoded_vocab)
+        table = self._token_bytes
+        return [table[t] if 0 <= t < len(table) else b"" for t in token_ids]
 
     def decode(self, token_ids: list[int]) -> str:
         """Ids -> text, special tokens skipped. For the engine thread only (it owns the decoding copy)."""
