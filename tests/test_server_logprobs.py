@@ -171,3 +171,34 @@ def test_bad_counts_are_400s_naming_the_field(clients, path, body, param):
     reply = httpx.post(f"{base}/{path}", json=payload, timeout=30)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+# ---------------------------------------------------------------------- the Responses API
+def test_responses_include_output_text_logprobs_streamed_and_not(clients):
+    kwargs = {"model": "stories", "input": "Once upon a time there was a little dog.", "temperature": 0,
+              "max_output_tokens": 12, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    response = clients["draft"].responses.create(**kwargs)
+    part = response.output[0].content[0]
+    chat = _chat(clients["plain"], max_tokens=12, top_logprobs=2).choices[0]
+    assert part.text == chat.message.content
+    assert [(e.token, e.logprob, tuple((t.token, t.logprob) for t in e.top_logprobs)) for e in part.logprobs] == \
+        [(e.token, e.logprob, tuple((t.token, t.logprob) for t in e.top_logprobs)) for e in chat.logprobs.content]
+    deltas, done = [], None
+    for event in clients["draft"].responses.create(stream=True, **kwargs):
+        if event.type == "response.output_text.delta":
+            deltas += event.logprobs
+        elif event.type == "response.output_text.done":
+            done = event.logprobs
+    assert [(e.token, e.logprob) for e in deltas] == [(e.token, e.logprob) for e in done] == \
+        [(e.token, e.logprob) for e in part.logprobs]
+    plain = clients["draft"].responses.create(**{**kwargs, "include": None, "top_logprobs": None})
+    assert plain.output[0].content[0].logprobs == []
+
+
+def test_responses_top_logprobs_without_the_include_is_a_400(clients):
+    base = str(clients["draft"].base_url).rstrip("/")
+    for body, param in (({"top_logprobs": 3}, "top_logprobs"),
+                        ({"top_logprobs": 30, "include": ["message.output_text.logprobs"]}, "top_logprobs")):
+        reply = httpx.post(f"{base}/responses", json={"model": "stories", "input": "hi", **body}, timeout=30)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == param
