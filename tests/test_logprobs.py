@@ -143,3 +143,38 @@ def test_prompt_logprobs_are_the_raw_rows_before_each_token_however_chunked(lean
     [result] = chunked.generate([prompt], params)
     assert result.prompt_logprobs == whole.prompt_logprobs  # lean rows: the same bits in any chunk
     assert result.token_ids == whole.token_ids and result.logprobs == whole.logprobs
+
+
+def test_transformers_runtime_is_close_but_not_promised_bit_for_bit(draftwise_home, stories_path):
+    """fp32 on transformers' kernels is not row-invariant: the tokens agree and the values nearly (docs/server.md)."""
+    from draftwise.models.loading import derive_layer_draft, load_model
+
+    target = load_model(str(stories_path), device="cpu", runtime="transformers")
+    draft = derive_layer_draft(target, num_layers=3)
+    params = SamplingParams(max_tokens=16, logprobs=2)
+    prompt = target.encode(PROMPTS[0])
+    oracle = _plain(target, prompt, params)
+    result = SpeculativeEngine(target.backend, DraftModelProposer(draft.backend, target.backend.vocab_size), 4,
+                               eos_token_ids=target.eos_token_ids).generate(prompt, params)
+    assert result.token_ids == oracle.token_ids
+    for got, want in zip(result.logprobs, oracle.logprobs):
+        assert got.token_id == want.token_id and got.logprob == pytest.approx(want.logprob, abs=1e-4)
+
+
+def test_int8_lean_logprobs_with_speculation_equal_plain_bit_for_bit(draftwise_home, stories_path):
+    """``--quantization int8`` (lean runtime, row-invariant int8 kernels) is exact too."""
+    from draftwise.backends.quantization import int8_kernels_available
+    from draftwise.models.loading import derive_layer_draft, load_model
+
+    if not int8_kernels_available():
+        pytest.skip("torch build without fbgemm int8 kernels")
+    target = load_model(str(stories_path), device="cpu", quantization="int8")
+    draft = derive_layer_draft(target, num_layers=3)
+    params = SamplingParams(max_tokens=24, logprobs=3)
+    prompt = target.encode(PROMPTS[1])
+    oracle = _plain(target, prompt, params)
+    for proposer, k in ((DraftModelProposer(draft.backend, target.backend.vocab_size), 4), (NgramProposer(), 8)):
+        result = SpeculativeEngine(target.backend, proposer, k, eos_token_ids=target.eos_token_ids).generate(
+            prompt, params)
+        assert result.token_ids == oracle.token_ids and result.logprobs == oracle.logprobs
+        assert result.stats.num_accepted_tokens > 0

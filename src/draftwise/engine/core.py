@@ -323,7 +323,7 @@ class EngineCore:
                         context_len)
         keep = self._roll_back(sequence, context_len, result)
         chunk, consumed, reason = sequence.commit(result.token_ids, self.backend.max_context)
-        logprobs = _chosen_logprobs(sequence, logits[keep[:len(chunk)]], chunk)  # committed token i: row keep[i]
+        logprobs = _chosen_logprobs(sequence, logits, keep, chunk)  # committed token i: row keep[i]
         # a stop inside the accepted drafts ends the step there: count drafted and accepted up to it
         num_drafted = proposal.depth if consumed > result.num_accepted else consumed
         num_accepted = min(result.num_accepted, consumed)
@@ -367,7 +367,7 @@ class EngineCore:
         stats.processor_time_s += process_rows(sequence.processors, logits.unsqueeze(0), _NO_DRAFT)
         first = sequence.sampler.sample(logits, len(sequence.prompt))
         chunk, _, reason = sequence.commit((first,), self.backend.max_context)
-        logprobs = _chosen_logprobs(sequence, logits.unsqueeze(0)[:len(chunk)], chunk)
+        logprobs = _chosen_logprobs(sequence, logits.unsqueeze(0), [0], chunk)
         if sequence.prompt_hidden and not reason and self._speculates(sequence):
             hidden = torch.cat(sequence.prompt_hidden)  # [prompt, H]
             stats.draft_time_s += self.drafter.observe(sequence, hidden, sequence.prompt[1:] + [first])
@@ -407,13 +407,14 @@ class EngineCore:
 
 
 # ---------------------------------------------------------------------- log-probabilities (requests that ask)
-def _chosen_logprobs(sequence: BatchSequence, rows: torch.Tensor, chunk: list[int]) -> list[TokenLogprob] | None:
-    """The committed ``chunk``'s log-probabilities when the sequence asked for them (None otherwise), each under
-    the processed row it was chosen from (``rows [len(chunk), V]``, after the processors; :mod:`draftwise.logprobs`);
-    appended to ``sequence.logprobs``."""
+def _chosen_logprobs(sequence: BatchSequence, logits: torch.Tensor, rows: list[int], chunk: list[int],
+                     ) -> list[TokenLogprob] | None:
+    """The committed ``chunk``'s log-probabilities when the sequence asked for them (None otherwise, at no cost),
+    token i under the processed row ``logits[rows[i]]`` it was chosen from (``logits [rows of the piece, V]``,
+    after the processors; :mod:`draftwise.logprobs`); appended to ``sequence.logprobs``."""
     if sequence.logprobs is None:
         return None
-    entries = token_logprobs(rows, chunk, sequence.params, sequence.params.logprobs)
+    entries = token_logprobs(logits[rows[:len(chunk)]], chunk, sequence.params, sequence.params.logprobs)
     sequence.logprobs.extend(entries)
     return entries
 
