@@ -202,3 +202,17 @@ def test_responses_top_logprobs_without_the_include_is_a_400(clients):
         reply = httpx.post(f"{base}/responses", json={"model": "stories", "input": "hi", **body}, timeout=30)
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["param"] == param
+
+
+def test_a_stop_string_keeps_the_logprobs_of_the_tokens_counted(clients):
+    """Cut by a stop string: one logprob per counted token (up to the one that completed it), streamed or not."""
+    free = _chat(clients["draft"], max_tokens=24).choices[0].message.content
+    stop = free.strip().split()[2]  # a word a few tokens in
+    reply = _chat(clients["draft"], stop=[stop])
+    assert reply.choices[0].finish_reason == "stop" and stop not in reply.choices[0].message.content
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens < 24
+    assert stop in "".join(e.token for e in content)
+    streamed = [e for chunk in _chat(clients["draft"], stop=[stop], stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert _as_tuples(streamed) == _as_tuples(content)
