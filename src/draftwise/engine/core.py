@@ -9,6 +9,8 @@ draft, K per sequence (:mod:`~draftwise.engine.drafting`); ONE pass over every d
 draft and the prompt chunks that fit, laid out by a :class:`~draftwise.engine.scheduler.StepPlan`; per sequence,
 verify (:func:`draftwise.verification.verify`), roll its slot back to the accepted tokens and commit them up to a
 stop condition. A failure is confined to the sequence that caused it (:mod:`~draftwise.engine.faults`).
+A request that asks for log-probabilities gets them from the same rows: each committed token's from the processed
+verification row it was chosen from, its prompt's from every prompt row (:mod:`draftwise.logprobs`).
 
 Exactness: the lean runtime gives a row the same logits whatever shares the pass (bit for bit), so a sequence's
 greedy output, and its coupled-sampling text with a seed, is the one it gets served alone. Not thread-safe: one
