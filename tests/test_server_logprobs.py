@@ -216,3 +216,11 @@ def test_a_stop_string_keeps_the_logprobs_of_the_tokens_counted(clients):
     streamed = [e for chunk in _chat(clients["draft"], stop=[stop], stream=True)
                 if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
     assert _as_tuples(streamed) == _as_tuples(content)
+
+
+def test_a_huge_count_is_a_short_400(clients):
+    base = str(clients["draft"].base_url).rstrip("/")
+    body = '{"model": "stories", "prompt": "hi", "logprobs": -' + "9" * 400 + "}"
+    reply = httpx.post(f"{base}/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs"
+    assert len(reply.json()["error"]["message"]) < 200

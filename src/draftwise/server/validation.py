@@ -513,7 +513,9 @@ MAX_COMPLETION_LOGPROBS = 5
 
 def _check_logprob_count(value: int | None, most: int, param: str) -> None:
     """A count of alternatives per token: unset, or an integer in ``0..most``. Raises RequestError."""
-    _reject(value is not None and not 0 <= value <= most, f"'{param}' must be in 0..{most}, got {value}", param)
+    if value is not None and not 0 <= value <= most:
+        shown = _count(value) if value >= 0 else f"-{_count(-value)}"
+        raise RequestError(f"'{param}' must be in 0..{most}, got {shown}", param=param)
 
 
 def _with_logprobs(params: SamplingParams, request) -> SamplingParams:
