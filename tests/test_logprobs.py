@@ -178,3 +178,20 @@ def test_int8_lean_logprobs_with_speculation_equal_plain_bit_for_bit(draftwise_h
             prompt, params)
         assert result.token_ids == oracle.token_ids and result.logprobs == oracle.logprobs
         assert result.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("sampling", ["rejection", "coupled"])
+def test_sampled_logprobs_are_the_targets_processed_distribution_at_each_position(lean_pair, sampling):
+    """However a token was chosen (an accepted draft, rejection sampling's correction, a bonus), its logprob is the
+    target's processed distribution at its position: the rows of one pass over the whole text give the same."""
+    target, draft = lean_pair
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=20, seed=3, sampling=sampling, logprobs=4,
+                            ignore_eos=True)
+    prompt = target.encode(PROMPTS[0])
+    result = SpeculativeEngine(target.backend, DraftModelProposer(draft.backend, target.backend.vocab_size), 4,
+                               eos_token_ids=target.eos_token_ids).generate(prompt, params)
+    assert result.stats.num_accepted_tokens > 0
+    backend = target.backend
+    backend.reset()
+    rows = backend.forward(prompt + result.token_ids[:-1]).logits[len(prompt) - 1:]  # [generated, V]
+    assert result.logprobs == token_logprobs(rows, result.token_ids, params, 4)
