@@ -364,10 +364,8 @@ class _ChatFormat(_CompletionFormat):
         prompt = self._prompt(event.prompt_logprobs)
         if not deltas and (event.logprobs or prompt is not None):
             deltas = [{}]
-        chunks = [self._chunk(delta, None, include_usage) for delta in deltas]
-        if chunks:
-            chunks[0] = self._chunk(deltas[0], None, include_usage, logprobs, prompt)
-        return chunks
+        return [self._chunk(delta, None, include_usage, *((logprobs, prompt) if i == 0 else ()))
+                for i, delta in enumerate(deltas)]
 
     def closing(self, finish_reason: str, include_usage: bool) -> list[dict]:
         if self._calls is None:
