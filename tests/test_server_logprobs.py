@@ -16,6 +16,7 @@ from draftwise.proposers.draft_model import DraftModelProposer
 from draftwise.proposers.ngram import NgramProposer
 from draftwise.server import ServerSettings, create_app
 from test_server import CHAT_TEMPLATE, live_server
+from test_server_tools import ADD, QUESTION, tool_url  # noqa: F401  (fixture)
 
 MESSAGES = [{"role": "user", "content": "Once upon a time there was a little dog."}]
 PROMPT = "Lily and Ben went to the park. They saw"
@@ -224,3 +225,24 @@ def test_a_huge_count_is_a_short_400(clients):
     reply = httpx.post(f"{base}/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs"
     assert len(reply.json()["error"]["message"]) < 200
+
+
+# ---------------------------------------------------------------------- a reply of tool calls (scripted model)
+@pytest.fixture(scope="module")
+def tool_client(tool_url) -> openai.OpenAI:  # noqa: F811
+    return openai.OpenAI(base_url=f"{tool_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_tool_call_replies_carry_every_tokens_logprobs_streamed_and_not(tool_client):
+    kwargs = {"model": "tool-model", "messages": QUESTION, "tools": [ADD], "logprobs": True, "top_logprobs": 1}
+    reply = tool_client.chat.completions.create(**kwargs)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    assert len(choice.logprobs.content) == reply.usage.completion_tokens
+    assert "<tool_call>" in "".join(e.token for e in choice.logprobs.content)  # the call's tokens are there
+    streamed, calls = [], 0
+    for chunk in tool_client.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+        calls += bool(chunk.choices and chunk.choices[0].delta.tool_calls)
+    assert calls and _as_tuples(streamed) == _as_tuples(choice.logprobs.content)
