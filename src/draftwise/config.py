@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from draftwise.methods import BACKENDS, DEFAULT_CATCH_UP, DEFAULT_DRAFT_CONFIDENCE, validate_config
 
 __all__ = ["SamplingParams", "SpeculativeConfig", "GREEDY_TEMPERATURE", "SAMPLING_RULES", "BACKENDS",
-           "MAX_SPECULATIVE_TOKENS", "DEFAULT_DRAFT_CONFIDENCE"]
+           "MAX_SPECULATIVE_TOKENS", "MAX_LOGPROBS", "DEFAULT_DRAFT_CONFIDENCE"]
 
 #: Temperatures below this are greedy decoding (as vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE = 1e-5
@@ -16,6 +16,9 @@ GREEDY_TEMPERATURE = 1e-5
 SAMPLING_RULES = ("coupled", "rejection")
 #: The largest ``num_speculative_tokens`` (K) accepted anywhere (config, server, ``bench --ks``).
 MAX_SPECULATIVE_TOKENS = 64
+#: The most alternatives per token ``logprobs`` / ``prompt_logprobs`` may ask for (OpenAI's ``top_logprobs``
+#: limit, vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,11 @@ class SamplingParams:
             draft can be higher (``sum(min(p, q))``, the best any coupling reaches) but whose text for a seed
             depends on the configuration. ``None`` (default): coupled when ``seed`` is set, else rejection.
             Both emit exactly the target's distribution. See :mod:`draftwise.sampling`.
+        logprobs: None: no log-probabilities; k in 0..20: each committed token's log-probability and its k most
+            likely alternatives (:mod:`draftwise.logprobs`, which defines the values), computed only when set.
+        prompt_logprobs: None: none; k in 0..20: each prompt token's log-probability under the target's raw
+            distribution and k alternatives (vLLM's ``prompt_logprobs``); the prompt is then prefilled whole,
+            never taken from the prefix cache.
 
     Raises:
         ValueError: on any out-of-range field.
@@ -56,6 +64,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     sampling: str | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
@@ -70,6 +80,10 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.sampling is not None and self.sampling not in SAMPLING_RULES:
             raise ValueError(f"sampling must be one of {SAMPLING_RULES} (or unset), got {self.sampling!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in 0..{MAX_LOGPROBS} (or unset), got {value}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from draftwise.config import SamplingParams, SpeculativeConfig
+from draftwise.config import MAX_LOGPROBS, SamplingParams, SpeculativeConfig
 from draftwise.server.chat_messages import MessageError, normalize_tool_choice, normalize_tools, template_messages
 from draftwise.server.errors import RequestError
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -348,7 +348,7 @@ class RequestValidator:
         return GenerationRequest(
             request_id=f"{kind}-{uuid.uuid4().hex}",
             prompt_ids=tuple(prompt.ids),
-            params=_sampling_params(request, limit),
+            params=_with_logprobs(_sampling_params(request, limit), request),
             stops=_stop_strings(request.stop),
             arrival_s=prompt.arrival_s,
             scope=cache_scope(prompt.api_key, request.user),
@@ -497,7 +497,7 @@ _SERVER_SETTING_NAMES = frozenset({"kpolicy"} | {field.name for field in datacla
                                   - {"model", "num_speculative_tokens"})
 # vLLM's extra sampling fields that change the output, which this server does not implement: a 400, never ignored
 _UNSUPPORTED_VLLM_FIELDS = ("min_p", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
-                            "logits_processors", "prompt_logprobs", "include_stop_str_in_output",
+                            "logits_processors", "include_stop_str_in_output",
                             "truncate_prompt_tokens")
 # extra fields this server serves (not part of OpenAI's schema): not logged as ignored
 _SERVED_EXTRA_FIELDS = frozenset(STRUCTURED_EXTRA_FIELDS) | {"response_format"}
@@ -555,11 +555,14 @@ def _reject_unsupported_completion(request: CompletionRequest) -> None:
     _reject(request.echo and request.logprobs is not None, "echo with logprobs is not supported yet: send one "
             "or the other", "echo")
     _check_best_of(request)
-    _reject(request.logprobs is not None, "logprobs are not supported", "logprobs")
+    _check_logprob_count(request.logprobs, MAX_COMPLETION_LOGPROBS, "logprobs")
+    _check_logprob_count(request.prompt_logprobs, MAX_LOGPROBS, "prompt_logprobs")
     extra = request.model_extra or {}  # chat fields sent to the completions endpoint change nothing here: refuse
     _reject(bool(extra.get("tools")) or bool(extra.get("functions")),
             "tools are served on /v1/chat/completions (and /v1/responses), not on /v1/completions", "tools")
-    _reject(extra.get("top_logprobs") not in (None, 0), "logprobs are not supported", "top_logprobs")
+    _reject(extra.get("top_logprobs") not in (None, 0),
+            "top_logprobs is a chat completions field: on /v1/completions, 'logprobs' (0..5) asks for the most "
+            "likely tokens", "top_logprobs")
 
 
 def _check_best_of(request: CompletionRequest) -> None:
@@ -580,8 +583,35 @@ def _check_best_of(request: CompletionRequest) -> None:
 
 
 def _reject_unsupported_chat(request: ChatCompletionRequest) -> None:
-    _reject(request.logprobs, "logprobs are not supported", "logprobs")
-    _reject(request.top_logprobs not in (None, 0), "logprobs are not supported", "top_logprobs")
+    _check_logprob_count(request.top_logprobs, MAX_LOGPROBS, "top_logprobs")
+    _reject(request.top_logprobs not in (None, 0) and not request.logprobs,
+            "'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+    _check_logprob_count(request.prompt_logprobs, MAX_LOGPROBS, "prompt_logprobs")
+
+
+#: OpenAI's limit on ``/v1/completions``' ``logprobs`` (chat's ``top_logprobs`` goes to :data:`MAX_LOGPROBS`).
+MAX_COMPLETION_LOGPROBS = 5
+
+
+def _check_logprob_count(value: int | None, most: int, param: str) -> None:
+    """A count of alternatives per token: unset, or an integer in ``0..most``. Raises RequestError."""
+    if value is not None and not 0 <= value <= most:
+        shown = _count(value) if value >= 0 else f"-{_count(-value)}"
+        raise RequestError(f"'{param}' must be in 0..{most}, got {shown}", param=param)
+
+
+def _with_logprobs(params: SamplingParams, request) -> SamplingParams:
+    """``params`` with the log-probabilities the request asks for (:mod:`draftwise.logprobs`): chat's ``logprobs``
+    (true) with ``top_logprobs`` alternatives (default 0), completions' ``logprobs`` alternatives, and vLLM's
+    ``prompt_logprobs``; the counts were checked by :func:`_reject_unsupported_chat` /
+    :func:`_reject_unsupported_completion`."""
+    if isinstance(request, ChatCompletionRequest):
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        logprobs = request.logprobs
+    if logprobs is None and request.prompt_logprobs is None:
+        return params
+    return dataclasses.replace(params, logprobs=logprobs, prompt_logprobs=request.prompt_logprobs)
 
 
 def _dotted(param: str) -> str:
