@@ -1,6 +1,7 @@
 """Log-probabilities through the server with the official ``openai`` client: chat ``logprobs`` / ``top_logprobs``,
-completions ``logprobs``, vLLM's ``prompt_logprobs``, streamed and not, on stories260K's lean runtime (row-invariant:
-the values with speculation equal plain decoding's bit for bit at temperature 0), and the 400s for bad counts."""
+completions ``logprobs`` (with ``echo``, the prompt's tokens first), vLLM's ``prompt_logprobs``, streamed and not,
+on stories260K's lean runtime (row-invariant: the values with speculation equal plain decoding's bit for bit at
+temperature 0), and the 400s for bad counts."""
 
 from __future__ import annotations
 
@@ -147,6 +148,37 @@ def test_prompt_logprobs_on_both_endpoints(clients, lean_target):
         clients["draft"], max_tokens=2, logprobs=False, top_logprobs=None, stream=True,
         extra_body={"prompt_logprobs": 0})]
     assert [p for p in streamed if p is not None] == [chat.model_extra["prompt_logprobs"]]
+
+
+def test_echo_with_logprobs_puts_the_prompts_tokens_first_streamed_and_not(clients, lean_target):
+    ids = lean_target.encode(PROMPT)
+    kwargs = {"model": "stories", "prompt": PROMPT, "temperature": 0, "max_tokens": 6, "logprobs": 2}
+    generated = clients["plain"].completions.create(**kwargs).choices[0]
+    prompt_field = clients["plain"].completions.create(
+        **{**kwargs, "max_tokens": 1}, extra_body={"prompt_logprobs": 2}).choices[0].model_extra["prompt_logprobs"]
+    choice = clients["ngram"].completions.create(echo=True, **kwargs).choices[0]
+    assert choice.text == PROMPT + generated.text
+    assert choice.model_extra.get("prompt_logprobs") is None  # not asked for: only inside logprobs
+    lp, count = choice.logprobs, len(ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == count + 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first prompt token has none
+    assert lp.token_logprobs[1:count] == [prompt_field[i][str(ids[i])]["logprob"] for i in range(1, count)]
+    for i in range(1, count):  # the prompt token and its 2 most likely alternatives
+        top = lp.top_logprobs[i]
+        assert top[lp.tokens[i]] == lp.token_logprobs[i] and 1 <= len(top) <= 3
+        assert set(top.values()) <= {entry["logprob"] for entry in prompt_field[i].values()}
+    assert lp.tokens[count:] == generated.logprobs.tokens
+    assert lp.token_logprobs[count:] == generated.logprobs.token_logprobs
+    assert lp.top_logprobs[count:] == generated.logprobs.top_logprobs
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(count + 6)]
+    text, tokens, values, offsets = "", [], [], []
+    for chunk in clients["ngram"].completions.create(echo=True, stream=True, **kwargs):
+        text += chunk.choices[0].text
+        if chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            values += chunk.choices[0].logprobs.token_logprobs
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert (text, tokens, values, offsets) == (choice.text, lp.tokens, lp.token_logprobs, lp.text_offset)
 
 
 def test_no_logprobs_unless_asked(clients):

@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from fastapi import FastAPI, Request
@@ -42,9 +42,15 @@ from draftwise.server.errors import (
     install_error_handlers,
     validation_error,
 )
-from draftwise.logprobs import TokenLogprob
+from draftwise.logprobs import TokenLogprob, cumulative_logprob
 from draftwise.server.events import Failed, Finished, QueueFullError, RequestHandle, ServerClosingError, TextDelta
-from draftwise.server.logprobs import CompletionLogprobs, TokenBytes, chat_logprobs, prompt_logprobs_field
+from draftwise.server.logprobs import (
+    CompletionLogprobs,
+    TokenBytes,
+    chat_logprobs,
+    joined_logprobs,
+    prompt_logprobs_field,
+)
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, bearer_token
 from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
@@ -100,7 +106,8 @@ class ServerState:
 
     def usage(self, request: GenerationRequest, finished: list[Finished]) -> Usage:
         """The response's usage object over its choices' ``finished`` events (OpenAI's counts: the prompt once,
-        the choices' completion tokens summed; cached prompt tokens, and the speculative statistics summed over
+        the completion tokens of every choice generated summed, ``best_of``'s unreturned ones too, as OpenAI bills
+        them; cached prompt tokens, and the speculative statistics summed over
         the choices: the method and K this request used, ``"plain"`` and 0 when it turned speculation off)."""
         k = self.bundle.core.num_speculative_tokens
         if request.num_speculative_tokens is not None:
@@ -313,8 +320,11 @@ class _Collected:
 
 class _CompletionFormat:
     """Shapes of ``/v1/completions`` bodies and chunks, for each of the request's choices (``index``), with
-    OpenAI's legacy ``logprobs`` object and vLLM's ``prompt_logprobs`` when the request asked for them. With
-    ``echo``, each choice's text starts with the prompt's (streamed: in each choice's first chunk)."""
+    OpenAI's legacy ``logprobs`` object and vLLM's ``prompt_logprobs`` when the client asked for them (its fields,
+    :attr:`GenerationRequest.logprobs`: the engine may compute more). With ``echo``, each choice's text starts
+    with the prompt's (streamed: in each choice's first chunk), and with ``logprobs`` too its ``logprobs`` start
+    with the prompt's tokens' (streamed: on the choice's first delta, which brings the prompt's logprobs, so the
+    echoed text waits for it)."""
 
     object_name = "text_completion"
 
@@ -322,18 +332,23 @@ class _CompletionFormat:
         self.request_id, self.model, self.created = request.request_id, request.model, int(time.time())
         self.n, self.echo = request.n, request.echo
         self.token_bytes = token_bytes
-        self.wants_logprobs = request.params.logprobs is not None
+        self.num_logprobs, self.num_prompt_logprobs = request.logprobs, request.prompt_logprobs
+        self.wants_logprobs = request.logprobs is not None
+        self.prompt_ids = request.prompt_ids
+        self._echoes_logprobs = bool(self.echo) and self.wants_logprobs
         self._offsets = [CompletionLogprobs(token_bytes) for _ in range(self.n)]  # text_offset runs on per choice
 
     def opening(self, include_usage: bool) -> list[dict]:
-        if not self.echo:
+        if not self.echo or self._echoes_logprobs:
             return []
         return [completion_chunk(self.request_id, self.created, self.model, self.echo, None, include_usage, index)
                 for index in range(self.n)]
 
     def delta(self, event: TextDelta, include_usage: bool) -> list[dict]:
-        logprobs = self._offsets[event.index].next(event.logprobs) if self.wants_logprobs else None
-        return [completion_chunk(self.request_id, self.created, self.model, event.text, None, include_usage,
+        echoed = self._echoes_logprobs and event.prompt_logprobs is not None  # the choice's first delta
+        text = self.echo + event.text if echoed else event.text
+        logprobs = self._logprobs(self._offsets[event.index], event.logprobs, event.prompt_logprobs)
+        return [completion_chunk(self.request_id, self.created, self.model, text, None, include_usage,
                                  event.index, logprobs, self._prompt(event.prompt_logprobs))]
 
     def closing(self, finish_reason: str, index: int, include_usage: bool) -> list[dict]:
@@ -344,12 +359,26 @@ class _CompletionFormat:
         return completion_body(self.request_id, self.model, [self._choice(c) for c in choices], usage)
 
     def _choice(self, choice: _Collected):
-        logprobs = CompletionLogprobs(self.token_bytes).next(choice.logprobs) if self.wants_logprobs else None
+        logprobs = self._logprobs(CompletionLogprobs(self.token_bytes), choice.logprobs, choice.prompt_logprobs)
         return completion_choice(choice.index, self.echo + choice.text, choice.finish_reason, logprobs,
                                  self._prompt(choice.prompt_logprobs))
 
-    def _prompt(self, entries: tuple[TokenLogprob | None, ...] | None) -> list | None:
-        return None if entries is None else prompt_logprobs_field(entries, self.token_bytes)
+    def _logprobs(self, offsets: CompletionLogprobs, entries: Sequence[TokenLogprob],
+                  prompt_entries: Sequence[TokenLogprob | None] | None) -> dict | None:
+        """The ``logprobs`` object of a choice's tokens ``entries`` (a delta's, or all), when the client asked;
+        with ``echo``, led by the prompt's tokens' when ``prompt_entries`` (the engine's prompt logprobs) come."""
+        if not self.wants_logprobs:
+            return None
+        if self._echoes_logprobs and prompt_entries is not None:
+            prompt = offsets.prompt(self.prompt_ids, prompt_entries, self.num_logprobs)
+            return joined_logprobs(prompt, offsets.next(entries))
+        return offsets.next(entries)
+
+    def _prompt(self, entries: Sequence[TokenLogprob | None] | None) -> list | None:
+        """vLLM's ``prompt_logprobs`` field when the client asked for it (None otherwise)."""
+        if entries is None or self.num_prompt_logprobs is None:
+            return None
+        return prompt_logprobs_field(entries, self.token_bytes, self.num_prompt_logprobs)
 
 
 class _ChatFormat(_CompletionFormat):
@@ -442,7 +471,18 @@ async def _reply(state: ServerState, request: Request, prepared: GenerationReque
     collected = await _collect(handle, request, state.settings.disconnect_poll_s)
     if collected is None:
         return None
-    return fmt.body(collected, state.usage(prepared, [choice.finished for choice in collected]))
+    usage = state.usage(prepared, [choice.finished for choice in collected])
+    return fmt.body(_best(collected, prepared.returned), usage)
+
+
+def _best(choices: list[_Collected], returned: int | None) -> list[_Collected]:
+    """``best_of``: the ``returned`` choices with the highest cumulative logprob (the sum of their tokens',
+    :func:`~draftwise.logprobs.cumulative_logprob`), best first and numbered 0..returned-1, as vLLM does; every
+    choice when ``returned`` is None."""
+    if returned is None:
+        return choices
+    ranked = sorted(choices, key=lambda choice: cumulative_logprob(choice.logprobs), reverse=True)[:returned]
+    return [replace(choice, index=index) for index, choice in enumerate(ranked)]
 
 
 def _api_key(request: Request) -> str | None:
