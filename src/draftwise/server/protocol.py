@@ -83,7 +83,8 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of one of either;
     ``suffix``: the text after the cursor (fill-in-the-middle, :mod:`draftwise.server.fim`); ``echo``: the prompt's
-    text before each choice's."""
+    text before each choice's (with ``logprobs``, its tokens' logprobs first); ``best_of``: choices generated, of
+    which the ``n`` with the highest cumulative logprob are returned."""
 
     prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
