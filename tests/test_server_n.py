@@ -100,6 +100,22 @@ def test_a_choice_waits_for_its_siblings_prompt_then_forks_it(tiny_multi):
     assert second.slot >= 0 and second.num_computed >= len(PROMPT) - 1
 
 
+def test_choices_asking_for_prompt_logprobs_prefill_their_own_prompts_at_once(tiny_multi, tiny_single):
+    core = EngineCore(tiny_multi, max_num_seqs=SLOTS, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    first = core.add(PROMPT, params)
+    second = core.add(PROMPT, params, prompt_source=first)
+    core.step()  # nothing to fork (every prompt row's logits are needed): both start in the first step
+    assert first.slot >= 0 and second.slot >= 0
+    while core.has_work:
+        core.step()
+    alone = SpeculativeEngine(tiny_single).generate(PROMPT, params)
+    assert len(alone.prompt_logprobs) == len(PROMPT) and len(alone.logprobs) == 4
+    for sequence in (first, second):
+        assert sequence.result.prompt_logprobs == alone.prompt_logprobs
+        assert sequence.result.logprobs == alone.logprobs and sequence.result.token_ids == alone.token_ids
+
+
 # ---------------------------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def url(draftwise_home, stories_path):

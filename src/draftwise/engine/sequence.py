@@ -141,9 +141,11 @@ class BatchSequence:
     @property
     def ready(self) -> bool:
         """May take a slot now: it has no :attr:`prompt_source`, or that sibling's prompt is in its slot, or the
-        sibling has finished (then a kept prefix, if any, serves instead)."""
+        sibling has finished (then a kept prefix, if any, serves instead), or it asked for its prompt's
+        log-probabilities (it prefills its whole prompt itself, forking nothing)."""
         source = self.prompt_source
-        return source is None or bool(source.finish_reason) or (source.slot >= 0 and not source.prompt_left)
+        return source is None or self.prompt_logprobs is not None or bool(source.finish_reason) or \
+            (source.slot >= 0 and not source.prompt_left)
 
     @property
     def prompt_left(self) -> int:
