@@ -96,14 +96,20 @@ def test_suffix_on_a_model_without_fim_tokens_is_a_400_naming_suffix():
     assert list(ids) == char_ids("def f():")
 
 
-def test_echo_text_is_the_prompt_and_echo_with_logprobs_is_a_400():
+def test_echo_text_is_the_prompt_and_echo_with_logprobs_asks_for_the_prompts():
     validator = validator_for(char_tokenizer(QWEN_FIM))
     assert validator.completion(CompletionRequest(prompt="abc", echo=True, max_tokens=2)).echo == "abc"
     assert validator.completion(CompletionRequest(prompt=char_ids("xy"), echo=True, max_tokens=2)).echo == "xy"
     assert validator.completion(CompletionRequest(prompt="abc", max_tokens=2)).echo == ""
-    with pytest.raises(RequestError) as caught:
-        validator.completion(CompletionRequest(prompt="abc", echo=True, logprobs=1, max_tokens=2))
-    assert caught.value.param == "echo"
+    echoed = validator.completion(CompletionRequest(prompt="abc", echo=True, logprobs=2, max_tokens=2))
+    # the engine computes the prompt's logprobs (the echoed tokens carry them); the client did not ask for the field
+    assert (echoed.params.logprobs, echoed.params.prompt_logprobs) == (2, 2)
+    assert (echoed.logprobs, echoed.prompt_logprobs) == (2, None)
+    both = validator.completion(CompletionRequest(prompt="abc", echo=True, logprobs=1, prompt_logprobs=3,
+                                                  max_tokens=2))
+    assert (both.params.prompt_logprobs, both.prompt_logprobs) == (3, 3)
+    assert validator.completion(CompletionRequest(prompt="abc", logprobs=1, max_tokens=2)).params.prompt_logprobs \
+        is None
 
 
 # ---------------------------------------------------------------------------------------------- proposers

@@ -386,7 +386,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "stop": ""}, 400, "stop"),
     ("completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
     ("completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
-    ("completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),  # OpenAI allows 0..5
     ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("completions", {"prompt": []}, 400, "prompt"),
     ("completions", {"prompt": [1, 99999]}, 400, "prompt"),

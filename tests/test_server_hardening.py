@@ -718,7 +718,7 @@ def test_nesting_past_the_recursion_limit_is_a_400_too(client, monkeypatch):
 
 @pytest.mark.parametrize(("best_of", "words"), [
     (0, ["must be at least 1", "got 0"]), (-3, ["must be at least 1", "got -3"]),
-    (2, ["best_of=2 is not supported"]),
+    (2, ["best_of=2 is more than this server runs at once", "--max-num-seqs 1"]),
 ])
 def test_best_of_errors_say_what_is_wrong_with_the_value(client, best_of, words):
     response = client.post("/v1/completions", json={"prompt": "hi", "best_of": best_of})

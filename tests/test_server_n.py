@@ -1,7 +1,8 @@
 """``n`` > 1 choices: in the engine core, the choices of one request share the prompt's KV state (the first
 prefills it, the others fork it from its slot: :mod:`draftwise.engine.prefix_reuse`) and run as a batch, each
 equal to the same request run alone with seed + i; through the server, choices carry their index in bodies and
-streamed chunks, usage counts the prompt once, and bad ``n`` / ``best_of`` values are 400s naming the field."""
+streamed chunks, each with its own logprobs, usage counts the prompt once, ``best_of`` returns the ``n`` choices
+of highest cumulative logprob, and bad ``n`` / ``best_of`` values are 400s naming the field."""
 
 from __future__ import annotations
 
@@ -99,6 +100,22 @@ def test_a_choice_waits_for_its_siblings_prompt_then_forks_it(tiny_multi):
     assert second.slot >= 0 and second.num_computed >= len(PROMPT) - 1
 
 
+def test_choices_asking_for_prompt_logprobs_prefill_their_own_prompts_at_once(tiny_multi, tiny_single):
+    core = EngineCore(tiny_multi, max_num_seqs=SLOTS, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    first = core.add(PROMPT, params)
+    second = core.add(PROMPT, params, prompt_source=first)
+    core.step()  # nothing to fork (every prompt row's logits are needed): both start in the first step
+    assert first.slot >= 0 and second.slot >= 0
+    while core.has_work:
+        core.step()
+    alone = SpeculativeEngine(tiny_single).generate(PROMPT, params)
+    assert len(alone.prompt_logprobs) == len(PROMPT) and len(alone.logprobs) == 4
+    for sequence in (first, second):
+        assert sequence.result.prompt_logprobs == alone.prompt_logprobs
+        assert sequence.result.logprobs == alone.logprobs and sequence.result.token_ids == alone.token_ids
+
+
 # ---------------------------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def url(draftwise_home, stories_path):
@@ -175,7 +192,8 @@ def test_streamed_choices_carry_their_index_and_equal_the_bodies(url, path):
 
 
 @pytest.mark.parametrize("extra, param", [({"n": SLOTS + 1}, "n"), ({"n": 0}, "n"),
-                                          ({"n": 2, "best_of": 3}, "best_of"), ({"n": 2, "best_of": 1}, "best_of"),
+                                          ({"n": 2, "best_of": 1}, "best_of"), ({"best_of": SLOTS + 1}, "best_of"),
+                                          ({"best_of": 2, "stream": True}, "best_of"),
                                           ({"n": 2, "seed": 2**63 - 1}, "seed")])
 def test_bad_n_and_best_of_are_400s_naming_the_field(url, extra, param):
     response = post(url, "/v1/completions", prompt="Once", max_tokens=4, **extra)
@@ -186,6 +204,85 @@ def test_bad_n_and_best_of_are_400s_naming_the_field(url, extra, param):
 def test_best_of_equal_to_n_is_served(url):
     body = completion(url, prompt="Once", max_tokens=4, n=2, best_of=2, seed=3, temperature=1.0)
     assert len(body["choices"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------- logprobs, best_of
+SAMPLED = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+
+
+def test_each_choice_carries_its_own_logprobs_equal_to_a_single_requests(url):
+    together = completion(url, n=2, seed=11, logprobs=2, **SAMPLED)
+    alone = [completion(url, seed=11 + i, logprobs=2, **SAMPLED)["choices"][0] for i in range(2)]
+    assert [c["index"] for c in together["choices"]] == [0, 1]
+    assert [c["logprobs"] for c in together["choices"]] == [a["logprobs"] for a in alone]
+    assert together["choices"][0]["logprobs"] != together["choices"][1]["logprobs"]  # seeds 11 and 12 differ
+    assert all(len(c["logprobs"]["tokens"]) == 12 for c in together["choices"])
+
+
+def test_greedy_chat_choices_carry_the_single_requests_logprobs(url):
+    body = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 10, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    alone = post(url, "/v1/chat/completions", **body).json()["choices"][0]
+    choices = post(url, "/v1/chat/completions", n=2, **body).json()["choices"]
+    assert [c["logprobs"] for c in choices] == [alone["logprobs"]] * 2
+    assert len(alone["logprobs"]["content"]) == 10
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_choices_carry_their_index_and_logprobs(url, path):
+    body = {"max_tokens": 10, "temperature": 1.0, "seed": 9, "ignore_eos": True, "n": 2}
+    if path == "/v1/completions":
+        body |= {"prompt": "Once upon", "logprobs": 1}
+        tokens = lambda lp: [(t, v) for t, v in zip(lp["tokens"], lp["token_logprobs"])]  # noqa: E731
+    else:
+        body |= {"messages": [{"role": "user", "content": "Once upon"}], "logprobs": True, "top_logprobs": 1}
+        tokens = lambda lp: [(e["token"], e["logprob"]) for e in lp["content"]]  # noqa: E731
+    whole = post(url, path, **body).json()
+    streamed: dict[int, list] = {}
+    for chunk in stream_chunks(url, path, **body):
+        (choice,) = chunk["choices"]
+        if choice["logprobs"] is not None:
+            streamed.setdefault(choice["index"], []).extend(tokens(choice["logprobs"]))
+    assert streamed == {c["index"]: tokens(c["logprobs"]) for c in whole["choices"]}
+    assert len(streamed[0]) == len(streamed[1]) == 10 and streamed[0] != streamed[1]
+
+
+def test_each_choice_echoes_the_prompt_with_its_logprobs_streamed_and_not(url):
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 1}
+    alone = completion(url, **body)["choices"][0]
+    assert alone["text"].startswith("Once upon a time") and alone["logprobs"]["token_logprobs"][0] is None
+    choices = completion(url, n=2, **body)["choices"]
+    assert [(c["text"], c["logprobs"]) for c in choices] == [(alone["text"], alone["logprobs"])] * 2
+    texts: dict[int, str] = {}
+    tokens: dict[int, list] = {}
+    for chunk in stream_chunks(url, "/v1/completions", n=2, **body):
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["logprobs"] is not None:
+            tokens.setdefault(choice["index"], []).extend(choice["logprobs"]["tokens"])
+    assert texts == {0: alone["text"], 1: alone["text"]}
+    assert tokens == {0: alone["logprobs"]["tokens"], 1: alone["logprobs"]["tokens"]}
+
+
+def cumulative(choice: dict) -> float:
+    return sum(choice["logprobs"]["token_logprobs"])
+
+
+def test_best_of_returns_the_choice_with_the_highest_cumulative_logprob(url):
+    body = {**SAMPLED, "prompt": "The little dog"}
+    candidates = [completion(url, seed=33 + i, logprobs=0, **body)["choices"][0] for i in range(3)]
+    scores = [cumulative(c) for c in candidates]
+    best = max(range(3), key=scores.__getitem__)
+    assert len(set(scores)) == 3 and best != 0  # the best is not the first generated: the ranking decides
+    reply = completion(url, n=1, best_of=3, seed=33, **body)
+    assert [c["text"] for c in reply["choices"]] == [candidates[best]["text"]]
+    assert reply["choices"][0]["index"] == 0 and reply["choices"][0]["logprobs"] is None  # not asked for
+    assert reply["usage"]["completion_tokens"] == 3 * 12  # every candidate generated is counted, as OpenAI bills
+    two = completion(url, n=2, best_of=3, seed=33, logprobs=1, **body)["choices"]
+    order = sorted(range(3), key=scores.__getitem__, reverse=True)[:2]
+    assert [c["text"] for c in two] == [candidates[i]["text"] for i in order]
+    assert [c["index"] for c in two] == [0, 1]
+    assert [cumulative(c) for c in two] == [scores[i] for i in order]
 
 
 def test_a_request_of_n_choices_is_recorded_once_with_its_prompt_once(url):

@@ -82,7 +82,11 @@ def tool_model(stories: LoadedModel, name: str = "tool-model") -> LoadedModel:
 
     def reply(prompt_ids: list[int]) -> list[int]:
         text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
-        return tokenizer.encode(scripted_reply(text), add_special_tokens=False)
+        ids = tokenizer.encode(scripted_reply(text), add_special_tokens=False)
+        # SentencePiece's dummy prefix: a reply starting with a character it does not merge with (``<tool_call>``)
+        # opens with a lone "▁" (a space the text does not have), which a forced call's grammar refuses; the
+        # model would then sample among the grammar's tokens at random and lose its place in the script
+        return ids[1:] if ids and tokenizer.convert_ids_to_tokens(ids[0]) == "\u2581" else ids
 
     backend = ReplyLM(reply, vocab_size=stories.backend.vocab_size, eos=eos, max_context=32768, name=name)
     return LoadedModel(backend=backend, tokenizer=tokenizer, name=name, eos_token_ids=(eos,))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from draftwise.methods import BACKENDS, DEFAULT_CATCH_UP, DEFAULT_DRAFT_CONFIDENCE, validate_config
 
 __all__ = ["SamplingParams", "SpeculativeConfig", "GREEDY_TEMPERATURE", "SAMPLING_RULES", "BACKENDS",
-           "MAX_SPECULATIVE_TOKENS", "DEFAULT_DRAFT_CONFIDENCE", "MAX_PENALTY", "MAX_LOGIT_BIAS"]
+           "MAX_SPECULATIVE_TOKENS", "DEFAULT_DRAFT_CONFIDENCE", "MAX_PENALTY", "MAX_LOGIT_BIAS", "MAX_LOGPROBS"]
 
 #: Temperatures below this are greedy decoding (as vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE = 1e-5
@@ -22,6 +22,9 @@ MAX_SPECULATIVE_TOKENS = 64
 MAX_PENALTY = 2.0
 #: A ``logit_bias`` value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range).
 MAX_LOGIT_BIAS = 100.0
+#: The most alternatives per token ``logprobs`` / ``prompt_logprobs`` may ask for (OpenAI's ``top_logprobs``
+#: limit, vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,11 @@ class SamplingParams:
             grammar allows nothing but a stop token, it stays allowed (:mod:`draftwise.processors.min_tokens`).
         min_p: after temperature, tokens whose probability is below ``min_p`` times the most likely token's
             are dropped (vLLM's ``min_p``), in [0, 1]; 0 disables it. Greedy decoding ignores it.
+        logprobs: None: no log-probabilities; k in 0..20: each committed token's log-probability and its k most
+            likely alternatives (:mod:`draftwise.logprobs`, which defines the values), computed only when set.
+        prompt_logprobs: None: none; k in 0..20: each prompt token's log-probability under the target's raw
+            distribution and k alternatives (vLLM's ``prompt_logprobs``); the prompt is then prefilled whole,
+            never taken from the prefix cache.
 
         The penalties, ``logit_bias`` and ``min_tokens`` act as the request's logits processors
         (:func:`draftwise.processors.request.request_processors`), before temperature, in vLLM's order.
@@ -86,6 +94,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0
     min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
@@ -100,6 +110,10 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.sampling is not None and self.sampling not in SAMPLING_RULES:
             raise ValueError(f"sampling must be one of {SAMPLING_RULES} (or unset), got {self.sampling!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in 0..{MAX_LOGPROBS} (or unset), got {value}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         self._check_penalties()
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))

@@ -9,6 +9,8 @@ draft, K per sequence (:mod:`~draftwise.engine.drafting`); ONE pass over every d
 draft and the prompt chunks that fit, laid out by a :class:`~draftwise.engine.scheduler.StepPlan`; per sequence,
 verify (:func:`draftwise.verification.verify`), roll its slot back to the accepted tokens and commit them up to a
 stop condition. A failure is confined to the sequence that caused it (:mod:`~draftwise.engine.faults`).
+A request that asks for log-probabilities gets them from the same rows: each committed token's from the processed
+verification row it was chosen from, its prompt's from every prompt row (:mod:`draftwise.logprobs`).
 
 Exactness: the lean runtime gives a row the same logits whatever shares the pass (bit for bit), so a sequence's
 greedy output, and its coupled-sampling text with a seed, is the one it gets served alone. Not thread-safe: one
@@ -33,6 +35,7 @@ from draftwise.engine.faults import guarded, retry_alone
 from draftwise.engine.prefix_reuse import PrefixReuse
 from draftwise.engine.scheduler import ScheduledSequence, Scheduler, StepInfo, StepPlan
 from draftwise.engine.sequence import BatchSequence, GenerationResult, SequenceOutput, check_request
+from draftwise.logprobs import TokenLogprob, token_logprobs
 from draftwise.prefix_cache import PrefixCache
 from draftwise.processors.base import LogitsProcessor
 from draftwise.processors.request import request_processors
@@ -300,7 +303,8 @@ class EngineCore:
         """A sequence took a slot: its proposer state opens, and a kept prefix of its prompt fills its slot."""
         if self._speculates(sequence):
             self.proposer.open(sequence)
-        sequence.num_computed = self.prefix_reuse.reuse(sequence, self._proposer_of(sequence))
+        if sequence.prompt_logprobs is None:  # prompt logprobs need every prompt row's logits: no kept prefix
+            sequence.num_computed = self.prefix_reuse.reuse(sequence, self._proposer_of(sequence))
         sequence.stats.num_cached_prompt_tokens = sequence.num_computed
 
     def _speculates(self, sequence: BatchSequence) -> bool:
@@ -329,6 +333,7 @@ class EngineCore:
                         context_len)
         keep = self._roll_back(sequence, context_len, result)
         chunk, consumed, reason = sequence.commit(result.token_ids, self.backend.max_context)
+        logprobs = _chosen_logprobs(sequence, logits, keep, chunk)  # committed token i: row keep[i]
         # a stop inside the accepted drafts ends the step there: count drafted and accepted up to it
         num_drafted = proposal.depth if consumed > result.num_accepted else consumed
         num_accepted = min(result.num_accepted, consumed)
@@ -341,7 +346,7 @@ class EngineCore:
             self.proposer.accept(sequence, num_accepted)
         self.drafter.learn(sequence, num_drafted, num_accepted, draft_s, pass_s, self.step_overhead.seconds,
                            model_drafted=proposal.model_drafted, finished=bool(reason))
-        return self._output(sequence, chunk, reason)
+        return self._output(sequence, chunk, reason, logprobs)
 
     def _roll_back(self, sequence: BatchSequence, context_len: int, result: VerificationResult) -> list[int]:
         """Cut the sequence's slot to the entries of its last committed token and the accepted drafts (a chain:
@@ -357,9 +362,11 @@ class EngineCore:
         sequence.num_computed += len(scheduled.piece.token_ids)
         if out.hidden is not None:
             sequence.prompt_hidden.append(out.hidden[scheduled.hidden_rows])  # [chunk, H]
+        if sequence.prompt_logprobs is not None:  # every row of the chunk has logits (LOGITS_ALL)
+            _add_prompt_logprobs(sequence, scheduled.piece.start, out.logits[scheduled.logit_rows])
         if sequence.prompt_left:
             return None
-        logits = out.logits[scheduled.logit_rows.start]  # [V], the last prompt row's
+        logits = out.logits[scheduled.logit_rows.stop - 1]  # [V], the last prompt row's
         return guarded(self._fail, sequence, partial(self._first_token, sequence, logits))
 
     def _first_token(self, sequence: BatchSequence, logits: torch.Tensor) -> SequenceOutput:
@@ -370,17 +377,20 @@ class EngineCore:
         stats.processor_time_s += process_rows(sequence.processors, logits.unsqueeze(0), _NO_DRAFT)
         first = sequence.sampler.sample(logits, len(sequence.prompt))
         chunk, _, reason = sequence.commit((first,), self.backend.max_context)
+        logprobs = _chosen_logprobs(sequence, logits.unsqueeze(0), [0], chunk)
         if sequence.prompt_hidden and not reason and self._speculates(sequence):
             hidden = torch.cat(sequence.prompt_hidden)  # [prompt, H]
             stats.draft_time_s += self.drafter.observe(sequence, hidden, sequence.prompt[1:] + [first])
         sequence.prompt_hidden = []
-        return self._output(sequence, chunk, reason)
+        return self._output(sequence, chunk, reason, logprobs, sequence.prompt_logprobs)
 
     # ------------------------------------------------------------------ finishing
-    def _output(self, sequence: BatchSequence, chunk: list[int], reason: str) -> SequenceOutput:
+    def _output(self, sequence: BatchSequence, chunk: list[int], reason: str,
+                logprobs: list[TokenLogprob] | None = None,
+                prompt_logprobs: list[TokenLogprob | None] | None = None) -> SequenceOutput:
         if reason:
             self._finish(sequence, reason)
-        return SequenceOutput(sequence, chunk, bool(reason))
+        return SequenceOutput(sequence, chunk, bool(reason), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _fail(self, sequence: BatchSequence, error: BaseException) -> SequenceOutput:
         """End a sequence with ``finish_reason="error"`` (its KV state is not kept)."""
@@ -404,3 +414,25 @@ class EngineCore:
     def _keep(self, sequence: BatchSequence) -> None:
         """Keep the sequence's committed KV state for later requests (:meth:`PrefixReuse.keep`)."""
         self.prefix_reuse.keep(sequence, self._proposer_of(sequence))
+
+
+# ---------------------------------------------------------------------- log-probabilities (requests that ask)
+def _chosen_logprobs(sequence: BatchSequence, logits: torch.Tensor, rows: list[int], chunk: list[int],
+                     ) -> list[TokenLogprob] | None:
+    """The committed ``chunk``'s log-probabilities when the sequence asked for them (None otherwise, at no cost),
+    token i under the processed row ``logits[rows[i]]`` it was chosen from (``logits [rows of the piece, V]``,
+    after the processors; :mod:`draftwise.logprobs`); appended to ``sequence.logprobs``."""
+    if sequence.logprobs is None:
+        return None
+    entries = token_logprobs(logits[rows[:len(chunk)]], chunk, sequence.params, sequence.params.logprobs)
+    sequence.logprobs.extend(entries)
+    return entries
+
+
+def _add_prompt_logprobs(sequence: BatchSequence, start: int, rows: torch.Tensor) -> None:
+    """A prompt chunk written at positions ``start..`` ran with logits on every row (``rows [chunk, V]``, raw):
+    row r gives the prompt token at ``start + r + 1`` its log-probability, up to the prompt's last token (the
+    last prompt row chooses the first output token)."""
+    targets = sequence.prompt[start + 1:start + 1 + rows.shape[0]]
+    sequence.prompt_logprobs.extend(token_logprobs(rows[:len(targets)], targets, None,
+                                                   sequence.params.prompt_logprobs))

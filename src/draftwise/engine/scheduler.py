@@ -79,7 +79,7 @@ class ScheduledSequence:
         sequence: the sequence.
         piece: its rows: its last committed token and its draft, or a chunk of its prompt.
         logit_rows: where its rows' logits lie in the pass's ``logits [rows with logits, V]`` (a prompt chunk has
-            one row, when it ends the prompt, or none).
+            one row, when it ends the prompt, or none; every row for a request asking for prompt logprobs).
         hidden_rows: where its hidden states lie in the pass's ``hidden [rows, H]`` (when the pass returns them).
         proposal: a decoding sequence's draft (possibly empty); None for a prompt chunk.
     """
@@ -267,11 +267,14 @@ class Scheduler:
 
     def _prefill_piece(self, sequence: BatchSequence, count: int) -> Piece:
         """The next ``count`` prompt tokens of a prefilling sequence (logits of the last one when it ends the
-        prompt)."""
+        prompt; of every one when the sequence asked for its prompt's log-probabilities)."""
         start = sequence.num_computed
         done = start + count == len(sequence.prompt)
-        return Piece(sequence.slot, start, sequence.prompt[start:start + count],
-                     logits=LOGITS_LAST if done else LOGITS_NONE, hidden=self.needs_hidden)
+        logits = LOGITS_LAST if done else LOGITS_NONE
+        if sequence.prompt_logprobs is not None:
+            logits = LOGITS_ALL
+        return Piece(sequence.slot, start, sequence.prompt[start:start + count], logits=logits,
+                     hidden=self.needs_hidden)
 
 
 def within_rows(caps: Sequence[int], budget: int) -> list[int]:

@@ -13,6 +13,7 @@ import torch
 from draftwise.backends.base import ContextOverflowError
 from draftwise.backends.slots import SlotBackend
 from draftwise.config import SamplingParams
+from draftwise.logprobs import TokenLogprob, cumulative_logprob
 from draftwise.speculation.controller import AcceptanceEstimator, KController, ProbeBackoff
 from draftwise.processors.base import LogitsProcessor
 from draftwise.proposers.base import DraftProposal
@@ -42,11 +43,23 @@ class GenerationResult:
         finish_reason: ``"stop"`` (EOS or a stop token id), ``"length"`` (max_tokens or context length),
             ``"cancelled"`` (the consumer stopped early) or ``"error"`` (the engine failed it).
         stats: the request's statistics.
+        logprobs: one :class:`~draftwise.logprobs.TokenLogprob` per token of ``token_ids`` when its
+            ``params.logprobs`` is set, else None.
+        prompt_logprobs: when its ``params.prompt_logprobs`` is set, one per prompt token (None for the first,
+            which has no row before it), else None.
     """
 
     token_ids: list[int]
     finish_reason: str
     stats: SpeculativeStats
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the output tokens' log-probabilities (a choice's score for ``best_of``), or None when
+        they were not asked for."""
+        return None if self.logprobs is None else cumulative_logprob(self.logprobs)
 
 
 @dataclass(eq=False)
@@ -80,6 +93,10 @@ class BatchSequence:
             slot's prompt KV this one forks when it takes a slot (:mod:`~draftwise.engine.prefix_reuse`), so the
             prompt is computed once; it waits for a slot until the sibling's prompt is in the sibling's slot
             (:attr:`ready`). None: it prefills (or reuses a kept prefix) on its own.
+        logprobs: the committed tokens' :class:`~draftwise.logprobs.TokenLogprob` (``params.logprobs`` set),
+            one per token of ``generated``; None when not asked for.
+        prompt_logprobs: the prompt tokens' (``params.prompt_logprobs`` set), filled as its prompt chunks run
+            (None for the first token); None when not asked for.
     """
 
     seq_id: int
@@ -105,6 +122,14 @@ class BatchSequence:
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # [rows, H] per prefill chunk (Medusa/EAGLE)
     processors: LogitsProcessor | None = None  # its logits processors (grammar, penalties), moved by committed tokens
     prompt_source: BatchSequence | None = None  # the sibling whose prompt KV it forks (n > 1 choices)
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, when params.prompt_logprobs
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token has no row before it
 
     @property
     def state(self) -> RequestState:
@@ -116,9 +141,11 @@ class BatchSequence:
     @property
     def ready(self) -> bool:
         """May take a slot now: it has no :attr:`prompt_source`, or that sibling's prompt is in its slot, or the
-        sibling has finished (then a kept prefix, if any, serves instead)."""
+        sibling has finished (then a kept prefix, if any, serves instead), or it asked for its prompt's
+        log-probabilities (it prefills its whole prompt itself, forking nothing)."""
         source = self.prompt_source
-        return source is None or bool(source.finish_reason) or (source.slot >= 0 and not source.prompt_left)
+        return source is None or self.prompt_logprobs is not None or bool(source.finish_reason) or \
+            (source.slot >= 0 and not source.prompt_left)
 
     @property
     def prompt_left(self) -> int:
@@ -166,19 +193,26 @@ class BatchSequence:
         stats.finish_reason = reason
         for warning in stats.warnings:
             logger.warning("%s", warning)
-        self.result = GenerationResult(token_ids=list(self.generated), finish_reason=reason, stats=stats)
+        self.result = GenerationResult(token_ids=list(self.generated), finish_reason=reason, stats=stats,
+                                       logprobs=None if self.logprobs is None else list(self.logprobs),
+                                       prompt_logprobs=self.prompt_logprobs)
 
 
 @dataclass(frozen=True)
 class SequenceOutput:
     """What one step did for one sequence: ``token_ids`` newly committed (possibly none) and whether it
     finished (then ``sequence.result`` is set). ``error``: the exception that failed this sequence (its
-    ``finish_reason`` is then ``"error"``), None otherwise."""
+    ``finish_reason`` is then ``"error"``), None otherwise. ``logprobs``: one
+    :class:`~draftwise.logprobs.TokenLogprob` per token of ``token_ids`` when the request asked for them, else
+    None. ``prompt_logprobs``: the step that committed the first token of a request that asked for them carries
+    all its prompt tokens' (None for the first token), else None."""
 
     sequence: BatchSequence
     token_ids: list[int]
     finished: bool
     error: BaseException | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def check_request(prompt: Sequence[int], num_speculative_tokens: int | None, max_k: int,

@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,7 +42,15 @@ from draftwise.server.errors import (
     install_error_handlers,
     validation_error,
 )
+from draftwise.logprobs import TokenLogprob, cumulative_logprob
 from draftwise.server.events import Failed, Finished, QueueFullError, RequestHandle, ServerClosingError, TextDelta
+from draftwise.server.logprobs import (
+    CompletionLogprobs,
+    TokenBytes,
+    chat_logprobs,
+    joined_logprobs,
+    prompt_logprobs_field,
+)
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, bearer_token
 from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage
@@ -82,6 +91,7 @@ class ServerState:
     metrics: ServerMetrics
     created: int
     response_store: ResponseStore  # conversations of kept /v1/responses answers (previous_response_id)
+    token_bytes: TokenBytes  # ids -> each token's bytes (logprobs' token strings)
 
     @property
     def model_name(self) -> str:
@@ -96,7 +106,8 @@ class ServerState:
 
     def usage(self, request: GenerationRequest, finished: list[Finished]) -> Usage:
         """The response's usage object over its choices' ``finished`` events (OpenAI's counts: the prompt once,
-        the choices' completion tokens summed; cached prompt tokens, and the speculative statistics summed over
+        the completion tokens of every choice generated summed, ``best_of``'s unreturned ones too, as OpenAI bills
+        them; cached prompt tokens, and the speculative statistics summed over
         the choices: the method and K this request used, ``"plain"`` and 0 when it turned speculation off)."""
         k = self.bundle.core.num_speculative_tokens
         if request.num_speculative_tokens is not None:
@@ -174,7 +185,9 @@ def _build_state(bundle: EngineBundle, settings: ServerSettings) -> ServerState:
     engine_loop = EngineLoop(core, codec.decode, metrics.record, settings.max_waiting_requests,
                              record_step=metrics.record_step)
     metrics.track_queue(lambda: engine_loop.num_running, lambda: engine_loop.num_waiting)
-    return ServerState(bundle, settings, validator, engine_loop, metrics, int(time.time()), ResponseStore())
+    token_bytes = partial(codec.token_bytes, vocab_size=core.backend.vocab_size)
+    return ServerState(bundle, settings, validator, engine_loop, metrics, int(time.time()), ResponseStore(),
+                       token_bytes)
 
 
 # ---------------------------------------------------------------------- routes
@@ -223,13 +236,13 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI text completions, streamed or not."""
         prepared = await run_in_threadpool(state.validator.completion, body, _api_key(request))
-        return await _respond(state, request, prepared, _CompletionFormat(prepared), body)
+        return await _respond(state, request, prepared, _CompletionFormat(prepared, state.token_bytes), body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completions, streamed or not."""
         prepared = await run_in_threadpool(state.validator.chat, body, _api_key(request))
-        return await _respond(state, request, prepared, _ChatFormat(prepared), body)
+        return await _respond(state, request, prepared, _ChatFormat(prepared, state.token_bytes), body)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
@@ -239,7 +252,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         history, chat = _responses_chat(state, body, scope)
         prepared = await run_in_threadpool(state.validator.chat, chat, api_key)
         created_at, response_id = time.time(), new_response_id()
-        fmt = _ChatFormat(prepared)
+        fmt = _ChatFormat(prepared, state.token_bytes)
         if body.stream:
             translator = ResponsesStream(body, response_id=response_id, created_at=created_at, model=prepared.model)
             events = _responses_events(state, _submit(state, prepared), fmt, translator, scope, history)
@@ -279,42 +292,93 @@ def _keep_response(state: ServerState, body: ResponsesRequest, scope: str, histo
         state.response_store.keep(scope, response["id"], conversation(body, history, response))
 
 
-@dataclass(frozen=True)
-class _ChoiceText:
-    """One choice's whole output: its index, text and finish reason."""
+@dataclass
+class _Collected:
+    """One choice's whole output as the events brought it: its index, text, its tokens' logprobs (when asked
+    for), the prompt's (when asked for), and its end."""
 
     index: int
-    text: str
-    finish_reason: str
+    finished: Finished | None = None
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    @property
+    def finish_reason(self) -> str:
+        return self.finished.finish_reason
+
+    def add(self, delta: TextDelta) -> None:
+        self.parts.append(delta.text)
+        self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 class _CompletionFormat:
-    """Shapes of ``/v1/completions`` bodies and chunks, for each of the request's choices (``index``). With
-    ``echo``, each choice's text starts with the prompt's (streamed: in each choice's first chunk)."""
+    """Shapes of ``/v1/completions`` bodies and chunks, for each of the request's choices (``index``), with
+    OpenAI's legacy ``logprobs`` object and vLLM's ``prompt_logprobs`` when the client asked for them (its fields,
+    :attr:`GenerationRequest.logprobs`: the engine may compute more). With ``echo``, each choice's text starts
+    with the prompt's (streamed: in each choice's first chunk), and with ``logprobs`` too its ``logprobs`` start
+    with the prompt's tokens' (streamed: on the choice's first delta, which brings the prompt's logprobs, so the
+    echoed text waits for it)."""
 
     object_name = "text_completion"
 
-    def __init__(self, request: GenerationRequest) -> None:
+    def __init__(self, request: GenerationRequest, token_bytes: TokenBytes) -> None:
         self.request_id, self.model, self.created = request.request_id, request.model, int(time.time())
         self.n, self.echo = request.n, request.echo
+        self.token_bytes = token_bytes
+        self.num_logprobs, self.num_prompt_logprobs = request.logprobs, request.prompt_logprobs
+        self.wants_logprobs = request.logprobs is not None
+        self.prompt_ids = request.prompt_ids
+        self._echoes_logprobs = bool(self.echo) and self.wants_logprobs
+        self._offsets = [CompletionLogprobs(token_bytes) for _ in range(self.n)]  # text_offset runs on per choice
 
     def opening(self, include_usage: bool) -> list[dict]:
-        if not self.echo:
+        if not self.echo or self._echoes_logprobs:
             return []
         return [completion_chunk(self.request_id, self.created, self.model, self.echo, None, include_usage, index)
                 for index in range(self.n)]
 
-    def delta(self, text: str, index: int, include_usage: bool) -> list[dict]:
-        return [completion_chunk(self.request_id, self.created, self.model, text, None, include_usage, index)]
+    def delta(self, event: TextDelta, include_usage: bool) -> list[dict]:
+        echoed = self._echoes_logprobs and event.prompt_logprobs is not None  # the choice's first delta
+        text = self.echo + event.text if echoed else event.text
+        logprobs = self._logprobs(self._offsets[event.index], event.logprobs, event.prompt_logprobs)
+        return [completion_chunk(self.request_id, self.created, self.model, text, None, include_usage,
+                                 event.index, logprobs, self._prompt(event.prompt_logprobs))]
 
     def closing(self, finish_reason: str, index: int, include_usage: bool) -> list[dict]:
         return [completion_chunk(self.request_id, self.created, self.model, "", finish_reason, include_usage,
                                  index)]
 
-    def body(self, choices: list[_ChoiceText], usage: Usage) -> dict:
-        return completion_body(self.request_id, self.model,
-                               [completion_choice(c.index, self.echo + c.text, c.finish_reason) for c in choices],
-                               usage)
+    def body(self, choices: list[_Collected], usage: Usage) -> dict:
+        return completion_body(self.request_id, self.model, [self._choice(c) for c in choices], usage)
+
+    def _choice(self, choice: _Collected):
+        logprobs = self._logprobs(CompletionLogprobs(self.token_bytes), choice.logprobs, choice.prompt_logprobs)
+        return completion_choice(choice.index, self.echo + choice.text, choice.finish_reason, logprobs,
+                                 self._prompt(choice.prompt_logprobs))
+
+    def _logprobs(self, offsets: CompletionLogprobs, entries: Sequence[TokenLogprob],
+                  prompt_entries: Sequence[TokenLogprob | None] | None) -> dict | None:
+        """The ``logprobs`` object of a choice's tokens ``entries`` (a delta's, or all), when the client asked;
+        with ``echo``, led by the prompt's tokens' when ``prompt_entries`` (the engine's prompt logprobs) come."""
+        if not self.wants_logprobs:
+            return None
+        if self._echoes_logprobs and prompt_entries is not None:
+            prompt = offsets.prompt(self.prompt_ids, prompt_entries, self.num_logprobs)
+            return joined_logprobs(prompt, offsets.next(entries))
+        return offsets.next(entries)
+
+    def _prompt(self, entries: Sequence[TokenLogprob | None] | None) -> list | None:
+        """vLLM's ``prompt_logprobs`` field when the client asked for it (None otherwise)."""
+        if entries is None or self.num_prompt_logprobs is None:
+            return None
+        return prompt_logprobs_field(entries, self.token_bytes, self.num_prompt_logprobs)
 
 
 class _ChatFormat(_CompletionFormat):
@@ -323,13 +387,15 @@ class _ChatFormat(_CompletionFormat):
     With a tool parser (a request with tools), each choice's reply is read for tool calls: streamed, its
     accumulated text is re-parsed at every delta (a speculative step may add several tokens at once), content is
     sent up to a possible call marker and each call as OpenAI's tool-call deltas; the finish reason of a reply
-    that made calls is ``tool_calls``.
+    that made calls is ``tool_calls``. A delta's token logprobs ride on its first chunk (on an empty delta ``{}``
+    when the parser holds its text back). vLLM's ``prompt_logprobs`` are the request's, not a choice's: on the
+    body, and streamed on the first chunk of choice 0 that carries them.
     """
 
     object_name = "chat.completion.chunk"
 
-    def __init__(self, request: GenerationRequest) -> None:
-        super().__init__(request)
+    def __init__(self, request: GenerationRequest, token_bytes: TokenBytes) -> None:
+        super().__init__(request, token_bytes)
         self.parser = request.tool_parser
         self._calls = [self.parser.stream() for _ in range(self.n)] if self.parser is not None else None
         self._texts = [""] * self.n
@@ -338,12 +404,19 @@ class _ChatFormat(_CompletionFormat):
         return [self._chunk({"role": "assistant", "content": ""}, None, index, include_usage)
                 for index in range(self.n)]
 
-    def delta(self, text: str, index: int, include_usage: bool) -> list[dict]:
+    def delta(self, event: TextDelta, include_usage: bool) -> list[dict]:
+        index = event.index
         if self._calls is None:
-            return [self._chunk({"content": text}, None, index, include_usage)]
-        self._texts[index] += text
-        return [self._chunk(delta, None, index, include_usage)
-                for delta in self._calls[index].feed(self._texts[index])]
+            deltas = [{"content": event.text}] if event.text else []
+        else:
+            self._texts[index] += event.text
+            deltas = list(self._calls[index].feed(self._texts[index]))
+        logprobs = chat_logprobs(event.logprobs, self.token_bytes) if self.wants_logprobs else None
+        prompt = self._prompt(event.prompt_logprobs) if index == 0 else None
+        if not deltas and (event.logprobs or prompt is not None):
+            deltas = [{}]
+        return [self._chunk(delta, None, index, include_usage, *((logprobs, prompt) if i == 0 else ()))
+                for i, delta in enumerate(deltas)]
 
     def closing(self, finish_reason: str, index: int, include_usage: bool) -> list[dict]:
         if self._calls is None:
@@ -354,19 +427,23 @@ class _ChatFormat(_CompletionFormat):
             finish_reason = "tool_calls"
         return chunks + [self._chunk({}, finish_reason, index, include_usage)]
 
-    def body(self, choices: list[_ChoiceText], usage: Usage) -> dict:
-        return chat_body(self.request_id, self.model, [self._choice(c) for c in choices], usage)
+    def body(self, choices: list[_Collected], usage: Usage) -> dict:
+        prompt = next((self._prompt(c.prompt_logprobs) for c in choices if c.prompt_logprobs is not None), None)
+        return chat_body(self.request_id, self.model, [self._choice(c) for c in choices], usage, prompt)
 
-    def _choice(self, choice: _ChoiceText):
+    def _choice(self, choice: _Collected):
+        logprobs = chat_logprobs(choice.logprobs, self.token_bytes) if self.wants_logprobs else None
         if self.parser is None:
-            return chat_choice(choice.index, choice.text, choice.finish_reason)
+            return chat_choice(choice.index, choice.text, choice.finish_reason, logprobs=logprobs)
         parsed = self.parser.extract(choice.text)
         calls = [call.to_openai() for call in parsed.tool_calls]
         finish_reason = "tool_calls" if calls and choice.finish_reason == "stop" else choice.finish_reason
-        return chat_choice(choice.index, parsed.content, finish_reason, calls)
+        return chat_choice(choice.index, parsed.content, finish_reason, calls, logprobs)
 
-    def _chunk(self, delta: dict, finish_reason: str | None, index: int, include_usage: bool) -> dict:
-        return chat_chunk(self.request_id, self.created, self.model, delta, finish_reason, include_usage, index)
+    def _chunk(self, delta: dict, finish_reason: str | None, index: int, include_usage: bool,
+               logprobs: dict | None = None, prompt_logprobs: list | None = None) -> dict:
+        return chat_chunk(self.request_id, self.created, self.model, delta, finish_reason, include_usage, index,
+                          logprobs, prompt_logprobs)
 
 
 async def _respond(state: ServerState, request: Request, prepared: GenerationRequest, fmt: _CompletionFormat,
@@ -394,10 +471,18 @@ async def _reply(state: ServerState, request: Request, prepared: GenerationReque
     collected = await _collect(handle, request, state.settings.disconnect_poll_s)
     if collected is None:
         return None
-    texts, finished = collected
-    choices = [_ChoiceText(event.index, "".join(texts[event.index]), event.finish_reason)
-               for event in sorted(finished, key=lambda event: event.index)]
-    return fmt.body(choices, state.usage(prepared, finished))
+    usage = state.usage(prepared, [choice.finished for choice in collected])
+    return fmt.body(_best(collected, prepared.returned), usage)
+
+
+def _best(choices: list[_Collected], returned: int | None) -> list[_Collected]:
+    """``best_of``: the ``returned`` choices with the highest cumulative logprob (the sum of their tokens',
+    :func:`~draftwise.logprobs.cumulative_logprob`), best first and numbered 0..returned-1, as vLLM does; every
+    choice when ``returned`` is None."""
+    if returned is None:
+        return choices
+    ranked = sorted(choices, key=lambda choice: cumulative_logprob(choice.logprobs), reverse=True)[:returned]
+    return [replace(choice, index=index) for index, choice in enumerate(ranked)]
 
 
 def _api_key(request: Request) -> str | None:
@@ -434,26 +519,24 @@ async def _watch_disconnect(request: Request, handle: RequestHandle, poll_s: flo
             return
 
 
-async def _collect(handle: RequestHandle, request: Request, poll_s: float
-                   ) -> tuple[list[list[str]], list[Finished]] | None:
-    """Wait for a whole generation: each choice's text parts (by index) and its :class:`Finished`; None if the
+async def _collect(handle: RequestHandle, request: Request, poll_s: float) -> list[_Collected] | None:
+    """Wait for a whole generation: each of its choices (in index order) with its :class:`Finished`; None if the
     client left first.
 
     Raises:
         APIError: the generation failed.
     """
     watcher = asyncio.create_task(_watch_disconnect(request, handle, poll_s))
-    parts: list[list[str]] = [[] for _ in range(handle.request.n)]
-    finished: list[Finished] = []
+    collected = [_Collected(index) for index in range(handle.request.n)]
     try:
         while True:
             event = await handle.next_event()
             if isinstance(event, TextDelta):
-                parts[event.index].append(event.text)
+                collected[event.index].add(event)
             elif isinstance(event, Finished):
-                finished.append(event)
+                collected[event.index].finished = event
                 if handle.done:
-                    return parts, finished
+                    return collected
             elif isinstance(event, Failed):
                 raise _failure(event.error)
             else:
@@ -475,7 +558,7 @@ async def _chunks(state: ServerState, handle: RequestHandle, fmt: _CompletionFor
         while True:
             event = await handle.next_event()
             if isinstance(event, TextDelta):
-                for chunk in fmt.delta(event.text, event.index, include_usage):
+                for chunk in fmt.delta(event, include_usage):
                     yield chunk
             elif isinstance(event, Finished):
                 for chunk in fmt.closing(event.finish_reason, event.index, include_usage):

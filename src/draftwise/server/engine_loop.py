@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from draftwise.engine import BatchSequence, EngineCore, StepInfo
+from draftwise.engine import BatchSequence, EngineCore, SequenceOutput, StepInfo
 from draftwise.machine import release_openmp_threads
 from draftwise.server.events import Failed, Finished, Job, QueueFullError, RequestHandle, ServerClosingError, TextDelta
 from draftwise.server.health import EngineHealth
@@ -282,7 +282,7 @@ class EngineLoop:
                 if output.error is not None:
                     self._fail(running, output.error)
                 else:
-                    self._deliver_guarded(running, output.token_ids, output.finished, now)
+                    self._deliver_guarded(running, output, now)
 
     def _admit(self, job: Job) -> None:
         """Hand a queued job's choices to the engine (they join the batch at the next step; the first prefills
@@ -322,25 +322,29 @@ class EngineLoop:
             self._core.cancel(running.sequence)
             self._finish(running, "abort")
 
-    def _deliver_guarded(self, running: _Running, token_ids: list[int], finished: bool, now: float) -> None:
+    def _deliver_guarded(self, running: _Running, output: SequenceOutput, now: float) -> None:
         """:meth:`_deliver`, failing only this request if its text cannot be produced (the engine thread must
         not die: every other request would hang)."""
         try:
-            self._deliver(running, token_ids, finished, now)
+            self._deliver(running, output, now)
         except Exception as exc:  # noqa: BLE001 - confined to this request
             logger.exception("%s: delivering its output failed", running.job.request.request_id)
             self.health.failed(exc)
             self._core.cancel(running.sequence)
             self._fail(running, exc)
 
-    def _deliver(self, running: _Running, token_ids: list[int], finished: bool, now: float) -> None:
-        """Stream a step's tokens of one sequence; finish it when the engine or a stop string ends it."""
-        job = running.job
+    def _deliver(self, running: _Running, output: SequenceOutput, now: float) -> None:
+        """Stream a step's tokens of one sequence (with the logprobs of those its text consumed: up to a stop
+        string's last token); finish it when the engine or a stop string ends it."""
+        job, token_ids, finished = running.job, output.token_ids, output.finished
         if token_ids and running.request.first_token_at is None:
             running.request.first_token_at = now
+        consumed = running.output.num_tokens
         text = running.output.add_tokens(token_ids)
-        if text:
-            job.post(TextDelta(text, running.index))
+        logprobs = tuple(output.logprobs[:running.output.num_tokens - consumed]) if output.logprobs else ()
+        prompt_logprobs = tuple(output.prompt_logprobs) if output.prompt_logprobs is not None else None
+        if text or logprobs or prompt_logprobs is not None:
+            job.post(TextDelta(text, running.index, logprobs, prompt_logprobs))
         if running.output.stopped and not finished:
             self._core.cancel(running.sequence)  # a stop string: the sequence leaves the batch now
             finished = True

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from draftwise.logprobs import TokenLogprob
 from draftwise.server.validation import GenerationRequest
 from draftwise.stats import SpeculativeStats
 
@@ -24,10 +25,14 @@ __all__ = ["Aborted", "Event", "Failed", "Finished", "Job", "QueueFullError", "R
 # ---------------------------------------------------------------------- events (engine thread -> event loop)
 @dataclass(frozen=True)
 class TextDelta:
-    """New output text (never empty) of choice ``index``."""
+    """New output text of choice ``index``, and the log-probabilities of the tokens consumed with it (a request
+    that asked for them); never both empty. ``prompt_logprobs``: the first delta of a choice that asked for its
+    prompt's carries them (None for the first prompt token)."""
 
     text: str
     index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)

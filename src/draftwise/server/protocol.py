@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string where a number belongs is a 400, not a silent conversion); fields
 this server does not know are accepted and ignored, as vLLM does. Fields it knows but cannot honour
-(``best_of`` > ``n``, logprobs, penalties...) are rejected with a 400 by :mod:`draftwise.server.validation`.
+(penalties...) are rejected with a 400 by :mod:`draftwise.server.validation`.
 
 vLLM's extra sampling fields ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted too (pass them
 with the OpenAI client's ``extra_body``), and draftwise's ``sampling`` (``"coupled"`` or ``"rejection"``).
@@ -77,12 +77,15 @@ class _SamplingFields(_Request):
     sampling: str | None = None
     # draftwise extra: this request's K, 0..the server's K (0: plain decoding); unset: the server's policy
     num_speculative_tokens: int | None = None
+    # vLLM extra: each prompt token's logprob and this many alternatives (0..20)
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of one of either;
     ``suffix``: the text after the cursor (fill-in-the-middle, :mod:`draftwise.server.fim`); ``echo``: the prompt's
-    text before each choice's."""
+    text before each choice's (with ``logprobs``, its tokens' logprobs first); ``best_of``: choices generated, of
+    which the ``n`` with the highest cumulative logprob are returned."""
 
     prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
@@ -174,10 +177,14 @@ class Usage(_Response):
 
 
 class CompletionChoice(_Response):
+    """One completion; ``logprobs``: OpenAI's legacy object (``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset``) when asked for; ``prompt_logprobs``: vLLM's, when asked for (:mod:`draftwise.server.logprobs`)."""
+
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(_Response):
@@ -200,9 +207,12 @@ class ChatMessageOut(_Response):
 
 
 class ChatChoice(_Response):
+    """One reply; ``logprobs``: ``{"content": [...], "refusal": null}`` when asked for
+    (:mod:`draftwise.server.logprobs`)."""
+
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -214,6 +224,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, when asked for
 
 
 class ModelCard(_Response):

@@ -47,16 +47,20 @@ def make_usage(prompt_tokens: int, completion_tokens: int, stats: SpeculativeSta
                  speculative=speculative)
 
 
-def completion_choice(index: int, text: str, finish_reason: str) -> CompletionChoice:
-    """One choice of a ``text_completion`` object."""
-    return CompletionChoice(index=index, text=text, finish_reason=finish_reason)
+def completion_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None,
+                      prompt_logprobs: list | None = None) -> CompletionChoice:
+    """One choice of a ``text_completion`` object (``logprobs`` / ``prompt_logprobs``:
+    :mod:`draftwise.server.logprobs`)."""
+    return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs)
 
 
-def chat_choice(index: int, text: str | None, finish_reason: str, tool_calls: list[dict] | None = None
-                ) -> ChatChoice:
-    """One choice of a ``chat.completion`` object (``text`` None: a reply of tool calls only)."""
+def chat_choice(index: int, text: str | None, finish_reason: str, tool_calls: list[dict] | None = None,
+                logprobs: dict | None = None) -> ChatChoice:
+    """One choice of a ``chat.completion`` object (``text`` None: a reply of tool calls only; ``logprobs``:
+    :mod:`draftwise.server.logprobs`)."""
     message = ChatMessageOut(content=text, tool_calls=tool_calls or None)
-    return ChatChoice(index=index, message=message, finish_reason=finish_reason)
+    return ChatChoice(index=index, message=message, finish_reason=finish_reason, logprobs=logprobs)
 
 
 def completion_body(request_id: str, model: str, choices: list[CompletionChoice], usage: Usage) -> dict:
@@ -65,29 +69,37 @@ def completion_body(request_id: str, model: str, choices: list[CompletionChoice]
                               usage=usage).model_dump()
 
 
-def chat_body(request_id: str, model: str, choices: list[ChatChoice], usage: Usage) -> dict:
-    """A ``chat.completion`` object (``choices`` in index order; usage over all of them)."""
+def chat_body(request_id: str, model: str, choices: list[ChatChoice], usage: Usage,
+              prompt_logprobs: list | None = None) -> dict:
+    """A ``chat.completion`` object (``choices`` in index order; usage over all of them; ``prompt_logprobs``:
+    vLLM's, once for the request's prompt, :mod:`draftwise.server.logprobs`)."""
     return ChatCompletionResponse(id=request_id, created=int(time.time()), model=model, choices=choices,
-                                  usage=usage).model_dump()
+                                  usage=usage, prompt_logprobs=prompt_logprobs).model_dump()
 
 
 def completion_chunk(request_id: str, created: int, model: str, text: str, finish_reason: str | None,
-                     include_usage: bool, index: int = 0) -> dict:
-    """A streamed ``text_completion`` chunk of choice ``index`` (``usage: null`` when the client asked for
-    usage)."""
-    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                     include_usage: bool, index: int = 0, logprobs: dict | None = None,
+                     prompt_logprobs: list | None = None) -> dict:
+    """A streamed ``text_completion`` chunk of choice ``index`` (``usage: null`` when the client asked for usage;
+    ``logprobs``: its tokens'; ``prompt_logprobs``: on the first chunk of a choice that asked for them)."""
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
 def chat_chunk(request_id: str, created: int, model: str, delta: dict, finish_reason: str | None,
-               include_usage: bool, index: int = 0) -> dict:
+               include_usage: bool, index: int = 0, logprobs: dict | None = None,
+               prompt_logprobs: list | None = None) -> dict:
     """A ``chat.completion.chunk`` of choice ``index`` (``delta``: ``{"role": ...}``, ``{"content": ...}`` or
-    ``{}``)."""
+    ``{}``; ``logprobs``: its tokens'; ``prompt_logprobs``: on the first chunk that carries them)."""
     chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if prompt_logprobs is not None:
+        chunk["prompt_logprobs"] = prompt_logprobs
     if include_usage:
         chunk["usage"] = None
     return chunk

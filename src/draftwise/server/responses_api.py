@@ -78,6 +78,7 @@ class ChatOutcome:
         finish_reason: ``stop``, ``length`` or ``tool_calls``.
         usage: the chat ``usage`` object (``prompt_tokens``, ``completion_tokens``,
             ``prompt_tokens_details.cached_tokens``; draftwise's ``speculative`` is carried over).
+        logprobs: the chat ``logprobs.content`` items (the reply's tokens), when the request included them.
     """
 
     model: str
@@ -85,6 +86,7 @@ class ChatOutcome:
     tool_calls: tuple[ToolCall, ...]
     finish_reason: str
     usage: dict[str, Any]
+    logprobs: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def from_chat_body(cls, body: dict[str, Any]) -> ChatOutcome:
@@ -93,8 +95,9 @@ class ChatOutcome:
         message = choice["message"]
         calls = tuple(ToolCall(call["id"], call["function"]["name"], call["function"]["arguments"])
                       for call in message.get("tool_calls") or ())
+        logprobs = tuple((choice.get("logprobs") or {}).get("content") or ())
         return cls(model=body["model"], text=message.get("content") or "", tool_calls=calls,
-                   finish_reason=choice["finish_reason"], usage=body.get("usage") or {})
+                   finish_reason=choice["finish_reason"], usage=body.get("usage") or {}, logprobs=logprobs)
 
 
 def new_response_id() -> str:
@@ -150,10 +153,31 @@ def to_chat(request: ResponsesRequest, history: Sequence[InputItem] = ()) -> dic
     for field in CHAT_EXTRAS:
         if (request.model_extra or {}).get(field) is not None:
             body[field] = request.model_extra[field]
+    body.update(_logprob_fields(request))
     if request.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     return body
+
+
+#: The ``include`` value that asks for the output text's token logprobs.
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+
+
+def _logprob_fields(request: ResponsesRequest) -> dict[str, Any]:
+    """The chat fields for ``include: ["message.output_text.logprobs"]`` and ``top_logprobs`` (which needs it).
+
+    Raises:
+        ResponsesInputError: ``top_logprobs`` > 0 without the include.
+    """
+    if INCLUDE_LOGPROBS not in (request.include or ()):
+        if request.top_logprobs not in (None, 0):
+            raise ResponsesInputError(f"'top_logprobs' needs 'include' to hold {INCLUDE_LOGPROBS!r}", "top_logprobs")
+        return {}
+    fields: dict[str, Any] = {"logprobs": True}
+    if request.top_logprobs is not None:
+        fields["top_logprobs"] = request.top_logprobs  # its range is checked as chat's top_logprobs
+    return fields
 
 
 def _refuse_unserved(request: ResponsesRequest) -> None:
@@ -225,6 +249,7 @@ def build_response(request: ResponsesRequest, outcome: ChatOutcome, *, response_
     output: list[dict[str, Any]] = []
     if outcome.text or not outcome.tool_calls:
         output.append(message_item(item_id("msg", response_id, 0), outcome.text, "completed"))
+        output[0]["content"][0]["logprobs"] = list(outcome.logprobs)  # every token of the reply
     for call in outcome.tool_calls:
         output.append(call_item(item_id("fc", response_id, len(output)), call, "completed"))
     if incomplete:
@@ -303,6 +328,7 @@ def response_object(request: ResponsesRequest, response_id: str, created_at: flo
         "tools": [tool.model_dump(include={"type", "name", "description", "parameters", "strict"})
                   for tool in function_tools(request)],
         "top_p": 1.0 if request.top_p is None else request.top_p,
+        "top_logprobs": request.top_logprobs or 0,
         "truncation": request.truncation or "disabled",
         "usage": usage, "user": request.user,
     }

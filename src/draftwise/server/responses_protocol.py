@@ -4,9 +4,10 @@ The subset is what the Codex CLI and the OpenAI Agents SDK (``OpenAIResponsesMod
 ``input`` as a string or a list of items (``message``, ``function_call``, ``function_call_output``, and the
 SDK's shorthand ``{"role": ..., "content": ...}`` without ``type``); function ``tools`` in the Responses' flat
 shape, ``tool_choice``, ``parallel_tool_calls``; ``text.format``; ``max_output_tokens``, ``temperature``,
-``top_p``; ``stream``, ``store``, ``previous_response_id``, ``user``, ``metadata``. ``reasoning``,
-``truncation`` and ``include`` are accepted and have no effect (the served models have no reasoning mode,
-nothing is truncated, and nothing extra can be included); Codex sends all three on every call.
+``top_p``; ``stream``, ``store``, ``previous_response_id``, ``user``, ``metadata``; ``include:
+["message.output_text.logprobs"]`` with ``top_logprobs`` (the output text's token logprobs). ``reasoning``,
+``truncation`` and the other ``include`` values are accepted and have no effect (the served models have no
+reasoning mode, nothing is truncated, and nothing else can be included); Codex sends all three on every call.
 
 :class:`ResponsesRequest` checks the top-level shape (a wrong type is a validation error, so a 400 naming the
 field, like the chat endpoint's). The items, tools, ``tool_choice`` and ``text.format`` are read by
@@ -75,6 +76,7 @@ class ResponsesRequest(_Strict):
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     include: list[Text] | None = None
+    top_logprobs: int | None = None  # with include "message.output_text.logprobs": alternatives per token (0..20)
 
 
 # ---------------------------------------------------------------------- input items

@@ -44,6 +44,9 @@ class ResponsesStream:
     ``response.function_call_arguments.done``, ``response.output_item.done``; last ``response.completed``
     (``response.incomplete`` on ``finish_reason: "length"``, ``response.failed`` from :meth:`fail`).
 
+    With ``include: ["message.output_text.logprobs"]``, each ``response.output_text.delta`` carries the logprobs
+    of the tokens fed since the previous one, and ``response.output_text.done`` and the text part all of them.
+
     Tool-call deltas follow chat streaming: the first delta of a call (a new ``index``) carries its ``id`` and
     ``name``, later ones argument fragments; a call ends when the next call or text begins. Text after a call
     opens a new message item.
@@ -65,6 +68,7 @@ class ResponsesStream:
         self._closed_calls: set[int] = set()
         self._finish_reason: str | None = None
         self._usage: dict[str, Any] | None = None
+        self._logprobs: list[dict[str, Any]] = []  # token logprobs not yet sent (text held back), when included
 
     # -- input
     def start(self) -> list[dict[str, Any]]:
@@ -81,6 +85,7 @@ class ResponsesStream:
             self._usage = chunk["usage"]
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            self._logprobs += (choice.get("logprobs") or {}).get("content") or ()
             if delta.get("content"):
                 events += self.text(delta["content"])
             for call in delta.get("tool_calls") or ():
@@ -100,9 +105,18 @@ class ResponsesStream:
             events += self._open_message()
         item = self._output[-1]
         item["content"][0]["text"] += delta
+        logprobs = self._take_logprobs(item)
         events.append(self._event("response.output_text.delta", item_id=item["id"],
-                                  output_index=len(self._output) - 1, content_index=0, delta=delta, logprobs=[]))
+                                  output_index=len(self._output) - 1, content_index=0, delta=delta,
+                                  logprobs=logprobs))
         return events
+
+    def _take_logprobs(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """The token logprobs fed since the last text delta, added to the message's text part (a delta's
+        tokens: those consumed with its text, and any whose text was held back before it)."""
+        taken, self._logprobs = self._logprobs, []
+        item["content"][0]["logprobs"] += taken
+        return taken
 
     def tool_call(self, index: int, call_id: str | None, name: str | None,
                   arguments: str | None) -> list[dict[str, Any]]:
@@ -177,9 +191,10 @@ class ResponsesStream:
         output_index, item = len(self._output) - 1, self._output[-1]
         item["status"] = status
         part = item["content"][0]
+        self._take_logprobs(item)
         self._open = None
         return [self._event("response.output_text.done", item_id=item["id"], output_index=output_index,
-                            content_index=0, text=part["text"], logprobs=[]),
+                            content_index=0, text=part["text"], logprobs=list(part["logprobs"])),
                 self._event("response.content_part.done", item_id=item["id"], output_index=output_index,
                             content_index=0, part=_copy(part)),
                 self._event("response.output_item.done", output_index=output_index, item=_copy(item))]

@@ -55,6 +55,8 @@ class TextCodec:
         self._encoders = _ModelPool(model, copies)
         self._fim: FimFormat | None | bool = False  # False: not looked up yet
         self._fim_lock = threading.Lock()
+        self._token_bytes: list[bytes] | None = None  # each id's bytes, read once (token_bytes)
+        self._token_bytes_lock = threading.Lock()
 
     @property
     def has_chat_template(self) -> bool:
@@ -119,6 +121,16 @@ class TextCodec:
         """Ids -> text (special tokens skipped) from any thread (a prompt given as ids, echoed back)."""
         with self._encoders.borrow() as model:
             return model.decode(list(token_ids))
+    def token_bytes(self, token_ids: Sequence[int], vocab_size: int) -> list[bytes]:
+        """The bytes each token adds to the text (``b" time"``; a byte-fallback token's one byte; a special token's
+        own text, ``b"</s>"``), as the grammar engine reads them from the tokenizer (its vocabulary is
+        ``vocab_size`` wide, the logits'); ids past the tokenizer's vocabulary give ``b""``. For logprobs' token
+        strings and ``bytes``. Thread-safe; the table is read at the first call."""
+        with self._token_bytes_lock:
+            if self._token_bytes is None:
+                self._token_bytes = list(self.grammar_vocabulary(vocab_size).info.decoded_vocab)
+        table = self._token_bytes
+        return [table[t] if 0 <= t < len(table) else b"" for t in token_ids]
 
     def decode(self, token_ids: list[int]) -> str:
         """Ids -> text, special tokens skipped. For the engine thread only (it owns the decoding copy)."""

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from draftwise.config import SamplingParams, SpeculativeConfig
+from draftwise.config import MAX_LOGPROBS, SamplingParams, SpeculativeConfig
 from draftwise.server.chat_messages import MessageError, normalize_tool_choice, normalize_tools, template_messages
 from draftwise.server.errors import RequestError
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -62,11 +62,20 @@ class GenerationRequest:
             ``guided_*`` / ``structured_outputs``), or None.
         processors: the request's logits processors (the compiled grammar's), applied by the engine to every
             draft and verification row; None: none. Those of choice 0 when ``n`` > 1.
-        n: the number of choices (1 <= n <= the engine's ``max_num_seqs``), run as a batch sharing the prompt's
-            KV state; choice i samples with seed ``params.seed + i`` (vLLM's convention), so each is
-            reproducible alone.
+        n: the number of choices generated (1 <= n <= the engine's ``max_num_seqs``: the client's ``best_of`` when
+            it sent one, else its ``n``), run as a batch sharing the prompt's KV state; choice i samples with seed
+            ``params.seed + i`` (vLLM's convention), so each is reproducible alone.
         choice_processors: the processors of choices 1..n-1 (each its own state), in order; empty when n == 1.
         echo: text prepended to each choice's text (``echo``: the prompt's text), ``""`` for none.
+        returned: ``best_of`` > ``n``: how many of the ``n`` generated choices the response carries (the client's
+            ``n``): those with the highest cumulative logprob (:func:`draftwise.logprobs.cumulative_logprob`, which
+            is why ``params.logprobs`` is then at least 0); None: every choice.
+        logprobs: the alternatives per output token the client asked for (chat's ``top_logprobs`` with
+            ``logprobs: true``, completions' ``logprobs``), None: the response has no logprobs. ``params.logprobs``
+            may be set without it (``best_of`` ranks by them).
+        prompt_logprobs: vLLM's ``prompt_logprobs`` as the client asked (None: not in the response).
+            ``params.prompt_logprobs`` may be set without it, or higher (``echo`` with ``logprobs`` returns the
+            prompt's tokens' logprobs first).
     """
 
     request_id: str
@@ -83,6 +92,9 @@ class GenerationRequest:
     n: int = 1
     choice_processors: tuple[ProcessorChain | None, ...] = ()
     echo: str = ""
+    returned: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s sampling parameters: the request's, with seed ``seed + index`` when it has a seed."""
@@ -345,10 +357,13 @@ class RequestValidator:
         limit = self._max_tokens(len(prompt.ids), max_tokens, max_param)
         self._check_stop_token_ids(request.stop_token_ids)
         n = self._choices(request)
+        returned = None if n == _client_n(request) else _client_n(request)  # best_of > n: the best n of them
+        logprobs = _asked_logprobs(request)
         return GenerationRequest(
             request_id=f"{kind}-{uuid.uuid4().hex}",
             prompt_ids=tuple(prompt.ids),
-            params=_sampling_params(request, limit, self._limits.vocab_size),
+            params=_with_logprobs(_sampling_params(request, limit, self._limits.vocab_size), logprobs,
+                                  request.prompt_logprobs, echoed=bool(echo), ranked=returned is not None),
             stops=_stop_strings(request.stop),
             arrival_s=prompt.arrival_s,
             scope=cache_scope(prompt.api_key, request.user),
@@ -360,19 +375,25 @@ class RequestValidator:
             n=n,
             choice_processors=tuple(self._processors(grammar) for _ in range(n - 1)),
             echo=echo,
+            returned=returned,
+            logprobs=logprobs,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def _choices(self, request) -> int:
-        """The request's ``n``: 1..the engine's ``max_num_seqs`` (its choices run together), and with a seed,
-        ``seed + n - 1`` still a valid seed (choice i samples with ``seed + i``).
+        """The number of choices the request generates: its ``best_of`` when set (completions), else its ``n``;
+        1..the engine's ``max_num_seqs`` (its choices run together), and with a seed, ``seed + n - 1`` still a
+        valid seed (choice i samples with ``seed + i``).
 
         Raises:
-            RequestError: naming ``n`` or ``seed``.
+            RequestError: naming ``n``, ``best_of`` or ``seed``.
         """
-        n = 1 if request.n is None else request.n
+        n, param = _client_n(request), "n"
+        if getattr(request, "best_of", None) is not None:
+            n, param = request.best_of, "best_of"
         max_n = self._limits.max_num_seqs
-        _reject(n > max_n, f"n={n} is more than this server runs at once (--max-num-seqs {max_n}): the choices of "
-                f"a request run together, so n must be at most {max_n}", "n")
+        _reject(n > max_n, f"{param}={n} is more than this server runs at once (--max-num-seqs {max_n}): the "
+                f"choices of a request run together, so {param} must be at most {max_n}", param)
         _reject(request.seed is not None and n > 1 and request.seed + n - 1 >= 2**63,
                 f"with n={n}, choice i samples with seed + i, so the seed must be below 2**63 - {n - 1}", "seed")
         return n
@@ -530,7 +551,7 @@ _SERVER_SETTING_NAMES = frozenset({"kpolicy"} | {field.name for field in datacla
                                   - {"model", "num_speculative_tokens"})
 # vLLM's extra sampling fields that change the output, which this server does not implement: a 400, never ignored
 _UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
-                            "logits_processors", "prompt_logprobs", "include_stop_str_in_output",
+                            "logits_processors", "include_stop_str_in_output",
                             "truncate_prompt_tokens")
 # extra fields this server serves (not part of OpenAI's schema): not logged as ignored
 _SERVED_EXTRA_FIELDS = frozenset(STRUCTURED_EXTRA_FIELDS) | {"response_format"}
@@ -578,36 +599,82 @@ def _reject_unsupported_common(request) -> None:
 
 
 def _reject_unsupported_completion(request: CompletionRequest) -> None:
-    _reject(request.echo and request.logprobs is not None, "echo with logprobs is not supported yet: send one "
-            "or the other", "echo")
     _check_best_of(request)
-    _reject(request.logprobs is not None, "logprobs are not supported", "logprobs")
+    _check_logprob_count(request.logprobs, MAX_COMPLETION_LOGPROBS, "logprobs")
+    _check_logprob_count(request.prompt_logprobs, MAX_LOGPROBS, "prompt_logprobs")
     extra = request.model_extra or {}  # chat fields sent to the completions endpoint change nothing here: refuse
     _reject(bool(extra.get("tools")) or bool(extra.get("functions")),
             "tools are served on /v1/chat/completions (and /v1/responses), not on /v1/completions", "tools")
-    _reject(extra.get("top_logprobs") not in (None, 0), "logprobs are not supported", "top_logprobs")
+    _reject(extra.get("top_logprobs") not in (None, 0),
+            "top_logprobs is a chat completions field: on /v1/completions, 'logprobs' (0..5) asks for the most "
+            "likely tokens", "top_logprobs")
 
 
 def _check_best_of(request: CompletionRequest) -> None:
-    """``best_of``: unset, or equal to ``n`` (every candidate is returned). Ranking more candidates than are
-    returned (``best_of`` > ``n``, by each candidate's mean token logprob) is not served yet.
+    """``best_of``: unset, or at least ``n`` (``best_of`` choices are generated and the ``n`` with the highest
+    cumulative logprob returned, as OpenAI and vLLM do); above ``n``, not with ``stream`` (the best are known only
+    at the end; OpenAI refuses it too). Its upper bound, ``--max-num-seqs``, is checked with ``n``'s.
 
     Raises:
         RequestError: naming ``best_of``.
     """
-    n = 1 if request.n is None else request.n
+    n = _client_n(request)
     best_of = request.best_of
     if best_of is None:
         return
     _reject(best_of < 1, f"'best_of' must be at least 1, got {best_of}", "best_of")
     _reject(best_of < n, f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
-    _reject(best_of > n, f"best_of={best_of} is not supported with n={n} yet (the server does not rank candidates): "
-            f"send best_of equal to n, or leave it unset", "best_of")
+    _reject(best_of > n and request.stream, f"best_of={best_of} (more than n={n}) cannot be streamed: the best "
+            "choices are known only once all are generated; send stream false, or best_of equal to n", "best_of")
+
+
+def _client_n(request) -> int:
+    """The request's ``n`` (1 when unset): the choices it gets back."""
+    return 1 if request.n is None else request.n
 
 
 def _reject_unsupported_chat(request: ChatCompletionRequest) -> None:
-    _reject(request.logprobs, "logprobs are not supported", "logprobs")
-    _reject(request.top_logprobs not in (None, 0), "logprobs are not supported", "top_logprobs")
+    _check_logprob_count(request.top_logprobs, MAX_LOGPROBS, "top_logprobs")
+    _reject(request.top_logprobs not in (None, 0) and not request.logprobs,
+            "'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+    _check_logprob_count(request.prompt_logprobs, MAX_LOGPROBS, "prompt_logprobs")
+
+
+#: OpenAI's limit on ``/v1/completions``' ``logprobs`` (chat's ``top_logprobs`` goes to :data:`MAX_LOGPROBS`).
+MAX_COMPLETION_LOGPROBS = 5
+
+
+def _check_logprob_count(value: int | None, most: int, param: str) -> None:
+    """A count of alternatives per token: unset, or an integer in ``0..most``. Raises RequestError."""
+    if value is not None and not 0 <= value <= most:
+        shown = _count(value) if value >= 0 else f"-{_count(-value)}"
+        raise RequestError(f"'{param}' must be in 0..{most}, got {shown}", param=param)
+
+
+def _asked_logprobs(request) -> int | None:
+    """The alternatives per output token the client asked for: chat's ``top_logprobs`` (default 0) with
+    ``logprobs: true``, completions' ``logprobs``; None: no logprobs. The counts were checked by
+    :func:`_reject_unsupported_chat` / :func:`_reject_unsupported_completion`."""
+    if isinstance(request, ChatCompletionRequest):
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return request.logprobs
+
+
+def _with_logprobs(params: SamplingParams, logprobs: int | None, prompt_logprobs: int | None, *, echoed: bool,
+                   ranked: bool) -> SamplingParams:
+    """``params`` with the log-probabilities the engine computes (:mod:`draftwise.logprobs`): the client's
+    ``logprobs`` and vLLM's ``prompt_logprobs``; with ``echoed`` (``echo`` and ``logprobs``: the echoed prompt's
+    tokens carry theirs) prompt logprobs with at least ``logprobs`` alternatives; with ``ranked`` (``best_of`` >
+    ``n``, which ranks the choices by their tokens' logprobs) output logprobs (0 alternatives) even when the
+    client asked for none. The response returns only what the client asked for
+    (:attr:`GenerationRequest.logprobs`, :attr:`GenerationRequest.prompt_logprobs`)."""
+    if echoed and logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    if ranked and logprobs is None:
+        logprobs = 0
+    if logprobs is None and prompt_logprobs is None:
+        return params
+    return dataclasses.replace(params, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def _dotted(param: str) -> str:
