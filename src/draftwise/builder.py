@@ -34,6 +34,7 @@ from draftwise.proposers.base import PerSequenceProposers, Proposer, SequencePro
 from draftwise.units import format_bytes
 
 if TYPE_CHECKING:
+    from draftwise.cpu_share import ThreadGovernor
     from draftwise.proposers.draft_model import DraftModelProposer
     from draftwise.proposers.suffix import SuffixProposer
 
@@ -597,6 +598,7 @@ def build_engine(
     runtime: str = "auto",
     max_num_seqs: int = 1,
     max_num_batched_tokens: int = 256,
+    follow_free_cpus: bool = True,
 ) -> EngineBundle:
     """Load the target (and draft) and build the engine core (:attr:`EngineBundle.core`, with its one-request
     facade :attr:`EngineBundle.engine`). Without a speculative config: plain decoding.
@@ -625,6 +627,8 @@ def build_engine(
             batch: :func:`build_batched_engine`); any other target or method a core of one slot serving one
             request at a time (logged), with each request's own K policy (:func:`per_request_k`).
         max_num_batched_tokens: the batched engine's rows per target pass (prompt chunks included).
+        follow_free_cpus: unless ``threads`` is given, the compute threads follow the CPUs other processes leave
+            free, between steps (:func:`thread_governor`); False: they stay at every available CPU.
 
     Raises:
         ModelLoadError: a draft model is missing (a local path, or a registry name not pulled), checked before
@@ -661,7 +665,47 @@ def build_engine(
                                            prefix_cache=PrefixCache(kv_cache_memory))
     else:
         core, draft = _one_slot_engine(target_model, speculative_config, options, PrefixCache(kv_cache_memory))
+    if threads is None and follow_free_cpus:
+        core.threads = thread_governor(target_model, draft)
     return EngineBundle(target=target_model, core=core, speculative_config=speculative_config, draft=draft)
+
+
+def thread_governor(target: LoadedModel, draft: LoadedModel | None) -> ThreadGovernor | None:
+    """The compute threads that follow the CPUs other processes leave free (:mod:`draftwise.cpu_share`), or None
+    when nothing may follow them (one CPU, or a target whose threads must stay fixed).
+
+    Torch's threads follow the load when the target's logits were checked not to depend on the thread count
+    (:meth:`~draftwise.backends.lean.model.LeanLlama.check_thread_invariance` on its real weights, run here), or
+    when the target does not compute with torch (llama.cpp); a draft model's llama.cpp threads always may (a
+    proposer never decides the output). A llama.cpp or transformers target keeps its threads.
+    """
+    from draftwise.backends.llama_cpp_backend import default_threads
+    from draftwise.cpu_share import ThreadGovernor
+
+    cpus = default_threads()
+    if cpus < 2:
+        return None
+    setters: list[Callable[[int], object]] = []
+    names: list[str] = []
+    backend = target.backend
+    if isinstance(backend, LeanCausalLM) and backend.device.type == "cpu":
+        if backend.model.check_thread_invariance():
+            setters.append(torch.set_num_threads)
+            names.append("torch: the target's logits checked equal on 1 and all threads")
+        else:
+            logger.info("%s: the logits depend on the torch thread count on this machine; its %d threads stay fixed",
+                        target.name, torch.get_num_threads())
+    elif isinstance(backend, LlamaCppCausalLM) and draft is not None and draft.backend.device.type == "cpu" \
+            and not isinstance(draft.backend, LlamaCppCausalLM):
+        setters.append(torch.set_num_threads)
+        names.append("torch: the draft's")
+    if draft is not None and isinstance(draft.backend, LlamaCppCausalLM):
+        setters.append(draft.backend.set_threads)
+        names.append("llama.cpp: the draft's")
+    if not setters:
+        return None
+    logger.info("compute threads follow the CPUs other processes leave free (%s)", "; ".join(names))
+    return ThreadGovernor(cpus, setters, names=names)
 
 
 def _one_slot_engine(target: LoadedModel, config: SpeculativeConfig | None, options: BuildOptions,

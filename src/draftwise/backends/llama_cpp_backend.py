@@ -291,6 +291,17 @@ class LlamaCppCausalLM(CausalLM):
         self._finalizer = weakref.finalize(self, _free_context, lib, self._ctx, self._batch, self.handle)
         self._lengths = [0] * num_slots  # tokens each sequence holds
 
+    def set_threads(self, threads: int) -> None:
+        """Decode with ``threads`` CPU threads from the next call on (``llama_set_n_threads``; :attr:`n_threads`,
+        the count the backend was loaded with, stays as it is).
+
+        Raises:
+            ValueError: ``threads`` < 1.
+        """
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        _lib().llama_set_n_threads(self._ctx, int(threads), int(threads))
+
     def _fit_slots_context(self, max_context: int) -> int:
         """``max_context`` or, when ``num_slots`` caches of it would exceed :data:`SLOTS_KV_BUDGET`, the most
         tokens per sequence that fit (f16 keys and values)."""

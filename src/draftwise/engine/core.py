@@ -29,6 +29,7 @@ from draftwise.backends.base import CausalLM
 from draftwise.backends.lean.model import LeanLlama
 from draftwise.backends.slots import PassOutput, SlotBackend, as_slot_backend
 from draftwise.config import SamplingParams
+from draftwise.cpu_share import ThreadGovernor
 from draftwise.engine.constraints import jump_forward_counts, process_rows
 from draftwise.engine.drafting import Drafter, check_speculation_options, step_pricing
 from draftwise.engine.faults import guarded, retry_alone
@@ -119,6 +120,7 @@ class EngineCore:
         self.drafter = Drafter(proposer, self.scheduler.k_cap, k_policy, self.memory, self.clock,
                                self.backend.supports_tree, self.backend.name)
         self._next_id = 0
+        self.threads: ThreadGovernor | None = None  # set by the builder (draftwise.cpu_share); None: fixed threads
         self.last_step: StepInfo | None = None
         self.pass_costs = pass_costs
         priced = self.proposer is not None and (self.k_policy == "auto" or self.proposer.wants_pricing)
@@ -246,6 +248,8 @@ class EngineCore:
             nothing runs.
         """
         entered, was_busy = time.perf_counter(), bool(self.scheduler.running)
+        if self.threads is not None:
+            self.threads.update()  # between passes: the compute threads follow the CPUs others leave free
         failed = self._admit()
         self.last_step = None  # set by a step that completes (a failed or retried one has none to report)
         if not self.scheduler.running:

@@ -355,6 +355,37 @@ class LeanLlama(nn.Module):
         finally:
             self.cache.lengths[slot] = 0
 
+    @torch.inference_mode()
+    def check_thread_invariance(self, threads: int = 1, *, context: int = 70, rows: int = 9, slot: int = 0,
+                                seed: int = 0) -> bool:
+        """Whether the logits depend on the number of torch threads, on the real weights: a prompt of ``context``
+        tokens and a chain of ``rows`` after it, computed with the current thread count and with ``threads``,
+        must agree bit for bit (then the thread count may follow the machine's load without changing the
+        output: :mod:`draftwise.cpu_share`). Uses ``slot`` and leaves it empty.
+
+        Returns:
+            True when every logit matched.
+        """
+        from draftwise.machine import torch_threads
+
+        rows = max(1, min(rows, self.config.max_context - 2))
+        context = max(1, min(context, self.config.max_context - rows - 1))
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, self.config.vocab_size, (context + rows,), generator=generator).tolist()
+
+        def passes() -> list[torch.Tensor]:
+            try:
+                prefill, _ = self.forward_rows(chain_rows(ids[:context], 0, slot))
+                chain, _ = self.forward_rows(chain_rows(ids[context:], context, slot))
+                return [prefill, chain]
+            finally:
+                self.cache.lengths[slot] = 0
+
+        reference = passes()
+        with torch_threads(threads):
+            other = passes()
+        return all(torch.equal(a, b) for a, b in zip(reference, other))
+
     def truncated(self, num_layers: int) -> LeanLlama:
         """A decoder made of this one's first ``num_layers`` layers (weights shared, not copied) with its own
         single-slot cache: a layer-skipping self-draft.
