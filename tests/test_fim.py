@@ -55,9 +55,10 @@ def char_ids(text: str) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------- detection
 @pytest.mark.parametrize("vocab, expected", [
-    ({"<|fim_prefix|>": 10, "<|fim_suffix|>": 11, "<|fim_middle|>": 12, "a": 1}, FimFormat("qwen", 10, 11, 12)),
-    ({"<fim_prefix>": 3, "<fim_suffix>": 4, "<fim_middle>": 5}, FimFormat("starcoder", 3, 4, 5)),
-    ({"▁<PRE>": 7, "▁<SUF>": 8, "▁<MID>": 9}, FimFormat("codellama", 7, 8, 9, (1,))),
+    ({"<|fim_prefix|>": 10, "<|fim_suffix|>": 11, "<|fim_middle|>": 12, "a": 1, "<|endoftext|>": 0,
+      "<|file_sep|>": 13}, FimFormat("qwen", 10, 11, 12, (), (10, 11, 12, 0, 13))),
+    ({"<fim_prefix>": 3, "<fim_suffix>": 4, "<fim_middle>": 5}, FimFormat("starcoder", 3, 4, 5, (), (3, 4, 5))),
+    ({"▁<PRE>": 7, "▁<SUF>": 8, "▁<MID>": 9, "▁<EOT>": 2}, FimFormat("codellama", 7, 8, 9, (1,), (7, 8, 9, 2))),
     ({"<|fim_prefix|>": 10, "<|fim_suffix|>": 11}, None),  # no middle token: not a FIM vocabulary
     ({"a": 1, "b": 2}, None),
 ])
@@ -73,6 +74,17 @@ def test_fim_prompt_puts_single_special_ids_in_prefix_suffix_middle_order():
     request = validator_for(tokenizer).completion(CompletionRequest(prompt=prefix, suffix=suffix, max_tokens=8))
     assert list(request.prompt_ids) == [pre, *char_ids(prefix), suf, *char_ids(suffix), mid]
     assert len(set((pre, suf, mid))) == 3 and min(pre, suf, mid) > len(CHARS)
+
+
+def test_the_middle_ends_at_the_fim_tokens_and_end_of_text_beside_the_requests_stop_ids():
+    tokenizer = char_tokenizer(QWEN_FIM + ("<|endoftext|>",))
+    stops = [tokenizer.convert_tokens_to_ids(t) for t in QWEN_FIM + ("<|endoftext|>",)]
+    validator = validator_for(tokenizer)
+    request = validator.completion(CompletionRequest(prompt="def f():", suffix="\n", max_tokens=4,
+                                                     stop_token_ids=[5, stops[3]]))
+    assert request.params.stop_token_ids == (5, stops[3], *stops[:3])
+    plain = validator.completion(CompletionRequest(prompt="def f():", max_tokens=4))
+    assert plain.params.stop_token_ids == ()  # without a suffix: no FIM stops
 
 
 def test_fim_prompt_from_token_ids_and_an_empty_prefix():

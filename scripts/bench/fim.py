@@ -152,8 +152,9 @@ def run_method(method: str, args: argparse.Namespace, tasks: Sequence[FimTask]) 
 
     bundle = build_engine(args.target, speculative_config(method, args), quantization=args.quantization,
                           threads=args.threads, kv_cache_memory=0)
-    prompts = build_prompts(TextCodec(bundle.target), tasks)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    codec = TextCodec(bundle.target)
+    prompts = build_prompts(codec, tasks)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, stop_token_ids=codec.fim_format().stop_ids)
     result = MethodResult(method)
     for task, prompt in zip(tasks, prompts):
         t0 = time.perf_counter()

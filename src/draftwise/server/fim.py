@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["FimFormat", "FIM_FORMATS", "detect_fim"]
+__all__ = ["FimFormat", "FIM_FORMATS", "MIDDLE_END_TOKENS", "detect_fim"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,9 @@ class FimFormat:
         name: ``"qwen"``, ``"starcoder"`` or ``"codellama"``.
         prefix_id, suffix_id, middle_id: the ids of the tokens before the prefix, the suffix and the middle.
         bos_ids: ids that open the prompt (the tokenizer's BOS where it adds one: CodeLlama), else ``()``.
+        stop_ids: ids that end the middle: the three FIM tokens and the vocabulary's end-of-text and file tokens
+            (:data:`MIDDLE_END_TOKENS`). A FIM-trained model writes ``<|endoftext|>`` after the middle, which a
+            chat model's EOS (``<|im_end|>``) does not cover, and generation would run on past the middle.
     """
 
     name: str
@@ -36,6 +39,7 @@ class FimFormat:
     suffix_id: int
     middle_id: int
     bos_ids: tuple[int, ...] = ()
+    stop_ids: tuple[int, ...] = ()
 
     def prompt_ids(self, prefix_ids: Sequence[int], suffix_ids: Sequence[int]) -> list[int]:
         """The prompt in prefix-suffix-middle order: ``bos, PRE, prefix, SUF, suffix, MID`` (``prefix_ids`` and
@@ -50,6 +54,10 @@ FIM_FORMATS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "codellama": (("▁<PRE>", "▁<SUF>", "▁<MID>"), ("<PRE>", "<SUF>", "<MID>")),
 }
 
+#: Tokens that end a FIM middle where the vocabulary has them (Qwen2.5-Coder, StarCoder, CodeLlama's ``<EOT>``).
+MIDDLE_END_TOKENS = ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<file_sep>", "<EOT>",
+                     "▁<EOT>")
+
 
 def detect_fim(vocabulary: Mapping[str, int], bos_id: int | None = None) -> FimFormat | None:
     """The FIM format whose three tokens ``vocabulary`` (token string -> id, a tokenizer's ``get_vocab()``) holds,
@@ -60,5 +68,7 @@ def detect_fim(vocabulary: Mapping[str, int], bos_id: int | None = None) -> FimF
             ids = [vocabulary.get(token) for token in spelling]
             if all(i is not None for i in ids):
                 bos = (bos_id,) if name == "codellama" and bos_id is not None else ()
-                return FimFormat(name, ids[0], ids[1], ids[2], bos)
+                ends = [vocabulary[token] for token in MIDDLE_END_TOKENS if token in vocabulary]
+                stops = tuple(dict.fromkeys([*ids, *ends]))
+                return FimFormat(name, ids[0], ids[1], ids[2], bos, stops)
     return None

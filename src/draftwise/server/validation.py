@@ -197,6 +197,9 @@ class RequestValidator:
         grammar = output_grammar(request)
         prompt = self._single_prompt(request.prompt)
         prompt_ids = self._completion_prompt(prompt, request.suffix)
+        if request.suffix is not None:  # the middle ends at the model's end-of-middle tokens
+            ends = [t for t in self._codec.fim_format().stop_ids if t not in (request.stop_token_ids or ())]
+            request = request.model_copy(update={"stop_token_ids": [*(request.stop_token_ids or ()), *ends]})
         echo = self._echo_text(prompt) if request.echo else ""
         return self._build("cmpl", request, _Prompt(prompt_ids, "prompt", model, arrival, api_key),
                            request.max_tokens, "max_tokens", grammar=grammar, echo=echo)
