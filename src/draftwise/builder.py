@@ -704,7 +704,6 @@ def thread_governor(target: LoadedModel, draft: LoadedModel | None) -> ThreadGov
         names.append("llama.cpp: the draft's")
     if not setters:
         return None
-    logger.info("compute threads follow the CPUs other processes leave free (%s)", "; ".join(names))
     return ThreadGovernor(cpus, setters, names=names)
 
 

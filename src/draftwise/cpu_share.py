@@ -127,6 +127,8 @@ class ThreadGovernor:
         self.changes = 0
         self._pending: int | None = None
         self._readings = 0
+        logger.info("compute threads follow the CPUs other processes leave free, now %d (%s)", cpus,
+                    "; ".join(self.names) or "set")
 
     def update(self) -> int:
         """Read the contention (at most once per interval) and apply a new thread count when two readings in a

@@ -258,8 +258,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _enable_request_logging() -> None:
-    """Show the server's INFO lines (startup, one line per request) even without ``-v``."""
+    """Show the server's INFO lines (startup, one line per request, the compute threads following the machine's
+    load) even without ``-v``."""
     server_logger = logging.getLogger("draftwise")
     if server_logger.getEffectiveLevel() > logging.INFO:
-        for name in ("draftwise.server", __name__):
+        for name in ("draftwise.server", "draftwise.cpu_share", __name__):
             logging.getLogger(name).setLevel(logging.INFO)
