@@ -5,7 +5,7 @@ CPU then loses most of its time at its barriers: each parallel region (an OpenMP
 kernels, a graph node of llama.cpp, whose barrier spins) waits for the one thread the kernel has preempted for
 the other process, a scheduler time slice at a time. A decoder step crosses hundreds of barriers, so a step on two
 threads beside one busy process took several times a step on one thread (measurements in
-``docs/benchmarks/gguf_vs_llama_cpp.md``).
+``docs/benchmarks/sharing.md``).
 
 :class:`CpuContention` estimates how many CPUs other processes keep busy, from the system's CPU time
 (``/proc/stat``) less this process's own (``/proc/self/stat``), over the last interval. :class:`ThreadGovernor`
