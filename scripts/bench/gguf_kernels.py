@@ -47,7 +47,7 @@ def random_layer(kind: str, out_features: int, in_features: int, rng: np.random.
     nb = in_features // block
     raw = rng.integers(0, 256, size=(out_features, nb, nbytes), dtype=np.uint8)
     for at in scales:
-        raw[..., at:at + 2] = np.float16(1e-3).view(np.uint8).reshape(1, 1, 2)
+        raw[..., at:at + 2] = np.array([1e-3], dtype=np.float16).view(np.uint8).reshape(1, 1, 2)
     raw = raw.reshape(out_features, nb * nbytes)
     if kind == "Q4_K":
         return Q4KLinear(pack_gguf_q4k(raw))
