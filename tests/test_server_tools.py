@@ -94,6 +94,20 @@ def test_a_call_written_as_a_fenced_json_block_is_a_tool_call(client, stream):
     assert name == "add" and json.loads(arguments) == {"a": 2, "b": 3} and finish == ["tool_calls"]
 
 
+def test_call_ids_are_the_same_for_the_same_request_and_differ_between_turns(client):
+    """Agents write call ids into their next prompt (smolagents): the same request gets the same ids from any
+    server, streamed or not, and a new turn gets new ones."""
+    first = client.chat.completions.create(model="tool-model", messages=QUESTION, tools=[ADD]).choices[0].message
+    again = client.chat.completions.create(model="tool-model", messages=QUESTION, tools=[ADD]).choices[0].message
+    streamed = [call.id for chunk in client.chat.completions.create(model="tool-model", messages=QUESTION,
+                                                                    tools=[ADD], stream=True)
+                if chunk.choices for call in (chunk.choices[0].delta.tool_calls or ()) if call.id]
+    assert first.tool_calls[0].id == again.tool_calls[0].id == streamed[0]
+    other = [{"role": "user", "content": "What is 2 + 3? Use the tool, please."}]
+    moved = client.chat.completions.create(model="tool-model", messages=other, tools=[ADD]).choices[0].message
+    assert moved.tool_calls and moved.tool_calls[0].id != first.tool_calls[0].id
+
+
 def test_tool_choice_none_and_no_tools_return_plain_content(client):
     plain = client.chat.completions.create(model="tool-model", messages=QUESTION).choices[0]
     assert plain.finish_reason == "stop" and not plain.message.tool_calls

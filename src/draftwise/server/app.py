@@ -72,6 +72,7 @@ from draftwise.server.responses_store import ResponseStore
 from draftwise.server.responses_stream import ResponsesStream, sse_event
 from draftwise.server.settings import ServerSettings
 from draftwise.server.text import TextCodec
+from draftwise.server.tool_parsers.base import request_call_ids
 from draftwise.server.validation import EngineLimits, GenerationRequest, RequestValidator, cache_scope
 from draftwise.stats import choices_stats
 
@@ -397,7 +398,9 @@ class _ChatFormat(_CompletionFormat):
     def __init__(self, request: GenerationRequest, token_bytes: TokenBytes) -> None:
         super().__init__(request, token_bytes)
         self.parser = request.tool_parser
-        self._calls = [self.parser.stream() for _ in range(self.n)] if self.parser is not None else None
+        self._prompt_ids = request.prompt_ids
+        self._calls = None if self.parser is None else [
+            self.parser.stream(request_call_ids(self.parser, request.prompt_ids, index)) for index in range(self.n)]
         self._texts = [""] * self.n
 
     def opening(self, include_usage: bool) -> list[dict]:
@@ -435,7 +438,7 @@ class _ChatFormat(_CompletionFormat):
         logprobs = chat_logprobs(choice.logprobs, self.token_bytes) if self.wants_logprobs else None
         if self.parser is None:
             return chat_choice(choice.index, choice.text, choice.finish_reason, logprobs=logprobs)
-        parsed = self.parser.extract(choice.text)
+        parsed = self.parser.extract(choice.text, request_call_ids(self.parser, self._prompt_ids, choice.index))
         calls = [call.to_openai() for call in parsed.tool_calls]
         finish_reason = "tool_calls" if calls and choice.finish_reason == "stop" else choice.finish_reason
         return chat_choice(choice.index, parsed.content, finish_reason, calls, logprobs)

@@ -29,6 +29,7 @@ the stream then sends that text as content too. vLLM's parsers stream such a cal
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import string
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ToolCall", "ParsedOutput", "TextPiece", "CallPiece", "HeldPiece", "Piece", "CallIds", "ToolParser",
-    "ToolCallStream", "longest_marker_prefix",
+    "ToolCallStream", "longest_marker_prefix", "request_call_ids",
 ]
 
 _ALPHANUMERIC = string.ascii_letters + string.digits
@@ -127,6 +128,20 @@ class CallIds:
     def __call__(self) -> str:
         """A new id."""
         return self._prefix + "".join(self._rng.choice(_ALPHANUMERIC) for _ in range(self._length))
+
+
+def request_call_ids(parser: "ToolParser", prompt_ids: Sequence[int], choice: int = 0) -> CallIds:
+    """The call ids of one choice of one request: ``parser``'s format, drawn from a generator seeded by a digest
+    of the prompt's token ids and the choice's index.
+
+    The same request gets the same ids from any server, speculating or not. Agents write the ids of the calls
+    they ran into their next prompt (smolagents' ``Calling tools: [{'id': ...}]``), so random ids alone made two
+    otherwise identical runs send different prompts from their second turn on. A new turn's prompt differs, and so
+    do its ids; calls of one reply are successive draws, so they differ too.
+    """
+    digest = hashlib.sha256(b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt_ids)
+                            + int(choice).to_bytes(4, "little")).digest()
+    return parser.call_ids(random.Random(int.from_bytes(digest[:8], "little")))
 
 
 class ToolParser(ABC):
