@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from draftwise.backends.kernels.layers import KernelError, _KernelLinear, _PackedLinear
-from draftwise.backends.kernels.q4k import Q4KLinear, load_q4k_ops, pack_gguf_q4k
+from draftwise.backends.kernels.layers import KernelError, _KernelLinear
+from draftwise.backends.kernels.q4k import GGUFOpLinear, Q4KLinear, load_q4k_ops, pack_gguf_q4k
 
 __all__ = ["BlockFormat", "BLOCK_FORMATS", "block_format", "quantize_blocks", "dequantize_blocks", "quantize_q6k",
            "GGUFBlockLinear", "SegmentedLinear", "gguf_linear"]
@@ -151,7 +151,7 @@ def dequantize_blocks(packed: torch.Tensor | np.ndarray, fmt: BlockFormat) -> to
 
 
 # -------------------------------------------------------------------------------------------- the modules
-class GGUFBlockLinear(_PackedLinear):
+class GGUFBlockLinear(GGUFOpLinear):
     """``y = x W^T + b`` with ``W`` in GGUF rows of a :class:`BlockFormat` (Q6_K, Q8_0, Q5_0) on its row-invariant
     kernel: ``x [m, in]`` fp32 -> ``[m, out]`` fp32.
 
@@ -173,27 +173,13 @@ class GGUFBlockLinear(_PackedLinear):
         load_q4k_ops()
         self.format = fmt
         self.kernel_name = fmt.kernel_name
-        self.packed = packed.contiguous()  # a plain attribute: read on every call, no module lookup
-        self._bias = self.bias.data if self.bias is not None else torch.empty(0)
-        self._op = getattr(torch.ops.draftwise_q4k, fmt.op).default
+        self._bind(packed, getattr(torch.ops.draftwise_q4k, fmt.op).default)
 
     @classmethod
     def from_float(cls, fmt: BlockFormat, weight: torch.Tensor, bias: torch.Tensor | None = None) -> GGUFBlockLinear:
         """Quantize ``weight [out, in]`` to ``fmt`` (:func:`quantize_blocks`)."""
         return cls(fmt, quantize_blocks(weight, fmt), bias)
 
-    @property
-    def weight_bytes(self) -> int:
-        return self.packed.numel() + (0 if self.bias is None else 4 * self.out_features)
-
-    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
-        return self._op(rows, self.packed, self._bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., in_features]`` -> ``[..., out_features]``; ``[m, in]`` fp32 goes straight to the kernel."""
-        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == self.in_features:
-            return self._op(x, self.packed, self._bias)
-        return super().forward(x)
 
 
 class SegmentedLinear(_KernelLinear):

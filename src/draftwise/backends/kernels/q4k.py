@@ -36,7 +36,7 @@ from draftwise.backends.kernels.layers import KernelError, _PackedLinear
 from draftwise.files import draftwise_home
 
 __all__ = ["SUPER_BLOCK", "PACKED_BLOCK_BYTES", "Q4KError", "q4k_available", "load_q4k_ops", "q4k_linear",
-           "quantize_q4k", "dequantize_q4k", "pack_gguf_q4k", "Q4KLinear"]
+           "quantize_q4k", "dequantize_q4k", "pack_gguf_q4k", "GGUFOpLinear", "Q4KLinear"]
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,32 @@ def pack_gguf_q4k(raw: np.ndarray) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------- the module
-class Q4KLinear(_PackedLinear):
+class GGUFOpLinear(_PackedLinear):
+    """A linear layer on one of the extension's row-invariant ops over GGUF blocks (Q4_K, Q6_K, Q8_0, Q5_0):
+    ``packed [out, bytes per row]`` uint8 and an op ``(x [m, in] fp32, packed, bias) -> [m, out] fp32``.
+    Subclasses check their format and call :meth:`_bind`."""
+
+    def _bind(self, packed: torch.Tensor, op) -> None:
+        """Keep ``packed`` and ``op`` as plain attributes (read on every call, no module lookup)."""
+        self.packed = packed.contiguous()
+        self._bias = self.bias.data if self.bias is not None else torch.empty(0)
+        self._op = op
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.numel() + (0 if self.bias is None else 4 * self.out_features)
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._op(rows, self.packed, self._bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in_features]`` -> ``[..., out_features]``; ``[m, in]`` fp32 goes straight to the kernel."""
+        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == self.in_features:
+            return self._op(x, self.packed, self._bias)
+        return super().forward(x)
+
+
+class Q4KLinear(GGUFOpLinear):
     """``y = x W^T + b`` with ``W`` in packed Q4_K blocks on the row-invariant kernel
     (``draftwise_q4k::linear``): ``x [m, in]`` fp32 -> ``[m, out]`` fp32.
 
@@ -250,24 +275,10 @@ class Q4KLinear(_PackedLinear):
         load_q4k_ops()
         if packed.data_ptr() % 32:
             packed = packed.clone()  # the kernel's aligned loads need 32-byte alignment (c10 gives 64)
-        self.packed = packed.contiguous()  # a plain attribute: read on every call, no module lookup
-        self._bias = self.bias.data if self.bias is not None else torch.empty(0)
-        self._op = torch.ops.draftwise_q4k.linear.default
+        self._bind(packed, torch.ops.draftwise_q4k.linear.default)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q4KLinear:
         """Quantize ``weight [out, in]`` (``in`` a multiple of 256) with :func:`quantize_q4k`."""
         return cls(quantize_q4k(weight), bias)
 
-    @property
-    def weight_bytes(self) -> int:
-        return self.packed.numel() + (0 if self.bias is None else 4 * self.out_features)
-
-    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
-        return self._op(rows, self.packed, self._bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., in_features]`` -> ``[..., out_features]``; ``[m, in]`` fp32 goes straight to the kernel."""
-        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == self.in_features:
-            return self._op(x, self.packed, self._bias)
-        return super().forward(x)
