@@ -11,19 +11,27 @@ from draftwise.cpu_share import CpuContention, CpuTimes, ThreadGovernor, read_cp
 
 
 class ScriptedTimes:
-    """CPU readings: each call advances the wall clock by ``step_s`` with ``others`` CPUs busy elsewhere and
-    ``own`` CPUs used by this process."""
+    """A scripted machine: each look at :meth:`clock` advances the wall time by ``step_s``; a reading carries the
+    CPU time accumulated since the last one, with ``others`` CPUs busy elsewhere and ``own`` CPUs used by this
+    process."""
 
     def __init__(self, step_s: float = 1.0) -> None:
         self.step_s = step_s
+        self.wall = 0.0
         self.now = CpuTimes(1000.0, 10.0, 0.0)
         self.others = 0.0
         self.own = 1.0
+        self.reads = 0
+
+    def clock(self) -> float:
+        self.wall += self.step_s
+        return self.wall
 
     def __call__(self) -> CpuTimes:
-        busy = (self.others + self.own) * self.step_s
-        self.now = CpuTimes(self.now.busy_s + busy, self.now.own_s + self.own * self.step_s,
-                            self.now.wall_s + self.step_s)
+        self.reads += 1
+        elapsed = self.wall - self.now.wall_s
+        self.now = CpuTimes(self.now.busy_s + (self.others + self.own) * elapsed, self.now.own_s + self.own * elapsed,
+                            self.wall)
         return self.now
 
 
@@ -42,7 +50,7 @@ def test_proc_readings_are_parsed_on_linux(tmp_path):
 
 def test_contention_is_the_cpu_time_of_other_processes_per_second():
     times = ScriptedTimes()
-    contention = CpuContention(interval_s=0.5, read=times)
+    contention = CpuContention(interval_s=0.5, read=times, clock=times.clock)
     assert contention.sample() is not None and contention.busy_elsewhere == pytest.approx(0.0)
     times.others = 1.0
     assert contention.sample() == pytest.approx(1.0)
@@ -55,18 +63,19 @@ def test_contention_is_the_cpu_time_of_other_processes_per_second():
 
 def test_contention_waits_for_the_interval():
     times = ScriptedTimes(step_s=0.1)
-    contention = CpuContention(interval_s=0.5, read=times)
+    contention = CpuContention(interval_s=0.5, read=times, clock=times.clock)
     times.others = 1.0
     assert contention.sample() is None  # 0.1 s since the first reading
     for _ in range(3):
         contention.sample()
+    assert times.reads == 1  # within the interval no /proc file is read: only the first reading happened
     assert contention.sample() == pytest.approx(1.0)
 
 
 def test_the_governor_follows_the_free_cpus_after_two_readings_that_agree():
     times = ScriptedTimes()
     applied: list[int] = []
-    governor = ThreadGovernor(2, [applied.append], CpuContention(interval_s=0.5, read=times))
+    governor = ThreadGovernor(2, [applied.append], CpuContention(interval_s=0.5, read=times, clock=times.clock))
     assert governor.update() == 2 and applied == []
     times.others = 1.0
     assert governor.update() == 2  # one reading is not enough
@@ -117,7 +126,7 @@ def test_the_engine_applies_the_governor_between_steps_and_the_output_stays(stor
     times = ScriptedTimes()
     applied: list[int] = []
     core = one_slot_core(stories.backend, eos_token_ids=stories.eos_token_ids)
-    core.threads = ThreadGovernor(2, [applied.append], CpuContention(interval_s=0.5, read=times))
+    core.threads = ThreadGovernor(2, [applied.append], CpuContention(interval_s=0.5, read=times, clock=times.clock))
     times.others = 1.0
     result = core.generate([prompt], params)[0]
     assert applied == [1]  # the second reading, at the second step

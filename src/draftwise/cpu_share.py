@@ -69,13 +69,17 @@ class CpuContention:
         interval_s: the shortest interval between two readings (``/proc`` counts in 10 ms ticks: shorter
             intervals are noisy).
         read: the reading function (tests pass a scripted one).
+        clock: the clock of :attr:`CpuTimes.wall_s` (``time.monotonic``), looked at before reading ``/proc``, so
+            a call within the interval (the engine calls once per step) reads no file.
     """
 
-    def __init__(self, interval_s: float = 0.5, read: Callable[[], CpuTimes | None] = read_cpu_times) -> None:
+    def __init__(self, interval_s: float = 0.5, read: Callable[[], CpuTimes | None] = read_cpu_times,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.interval_s = interval_s
         self._read = read
+        self._clock = clock
         self._last = read()
         self.busy_elsewhere: float | None = None  # the latest estimate (CPUs), None before the first interval
         self.readings = 0  # estimates made so far
@@ -83,8 +87,8 @@ class CpuContention:
     def sample(self) -> float | None:
         """The estimate, re-read when ``interval_s`` has passed since the last reading; None before the first
         interval ends, or where ``/proc`` cannot be read."""
-        if self._last is None:
-            return None
+        if self._last is None or self._clock() - self._last.wall_s < self.interval_s:
+            return self.busy_elsewhere
         now = self._read()
         if now is None or now.wall_s - self._last.wall_s < self.interval_s:
             return self.busy_elsewhere
