@@ -6,16 +6,21 @@ where it cannot be built (no C++ compiler).
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 import torch
 
+from draftwise.machine import cpu_flags
 from draftwise.backends.kernels.gguf_source import GGUFSource, q4k_linear_factory
 from draftwise.backends.kernels.q4k import (
     GGUF_BLOCK_BYTES,
     Q4KError,
     Q4KLinear,
     dequantize_q4k,
+    load_q4k_ops,
     pack_gguf_q4k,
     q4k_available,
     q4k_linear,
@@ -234,3 +239,21 @@ def test_the_self_test_measures_and_checks_the_q4k_kernel(tmp_path):
     assert choice.name == "q4k-cpp"
     layer = choice.build(torch.randn(64, 512), None)
     assert isinstance(layer, Q4KLinear)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
+@pytest.mark.skipif("avx2" not in cpu_flags(), reason="the portable build issues no prefetches")
+def test_every_format_kernel_keeps_its_weight_prefetch():
+    """Each format's linear issues software prefetches of the weight rows ahead. GCC once deleted the Q4_K ones
+    (an out-of-line function whose only effect is a prefetch counts as const), which halved its DRAM rate."""
+    library = load_q4k_ops()
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", library], capture_output=True, text=True,
+                             check=True).stdout
+    prefetching, function = set(), ""
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            function = line
+        elif "prefetch" in line:
+            prefetching.add(function)
+    for fmt in ("Q4K", "Q6K", "Q8_0Decode", "Q5_0Decode"):
+        assert any("linear<(anonymous namespace)::" in f and fmt in f for f in prefetching), fmt

@@ -40,7 +40,9 @@
 namespace {
 
 constexpr int kRowTile = 8;  // activation rows computed together against one unpacked weight block
-constexpr int64_t kPrefetchRows = 16;  // weight rows ahead of the pair being computed
+// software prefetch distance: weight bytes ahead of the rows being computed (a distance in rows would run out of
+// the L1 cache for long rows: 16 rows of the 8960-wide down projection are 72 KiB)
+constexpr int64_t kPrefetchBytes = 8192;
 
 // One set of activation rows quantized: q [m, in] int8, d [m, nb] float (one scale per block of `block`
 // inputs), bsum [m, nb * sums] int16 (sums of q over `block / sums` consecutive inputs; none when sums is 0).
@@ -149,7 +151,12 @@ inline float hsum4(__m128 s) {
 }
 #endif
 
-inline void prefetch_bytes(const uint8_t* p, int64_t bytes) {
+// Always inlined, as is every format's prefetch(): GCC marks an out-of-line function whose only effect is
+// __builtin_prefetch as const and deletes its calls (C++ assumes loops finish), which had removed the Q4_K
+// prefetch from the build.
+#define DW_ALWAYS_INLINE inline __attribute__((always_inline))
+
+DW_ALWAYS_INLINE void prefetch_bytes(const uint8_t* p, int64_t bytes) {
 #if defined(__AVX2__)
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 #else
@@ -193,7 +200,7 @@ struct Q4K {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 32 == 0, "q4k_linear: packed must be 32-byte aligned");
   }
 
-  static void prefetch(const uint8_t* base, int64_t out, int64_t nb, int64_t n, int count) {
+  DW_ALWAYS_INLINE static void prefetch(const uint8_t* base, int64_t out, int64_t nb, int64_t n, int count) {
     prefetch_bytes(base + n * nb * 128, count * nb * 128);
     prefetch_bytes(base + out * nb * 128 + n * nb * 24, count * nb * 24);
   }
@@ -311,7 +318,7 @@ struct Q6K : RawRows {
   static constexpr const char* kName = "q6k_linear";
 
   static Row row(const uint8_t* base, int64_t, int64_t nb, int64_t n) { return base + n * nb * kBytes; }
-  static void prefetch(const uint8_t* base, int64_t, int64_t nb, int64_t n, int count) {
+  DW_ALWAYS_INLINE static void prefetch(const uint8_t* base, int64_t, int64_t nb, int64_t n, int count) {
     prefetch_bytes(base + n * nb * kBytes, count * nb * kBytes);
   }
 
@@ -432,7 +439,7 @@ struct Block32 : RawRows {
   static constexpr const char* kName = Decode::kName;
 
   static Row row(const uint8_t* base, int64_t, int64_t nb, int64_t n) { return base + n * nb * kBytes; }
-  static void prefetch(const uint8_t* base, int64_t, int64_t nb, int64_t n, int count) {
+  DW_ALWAYS_INLINE static void prefetch(const uint8_t* base, int64_t, int64_t nb, int64_t n, int count) {
     prefetch_bytes(base + n * nb * kBytes, count * nb * kBytes);
   }
 
@@ -589,6 +596,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   // rows on: one weight row against up to 8 (the 2 x 8 accumulators would not fit in 16 registers)
   const int pair_rows = m <= 4 ? 2 : 1;
   const int64_t row_tile = m <= 4 ? 4 : kRowTile;
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / (nb * F::kBytes));  // weight rows
   at::parallel_for(0, out_features, 16, [&](int64_t n0, int64_t n1) {
     int64_t rows[kRowTile];
     float tile[2 * kRowTile];
@@ -596,9 +604,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
       const int64_t r1 = std::min(m, r0 + row_chunk);
       for (int64_t n = n0; n < n1; n += pair_rows) {
         const int pair = n + 1 < n1 ? pair_rows : 1;
-        // software prefetch of the weight rows kPrefetchRows ahead (the hardware prefetcher alone reads DRAM
-        // at about a third of its bandwidth here: measured 5 against 15 GB/s on one Zen3 core)
-        if (n + kPrefetchRows + pair <= n1) F::prefetch(base, out_features, nb, n + kPrefetchRows, pair);
+        // software prefetch of the weight rows about kPrefetchBytes ahead (the hardware prefetcher alone reads
+        // DRAM at about a third of its bandwidth here: measured 5 against 15 GB/s on one Zen3 core)
+        if (n + ahead + pair <= n1) F::prefetch(base, out_features, nb, n + ahead, pair);
         const typename F::Row w[2] = {F::row(base, out_features, nb, n),
                                       F::row(base, out_features, nb, n + pair - 1)};
         for (int64_t r = r0; r < r1; r += row_tile) {
