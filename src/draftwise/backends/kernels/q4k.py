@@ -46,7 +46,8 @@ SUPER_BLOCK = 256
 PACKED_BLOCK_BYTES = 152
 #: Bytes of one GGUF Q4_K super-block: fp16 d and dmin, 12 bytes of packed 6-bit scales and mins, 128 of nibbles.
 GGUF_BLOCK_BYTES = 144
-_SOURCE = Path(__file__).with_name("q4k.cpp")
+#: the extension's sources: the GGUF block kernels and the lean runtime's attention
+_SOURCES = (Path(__file__).with_name("q4k.cpp"), Path(__file__).with_name("attention.cpp"))
 #: -march=native: the build is for this CPU (the cache key holds its model and flags); -ffp-contract=off: no
 #: fused multiply-adds but the written ones, so the rounding is the source's.
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
@@ -61,7 +62,7 @@ def _build_key() -> str:
     from draftwise.machine import cpu_flags, cpu_model_name
 
     digest = hashlib.sha256()
-    parts = (_SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(), cpu_model_name().encode(),
+    parts = (*(source.read_bytes() for source in _SOURCES), " ".join(_CFLAGS).encode(), torch.__version__.encode(), cpu_model_name().encode(),
              " ".join(sorted(cpu_flags())).encode())
     for part in parts:
         digest.update(part)
@@ -71,7 +72,7 @@ def _build_key() -> str:
 @functools.lru_cache(maxsize=1)
 def load_q4k_ops() -> str:
     """Compile (once per machine, cached on disk) and load the extension (the Q4_K, Q6_K, Q8_0 and Q5_0 ops of
-    ``torch.ops.draftwise_q4k``); returns the library's path.
+    ``torch.ops.draftwise_q4k``, and ``torch.ops.draftwise_native.attention``); returns the library's path.
 
     Raises:
         Q4KError: the build failed (no compiler, missing ninja) or the library does not load.
@@ -90,7 +91,7 @@ def load_q4k_ops() -> str:
         logger.info("compiling the GGUF kernels for this CPU into %s (once)", build_dir)
     try:
         cpp_extension.load(
-            name=name, sources=[str(_SOURCE)], build_directory=str(build_dir), is_python_module=False,
+            name=name, sources=[str(source) for source in _SOURCES], build_directory=str(build_dir), is_python_module=False,
             extra_cflags=list(_CFLAGS),
             extra_ldflags=[f"-L{torch_lib}", "-lgomp", f"-Wl,-rpath,{torch_lib}"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - a compiler or loader failure of any kind means "not here"

@@ -26,7 +26,8 @@ import logging
 
 import torch
 
-__all__ = ["block_attention", "tree_block_attention", "row_multiple", "rows_invariant", "sum_blocks"]
+__all__ = ["block_attention", "tree_block_attention", "native_attention", "native_attention_available", "row_multiple",
+           "rows_invariant", "sum_blocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,38 @@ def block_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     out = sum_blocks(partial, dim=1)  # [kv, P, d]
     out = out.div_(denominator)[:, :rows]  # [kv, n * g, d]
     return out.view(kv_heads, n, groups, head_dim).permute(1, 0, 2, 3).reshape(n, heads, head_dim)
+
+
+def native_attention_available() -> str | None:
+    """None when the native attention (``draftwise_native::attention`` in the extension beside the GGUF kernels,
+    ``kernels/attention.cpp``) builds and loads here, else why not."""
+    from draftwise.backends.kernels.q4k import q4k_available
+
+    return q4k_available()
+
+
+def native_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: torch.Tensor,
+                     tail: torch.Tensor, tail_len: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Attention of n query rows over one slot's cache in the native extension: row r sees the entries
+    ``[0, prefix[r])`` in place, then ``tail[r, :tail_len[r]]`` in that order (a draft tree's tail). Each
+    (row, KV head) is computed alone over its keys in logical order (``kernels/attention.cpp``), so a row's
+    bits depend on neither the other rows nor where its keys sit: a tree node gets its chain's bits, and a
+    verified chain one-token decoding's, by construction. Its bits differ from :func:`block_attention`'s; a
+    model uses one of the two for every pass.
+
+    Args:
+        query: ``[n, heads, head_dim]`` float32 (rotary applied).
+        keys, values: ``[kv_heads, capacity, head_dim]`` float32, the slot's cache of one layer.
+        prefix, tail_len: ``[n]`` int64; tail: ``[n, T]`` int64 cache entries (T may be 0).
+        scale: score multiplier.
+
+    Returns:
+        ``[n, heads, head_dim]`` float32.
+
+    Raises:
+        RuntimeError: shapes that do not match, an entry outside the cache, a row that sees no key.
+    """
+    return torch.ops.draftwise_native.attention(query, keys, values, prefix, tail, tail_len, scale)
 
 
 def sum_blocks(partials: torch.Tensor, dim: int) -> torch.Tensor:

@@ -28,7 +28,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from draftwise import progress
-from draftwise.backends.lean.attention import block_attention, row_multiple, tree_block_attention
+from draftwise.backends.lean.attention import (
+    block_attention,
+    native_attention,
+    native_attention_available,
+    row_multiple,
+    tree_block_attention,
+)
 from draftwise.backends.lean.kv_cache import SlotKVCache
 from draftwise.backends.lean.rows import RowBatch, chain_rows
 
@@ -147,6 +153,8 @@ class SlotView:
         visible: ``[g, S]`` bool over the slot's keys ``[0, S)`` (S a multiple of the key block).
         tail_index, tail_visible: trees only: ``[g, T]`` cache indexes of each row's further keys in logical
             order (committed keys from S, then ancestors and itself) and their validity; None for chains.
+        prefix, tail_len: ``[g]`` int64, the same keys for the native attention: the entries ``[0, prefix)`` in
+            place, then the first ``tail_len`` of ``tail_index`` (a chain's row: its context length, no tail).
     """
 
     slot: int
@@ -154,6 +162,14 @@ class SlotView:
     visible: torch.Tensor
     tail_index: torch.Tensor | None = None
     tail_visible: torch.Tensor | None = None
+    prefix: torch.Tensor | None = None
+    tail_len: torch.Tensor | None = None
+
+    def native_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(prefix [g], tail [g, T], tail_len [g])`` int64 for :func:`native_attention`."""
+        if self.tail_index is None:
+            return self.prefix, self.prefix.new_zeros(len(self.prefix), 0), self.prefix.new_zeros(len(self.prefix))
+        return self.prefix, self.tail_index, self.tail_len
 
 
 class LeanLayer(nn.Module):
@@ -176,8 +192,10 @@ class LeanLayer(nn.Module):
         self.down = linear(mlp.down_proj.weight.detach().float(), None)  # [n, I] -> [n, H]
 
     def forward(self, x: torch.Tensor, index: int, rows: RowBatch, cos: torch.Tensor, sin: torch.Tensor,
-                cache: SlotKVCache, visibility: list[SlotView], block: int, multiple: int) -> torch.Tensor:
-        """``x [n, H] -> [n, H]``; writes the rows' keys/values into ``cache`` (layer ``index``)."""
+                cache: SlotKVCache, visibility: list[SlotView], block: int, multiple: int,
+                native: bool = False) -> torch.Tensor:
+        """``x [n, H] -> [n, H]``; writes the rows' keys/values into ``cache`` (layer ``index``). ``native``: the
+        attention runs in the native extension (:func:`native_attention`), else :func:`block_attention`."""
         c = self.config
         n = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
@@ -191,7 +209,9 @@ class LeanLayer(nn.Module):
         scale = c.head_dim ** -0.5
         for view in visibility:
             keys, values = cache.keys[index][view.slot], cache.values[index][view.slot]  # [kv, capacity, d]
-            if view.tail_index is None:
+            if native:
+                attended[view.rows] = native_attention(q[view.rows], keys, values, *view.native_keys(), scale=scale)
+            elif view.tail_index is None:
                 length = view.visible.shape[1]
                 attended[view.rows] = block_attention(q[view.rows], keys[:, :length], values[:, :length], view.visible,
                                                       scale=scale, block=block, multiple=multiple)
@@ -223,15 +243,25 @@ class LeanLlama(nn.Module):
         block: attention key block (tokens).
         head_ids: compute the LM head over these vocabulary ids only, the others' logits being -inf (FR-Spec,
             Zhao et al. 2025, for draft models; :class:`draftwise.frspec.SubsetLMHead`); None = every id.
+        native_attention: attend in the native extension (:func:`native_attention`: faster, one row at a time);
+            None = where it builds and loads (a C++ compiler), else the torch :func:`block_attention`. Either
+            gives row-invariant logits; their bits differ, and a model keeps one for its lifetime.
 
     Raises:
         UnsupportedArchitecture: see :func:`lean_config_from_hf`.
     """
 
     def __init__(self, hf_model, linear: LinearFactory, *, max_context: int | None = None, num_slots: int = 1,
-                 block: int = 64, head_ids=None) -> None:
+                 block: int = 64, head_ids=None, native_attention: bool | None = None) -> None:
         super().__init__()
         config = lean_config_from_hf(hf_model.config, max_context)
+        if native_attention is None:
+            reason = native_attention_available()
+            native_attention = reason is None
+            if reason is not None:
+                logger.info("attention runs in torch (block attention): the native extension is unavailable: %s",
+                            reason)
+        self.native_attention = bool(native_attention)
         self.config = config
         self.block = block
         decoder = hf_model.model
@@ -280,7 +310,7 @@ class LeanLlama(nn.Module):
         sin = self.sin[rows.positions].unsqueeze(1)
         visibility = self._visibility(rows)
         for index, layer in enumerate(self.layers):
-            x = layer(x, index, rows, cos, sin, self.cache, visibility, self.block, self.multiple)
+            x = layer(x, index, rows, cos, sin, self.cache, visibility, self.block, self.multiple, self.native_attention)
         x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         hidden = None if hidden_rows is None else x[hidden_rows]
         selected = x if logit_rows is None else x[logit_rows]
@@ -298,7 +328,7 @@ class LeanLlama(nn.Module):
             if rows.tree_mask is None or not bool(rows.tree_mask[row_index[0], row_index[0]]):
                 length = _round_up(int(context.max()), self.block)
                 visible = torch.arange(length)[None, :] < context[:, None]  # [g, L]
-                views.append(SlotView(slot, row_index, visible))
+                views.append(SlotView(slot, row_index, visible, prefix=context))
             else:
                 views.append(self._tree_view(slot, row_index, rows))
         return views
@@ -322,7 +352,9 @@ class LeanLlama(nn.Module):
             tail_index[r, : len(tail)] = tail
             tail_visible[r, : len(tail)] = True
         visible = torch.ones(len(tails), shared, dtype=torch.bool)
-        return SlotView(slot, row_index, visible, tail_index, tail_visible)
+        prefix = torch.full((len(tails),), shared, dtype=torch.long)
+        tail_len = torch.tensor([len(tail) for tail in tails], dtype=torch.long)
+        return SlotView(slot, row_index, visible, tail_index, tail_visible, prefix, tail_len)
 
     @torch.inference_mode()
     def check_row_invariance(self, *, context: int = 70, max_rows: int = 9, slot: int = 0, seed: int = 0) -> bool:

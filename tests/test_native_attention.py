@@ -1,0 +1,74 @@
+"""The native attention of the lean runtime (kernels/attention.cpp): close to the torch block attention, and bit
+for bit the same row whatever the other rows of the call and wherever its keys sit in the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftwise.backends.lean.attention import block_attention, native_attention, native_attention_available
+
+pytestmark = pytest.mark.skipif(native_attention_available() is not None,
+                                reason=f"native extension unavailable: {native_attention_available()}")
+
+SCALE = 0.125
+
+
+def _cache(kv_heads: int, capacity: int, head_dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(kv_heads, capacity, head_dim, generator=generator),
+            torch.randn(kv_heads, capacity, head_dim, generator=generator))
+
+
+def _chain(query, keys, values, context):
+    n = query.shape[0]
+    return native_attention(query, keys, values, context, torch.zeros(n, 0, dtype=torch.long),
+                            torch.zeros(n, dtype=torch.long), scale=SCALE)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "length"), [(12, 2, 128, 201), (4, 2, 12, 70), (6, 6, 20, 17)])
+def test_native_attention_is_close_to_the_block_attention(heads, kv_heads, head_dim, length):
+    n = 5
+    capacity = -(-length // 64) * 64
+    keys, values = _cache(kv_heads, capacity, head_dim)
+    query = torch.randn(n, heads, head_dim, generator=torch.Generator().manual_seed(1))
+    context = torch.arange(length - n + 1, length + 1)
+    visible = torch.arange(capacity)[None] < context[:, None]
+    expected = block_attention(query, keys, values, visible, scale=SCALE, block=64, multiple=4)
+    torch.testing.assert_close(_chain(query, keys, values, context), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_gets_the_same_bits_alone_in_a_chain_and_as_a_tree_node():
+    """A row's output depends on its keys in logical order only: alone, among 9 rows, and with its last keys
+    gathered from other cache entries (a draft tree's tail) it is the same, bit for bit."""
+    heads, kv_heads, head_dim, n, start = 6, 2, 32, 9, 150
+    keys, values = _cache(kv_heads, 256, head_dim)
+    query = torch.randn(n, heads, head_dim, generator=torch.Generator().manual_seed(2))
+    context = torch.arange(start + 1, start + n + 1)
+    together = _chain(query, keys, values, context)
+    alone = torch.cat([_chain(query[r:r + 1], keys, values, context[r:r + 1]) for r in range(n)])
+    assert torch.equal(together, alone)
+    # the same keys: odd rows read entries [128, start + r] from copies at [200, ...), through a tail after 128
+    moved_keys, moved_values = keys.clone(), values.clone()
+    moved_keys[:, 200:232], moved_values[:, 200:232] = keys[:, 128:160], values[:, 128:160]
+    tails = [torch.arange(200, 72 + int(context[r])) if r % 2 else torch.arange(128, int(context[r])) for r in range(n)]
+    width = max(len(t) for t in tails)
+    tail = torch.zeros(n, width, dtype=torch.long)
+    for r, t in enumerate(tails):
+        tail[r, : len(t)] = t
+    tail_len = torch.tensor([len(t) for t in tails])
+    as_tree = native_attention(query, moved_keys, moved_values, torch.full((n,), 128), tail, tail_len, scale=SCALE)
+    assert torch.equal(as_tree, together)
+
+
+def test_bad_keys_are_errors_not_reads_outside_the_cache():
+    keys, values = _cache(2, 64, 16)
+    query = torch.randn(1, 4, 16)
+    with pytest.raises(RuntimeError, match="tail entry out of range"):
+        native_attention(query, keys, values, torch.tensor([3]), torch.tensor([[64]]), torch.tensor([1]), scale=SCALE)
+    with pytest.raises(RuntimeError, match="capacity"):
+        _chain(query, keys, values, torch.tensor([65]))
+    with pytest.raises(RuntimeError, match="sees no key"):
+        _chain(query, keys, values, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="heads"):
+        _chain(torch.randn(1, 3, 16), keys, values, torch.tensor([5]))
