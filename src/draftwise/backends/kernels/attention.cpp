@@ -31,6 +31,7 @@
 namespace {
 
 constexpr int64_t kLanes = 16;
+constexpr int64_t kMaxChunks = 16;  // head_dim up to 256 keeps a key in registers
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));  // 16 fp32 lanes (GCC vector extension)
 
 inline Vec load(const float* p) {
@@ -41,12 +42,13 @@ inline Vec load(const float* p) {
 
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
 
+// acc[0] + ... + acc[15] as the fixed tree ((l + 8) then (l + 4), (l + 2), (l + 1)), by vector shuffles.
 inline float lane_sum(Vec v) {
-  float acc[kLanes];
-  store(acc, v);
-  for (int64_t width = kLanes / 2; width >= 1; width /= 2)
-    for (int64_t l = 0; l < width; ++l) acc[l] += acc[l + width];
-  return acc[0];
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
 }
 
 // <a, b> over n floats: lane l accumulates the products of elements l, l + 16, ... (a multiply, then an add),
@@ -128,9 +130,23 @@ void attend_one(const float* q, int64_t g, int64_t d, const Keys& kv, int64_t he
                 int64_t length, float scale, float* scores, int64_t padded, float* acc, float* out) {
   const float* k_head = kv.keys + head * kv.head_stride_k;
   const float* v_head = kv.values + head * kv.head_stride_v;
-  for (int64_t j = 0; j < length; ++j) {
-    const float* key = k_head + index[j] * kv.row_stride_k;
-    for (int64_t t = 0; t < g; ++t) scores[t * padded + j] = dot(q + t * d, key, d) * scale;
+  if (d % kLanes == 0 && d <= kMaxChunks * kLanes) {
+    const int64_t chunks = d / kLanes;
+    for (int64_t j = 0; j < length; ++j) {  // the key's chunks loaded once for the g heads: dot()'s operations
+      const float* key = k_head + index[j] * kv.row_stride_k;
+      Vec k[kMaxChunks];
+      for (int64_t c = 0; c < chunks; ++c) k[c] = load(key + c * kLanes);
+      for (int64_t t = 0; t < g; ++t) {
+        Vec acc = {};
+        for (int64_t c = 0; c < chunks; ++c) acc += load(q + t * d + c * kLanes) * k[c];
+        scores[t * padded + j] = lane_sum(acc) * scale;
+      }
+    }
+  } else {
+    for (int64_t j = 0; j < length; ++j) {
+      const float* key = k_head + index[j] * kv.row_stride_k;
+      for (int64_t t = 0; t < g; ++t) scores[t * padded + j] = dot(q + t * d, key, d) * scale;
+    }
   }
   for (int64_t t = 0; t < g; ++t) {
     float* s = scores + t * padded;
