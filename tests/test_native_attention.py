@@ -72,3 +72,35 @@ def test_bad_keys_are_errors_not_reads_outside_the_cache():
         _chain(query, keys, values, torch.tensor([0]))
     with pytest.raises(RuntimeError, match="heads"):
         _chain(torch.randn(1, 3, 16), keys, values, torch.tensor([5]))
+
+
+def test_native_rms_norm_and_silu_gate_are_close_to_torch_and_row_invariant():
+    from torch.nn import functional as F
+
+    ops = torch.ops.draftwise_native
+    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(3))
+    weight = torch.randn(1536, generator=torch.Generator().manual_seed(4))
+    normed = ops.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(normed, F.rms_norm(x, (1536,), weight, 1e-6), rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat([ops.rms_norm(x[r:r + 1], weight, 1e-6) for r in range(9)]), normed)
+    gate_up = torch.randn(9, 2 * 700, generator=torch.Generator().manual_seed(5)) * 8
+    gated = ops.silu_mul(gate_up)
+    torch.testing.assert_close(gated, F.silu(gate_up[:, :700]) * gate_up[:, 700:], rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat([ops.silu_mul(gate_up[r:r + 1]) for r in range(9)]), gated)
+
+
+def test_native_rotary_gives_the_torch_rotation_bits_and_writes_the_cache():
+    from draftwise.backends.lean.model import _rotate
+
+    heads, kv_heads, d, n = 6, 2, 16, 5
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(6))
+    cos, sin = torch.randn(n, d), torch.randn(n, d)
+    keys, values = torch.zeros(3, kv_heads, 64, d), torch.zeros(3, kv_heads, 64, d)
+    slots, index = torch.tensor([2, 2, 0, 1, 2]), torch.tensor([7, 8, 3, 63, 9])
+    q = torch.ops.draftwise_native.rope_write(qkv, cos, sin, keys, values, slots, index, heads, kv_heads)
+    rotated = _rotate(qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d), cos[:, None], sin[:, None])
+    assert torch.equal(q, rotated[:, :heads])
+    assert torch.equal(keys[slots, :, index], rotated[:, heads:])
+    assert torch.equal(values[slots, :, index], qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.draftwise_native.rope_write(qkv, cos, sin, keys, values, slots, index + 60, heads, kv_heads)

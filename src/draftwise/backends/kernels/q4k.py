@@ -46,8 +46,8 @@ SUPER_BLOCK = 256
 PACKED_BLOCK_BYTES = 152
 #: Bytes of one GGUF Q4_K super-block: fp16 d and dmin, 12 bytes of packed 6-bit scales and mins, 128 of nibbles.
 GGUF_BLOCK_BYTES = 144
-#: the extension's sources: the GGUF block kernels and the lean runtime's attention
-_SOURCES = (Path(__file__).with_name("q4k.cpp"), Path(__file__).with_name("attention.cpp"))
+#: the extension's sources: the GGUF block kernels, and the lean runtime's attention and per-row operations
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("q4k.cpp", "attention.cpp", "lean_ops.cpp"))
 #: -march=native: the build is for this CPU (the cache key holds its model and flags); -ffp-contract=off: no
 #: fused multiply-adds but the written ones, so the rounding is the source's.
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
@@ -72,7 +72,8 @@ def _build_key() -> str:
 @functools.lru_cache(maxsize=1)
 def load_q4k_ops() -> str:
     """Compile (once per machine, cached on disk) and load the extension (the Q4_K, Q6_K, Q8_0 and Q5_0 ops of
-    ``torch.ops.draftwise_q4k``, and ``torch.ops.draftwise_native.attention``); returns the library's path.
+    ``torch.ops.draftwise_q4k``, and the lean runtime's ``torch.ops.draftwise_native``); returns the library's
+    path.
 
     Raises:
         Q4KError: the build failed (no compiler, missing ninja) or the library does not load.

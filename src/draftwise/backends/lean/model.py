@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,7 @@ class SlotView:
             order (committed keys from S, then ancestors and itself) and their validity; None for chains.
         prefix, tail_len: ``[g]`` int64, the same keys for the native attention: the entries ``[0, prefix)`` in
             place, then the first ``tail_len`` of ``tail_index`` (a chain's row: its context length, no tail).
+        covers_all: ``rows`` are all the pass's rows, in order (one slot).
     """
 
     slot: int
@@ -164,6 +166,7 @@ class SlotView:
     tail_visible: torch.Tensor | None = None
     prefix: torch.Tensor | None = None
     tail_len: torch.Tensor | None = None
+    covers_all: bool = False
 
     def native_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(prefix [g], tail [g, T], tail_len [g])`` int64 for :func:`native_attention`."""
@@ -195,9 +198,12 @@ class LeanLayer(nn.Module):
                 cache: SlotKVCache, visibility: list[SlotView], block: int, multiple: int,
                 native: bool = False) -> torch.Tensor:
         """``x [n, H] -> [n, H]``; writes the rows' keys/values into ``cache`` (layer ``index``). ``native``: the
-        attention runs in the native extension (:func:`native_attention`), else :func:`block_attention`."""
+        attention and the per-row operations run in the native extension (:meth:`_native_forward`; ``cos``,
+        ``sin`` then ``[n, d]``, else ``[n, 1, d]``)."""
         c = self.config
         n = x.shape[0]
+        if native:
+            return self._native_forward(x, index, rows, cos, sin, cache, visibility)
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
         qkv = self.qkv(h)
         rotary_heads = c.num_heads + c.num_kv_heads
@@ -209,9 +215,7 @@ class LeanLayer(nn.Module):
         scale = c.head_dim ** -0.5
         for view in visibility:
             keys, values = cache.keys[index][view.slot], cache.values[index][view.slot]  # [kv, capacity, d]
-            if native:
-                attended[view.rows] = native_attention(q[view.rows], keys, values, *view.native_keys(), scale=scale)
-            elif view.tail_index is None:
+            if view.tail_index is None:
                 length = view.visible.shape[1]
                 attended[view.rows] = block_attention(q[view.rows], keys[:, :length], values[:, :length], view.visible,
                                                       scale=scale, block=block, multiple=multiple)
@@ -223,6 +227,29 @@ class LeanLayer(nn.Module):
         h = rms_norm(x, self.post_norm, c.rms_norm_eps)
         gate, up = self.gate_up(h).split(c.intermediate_size, dim=-1)
         return x + self.down(silu_rows(gate).mul_(up))
+
+    def _native_forward(self, x: torch.Tensor, index: int, rows: RowBatch, cos: torch.Tensor, sin: torch.Tensor,
+                        cache: SlotKVCache, visibility: list[SlotView]) -> torch.Tensor:
+        """:meth:`forward` with the per-row operations in the native extension (``kernels/lean_ops.cpp``) and
+        :func:`native_attention`; ``cos``, ``sin`` ``[n, d]``."""
+        c = self.config
+        n = x.shape[0]
+        ops = torch.ops.draftwise_native
+        qkv = self.qkv(ops.rms_norm(x, self.input_norm, c.rms_norm_eps))
+        q = ops.rope_write(qkv, cos, sin, cache.keys[index], cache.values[index], rows.slots, rows.cache_index,
+                           c.num_heads, c.num_kv_heads)  # [n, h, d]; the keys and values are in the cache
+        scale = c.head_dim ** -0.5
+        if len(visibility) == 1 and visibility[0].covers_all:
+            view = visibility[0]
+            attended = native_attention(q, cache.keys[index][view.slot], cache.values[index][view.slot],
+                                        *view.native_keys(), scale=scale)
+        else:
+            attended = torch.empty(n, c.num_heads, c.head_dim)
+            for view in visibility:
+                attended[view.rows] = native_attention(q[view.rows], cache.keys[index][view.slot],
+                                                       cache.values[index][view.slot], *view.native_keys(), scale=scale)
+        x = x + self.o(attended.view(n, c.num_heads * c.head_dim))
+        return x + self.down(ops.silu_mul(self.gate_up(ops.rms_norm(x, self.post_norm, c.rms_norm_eps))))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -243,25 +270,26 @@ class LeanLlama(nn.Module):
         block: attention key block (tokens).
         head_ids: compute the LM head over these vocabulary ids only, the others' logits being -inf (FR-Spec,
             Zhao et al. 2025, for draft models; :class:`draftwise.frspec.SubsetLMHead`); None = every id.
-        native_attention: attend in the native extension (:func:`native_attention`: faster, one row at a time);
-            None = where it builds and loads (a C++ compiler), else the torch :func:`block_attention`. Either
-            gives row-invariant logits; their bits differ, and a model keeps one for its lifetime.
+        native: run the attention (:func:`native_attention`) and the per-row operations between the linear
+            layers (RMSNorm, rotary embedding and cache write, SiLU gate: ``kernels/lean_ops.cpp``) in the native
+            extension, one call each; None = where it builds and loads (a C++ compiler), else in torch
+            (:func:`block_attention`). Either gives row-invariant logits; their bits differ, and a model keeps
+            one for its lifetime.
 
     Raises:
         UnsupportedArchitecture: see :func:`lean_config_from_hf`.
     """
 
     def __init__(self, hf_model, linear: LinearFactory, *, max_context: int | None = None, num_slots: int = 1,
-                 block: int = 64, head_ids=None, native_attention: bool | None = None) -> None:
+                 block: int = 64, head_ids=None, native: bool | None = None) -> None:
         super().__init__()
         config = lean_config_from_hf(hf_model.config, max_context)
-        if native_attention is None:
+        if native is None:
             reason = native_attention_available()
-            native_attention = reason is None
+            native = reason is None
             if reason is not None:
-                logger.info("attention runs in torch (block attention): the native extension is unavailable: %s",
-                            reason)
-        self.native_attention = bool(native_attention)
+                logger.info("attention and norms run in torch: the native extension is unavailable: %s", reason)
+        self.native = bool(native)
         self.config = config
         self.block = block
         decoder = hf_model.model
@@ -306,12 +334,16 @@ class LeanLlama(nn.Module):
             raise ValueError(f"cache entry {top - 1} outside a context of {self.config.max_context}")
         self.cache.ensure(top)
         x = F.embedding(rows.tokens, self.embed)  # [n, H]
-        cos = self.cos[rows.positions].unsqueeze(1)  # [n, 1, d]
-        sin = self.sin[rows.positions].unsqueeze(1)
+        cos, sin = self.cos[rows.positions], self.sin[rows.positions]  # [n, d]
+        if not self.native:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [n, 1, d]
         visibility = self._visibility(rows)
         for index, layer in enumerate(self.layers):
-            x = layer(x, index, rows, cos, sin, self.cache, visibility, self.block, self.multiple, self.native_attention)
-        x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+            x = layer(x, index, rows, cos, sin, self.cache, visibility, self.block, self.multiple, self.native)
+        if self.native:
+            x = torch.ops.draftwise_native.rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        else:
+            x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         hidden = None if hidden_rows is None else x[hidden_rows]
         selected = x if logit_rows is None else x[logit_rows]
         if selected.shape[0] == 0:
@@ -321,7 +353,8 @@ class LeanLlama(nn.Module):
     def _visibility(self, rows: RowBatch) -> list[SlotView]:
         """Per slot in the pass, the rows and the keys they attend to (see :class:`SlotView`)."""
         views = []
-        for slot in torch.unique(rows.slots).tolist():
+        slots = torch.unique(rows.slots).tolist()
+        for slot in slots:
             row_index = (rows.slots == slot).nonzero().flatten()
             context = rows.context_len[row_index]
             # a tree's rows see themselves through the mask; a chain's rows (mask rows all False) through the cache
@@ -331,6 +364,8 @@ class LeanLlama(nn.Module):
                 views.append(SlotView(slot, row_index, visible, prefix=context))
             else:
                 views.append(self._tree_view(slot, row_index, rows))
+        if len(slots) == 1:
+            views[0] = dataclasses.replace(views[0], covers_all=True)
         return views
 
     def _tree_view(self, slot: int, row_index: torch.Tensor, rows: RowBatch) -> SlotView:
