@@ -98,6 +98,11 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     rows = [int(r) for r in args.rows.split(",")]
+    by_name = {name.lower().replace("_", ""): name for name in TYPES}
+    unknown = [t for t in args.types.split(",") if t.lower().replace("_", "") not in by_name]
+    if unknown:
+        parser.error(f"--types: unknown {', '.join(unknown)}; choose from {', '.join(TYPES)}")
+    args.types = ",".join(by_name[t.lower().replace("_", "")] for t in args.types.split(","))
     rng = np.random.default_rng(0)
     with torch_threads(args.threads) as threads:
         print(f"CPU: {cpu_description()}; torch {torch.__version__}, {threads} threads; load average at start "
