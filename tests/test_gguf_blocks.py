@@ -245,10 +245,10 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-source, march, build, data = sys.argv[1:5]
+sources, march, build, data = sys.argv[1:5]
 lib = Path(torch.__file__).parent / "lib"
 Path(build).mkdir(parents=True, exist_ok=True)
-cpp_extension.load(name="draftwise_check_" + march.replace("-", "_"), sources=[source], build_directory=build,
+cpp_extension.load(name="draftwise_check_" + march.replace("-", "_"), sources=sources.split(","), build_directory=build,
                    is_python_module=False, extra_cflags=["-O3", "-march=" + march, "-fopenmp", "-ffp-contract=off"],
                    extra_ldflags=["-L" + str(lib), "-lgomp", "-Wl,-rpath," + str(lib)])
 results = {}
@@ -256,6 +256,8 @@ for op, (x, packed) in torch.load(data).items():
     run = lambda rows: getattr(torch.ops.draftwise_q4k, op)(rows, packed, torch.empty(0))
     alone = torch.cat([run(x[i:i + 1]) for i in range(x.shape[0])])
     results[op] = (run(x), all(torch.equal(run(x[:m]), alone[:m]) for m in range(1, x.shape[0] + 1)))
+native = torch.load(data + ".native")
+results["native"] = {name: getattr(torch.ops.draftwise_native, name)(*args) for name, args in native.items()}
 torch.save(results, data + ".out")
 """
 
@@ -264,11 +266,10 @@ torch.save(results, data + ".out")
 @long_test
 def test_the_kernels_build_and_agree_on_avx2_only_and_portable_builds(tmp_path):
     """The extension built for an AVX2-only CPU (haswell: no AVX-512) gives this machine's bits; built without
-    AVX2 (x86-64-v2: the portable path, software fp16) it is row-invariant and computes the same arithmetic."""
+    AVX2 (x86-64-v2: the portable path, software fp16) it is row-invariant and computes the same arithmetic. The
+    lean runtime's native operations give the same bits on all three builds."""
     import subprocess
     import sys
-    from pathlib import Path
-
     from draftwise.backends.kernels import q4k
 
     from test_q4k import q8_reference
@@ -285,12 +286,25 @@ def test_the_kernels_build_and_agree_on_avx2_only_and_portable_builds(tmp_path):
     native = {op: getattr(torch.ops.draftwise_q4k, op)(x, packed, torch.empty(0)) for op, (x, packed) in cases.items()}
     data = tmp_path / "cases.pt"
     torch.save(cases, data)
-    source = Path(q4k.__file__).with_name("q4k.cpp")
+    # the lean runtime's native operations (basic IEEE operations only, no FMA): the same bits on every build
+    keys, values = torch.randn(2, 128, 32, generator=generator), torch.randn(2, 128, 32, generator=generator)
+    native_cases = {
+        "attention": (torch.randn(3, 6, 32, generator=generator), keys, values, torch.tensor([70, 71, 64]),
+                      torch.tensor([[0], [0], [100]]), torch.tensor([0, 0, 1]), 0.17),
+        "rms_norm": (torch.randn(3, 200, generator=generator), torch.randn(200, generator=generator), 1e-6),
+        "silu_mul": (torch.randn(3, 2 * 150, generator=generator) * 6,),
+    }
+    torch.save(native_cases, str(data) + ".native")
+    native["native"] = {name: getattr(torch.ops.draftwise_native, name)(*args) for name, args in native_cases.items()}
+    sources = ",".join(str(path) for path in q4k._SOURCES)
     for march in ("haswell", "x86-64-v2"):
-        done = subprocess.run([sys.executable, "-c", _BUILD_AND_RUN, str(source), march, str(tmp_path / march),
+        done = subprocess.run([sys.executable, "-c", _BUILD_AND_RUN, sources, march, str(tmp_path / march),
                                str(data)], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
-        for op, (y, invariant) in torch.load(str(data) + ".out").items():
+        results = torch.load(str(data) + ".out")
+        for name, y in results.pop("native").items():
+            assert torch.equal(y, native["native"][name]), (march, name)
+        for op, (y, invariant) in results.items():
             assert invariant, (march, op)
             if march == "haswell":
                 assert torch.equal(y, native[op]), op  # the AVX2 path, compiled without AVX-512: the same bits
