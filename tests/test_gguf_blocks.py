@@ -257,7 +257,7 @@ for op, (x, packed) in torch.load(data).items():
     alone = torch.cat([run(x[i:i + 1]) for i in range(x.shape[0])])
     results[op] = (run(x), all(torch.equal(run(x[:m]), alone[:m]) for m in range(1, x.shape[0] + 1)))
 native = torch.load(data + ".native")
-results["native"] = {name: getattr(torch.ops.draftwise_native, name)(*args) for name, args in native.items()}
+results["native"] = {name: getattr(torch.ops.draftwise_native, name.rstrip("16"))(*args) for name, args in native.items()}
 torch.save(results, data + ".out")
 """
 
@@ -291,11 +291,14 @@ def test_the_kernels_build_and_agree_on_avx2_only_and_portable_builds(tmp_path):
     native_cases = {
         "attention": (torch.randn(3, 6, 32, generator=generator), keys, values, torch.tensor([70, 71, 64]),
                       torch.tensor([[0], [0], [100]]), torch.tensor([0, 0, 1]), 0.17),
+        "attention16": (torch.randn(3, 6, 32, generator=generator), keys.half(), values.half(), torch.tensor([70, 71, 64]),
+                        torch.tensor([[0], [0], [100]]), torch.tensor([0, 0, 1]), 0.17),
         "rms_norm": (torch.randn(3, 200, generator=generator), torch.randn(200, generator=generator), 1e-6),
         "silu_mul": (torch.randn(3, 2 * 150, generator=generator) * 6,),
     }
     torch.save(native_cases, str(data) + ".native")
-    native["native"] = {name: getattr(torch.ops.draftwise_native, name)(*args) for name, args in native_cases.items()}
+    native["native"] = {name: getattr(torch.ops.draftwise_native, name.rstrip("16"))(*args)
+                        for name, args in native_cases.items()}
     sources = ",".join(str(path) for path in q4k._SOURCES)
     for march in ("haswell", "x86-64-v2"):
         done = subprocess.run([sys.executable, "-c", _BUILD_AND_RUN, sources, march, str(tmp_path / march),

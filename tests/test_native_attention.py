@@ -104,3 +104,27 @@ def test_native_rotary_gives_the_torch_rotation_bits_and_writes_the_cache():
     assert torch.equal(values[slots, :, index], qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d))
     with pytest.raises(RuntimeError, match="outside the cache"):
         torch.ops.draftwise_native.rope_write(qkv, cos, sin, keys, values, slots, index + 60, heads, kv_heads)
+
+
+def test_an_fp16_cache_is_read_exactly_and_written_rounded_to_nearest():
+    """The native path's fp16 KV cache: attention over fp16 entries gives the bits it gives over the same values
+    widened to fp32, and rope_write stores the rotation rounded to nearest (torch's ``.half()``)."""
+    keys, values = _cache(2, 128, 32)
+    keys16, values16 = keys.half(), values.half()
+    query = torch.randn(4, 6, 32, generator=torch.Generator().manual_seed(7))
+    context = torch.tensor([90, 91, 92, 93])
+    assert torch.equal(_chain(query, keys16, values16, context), _chain(query, keys16.float(), values16.float(), context))
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        _chain(query, keys16, values, context)
+
+    from draftwise.backends.lean.model import _rotate
+
+    heads, kv_heads, d, n = 6, 2, 32, 3
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(8)) * 30
+    cos, sin = torch.randn(n, d), torch.randn(n, d)
+    cache_k, cache_v = torch.zeros(1, kv_heads, 16, d, dtype=torch.half), torch.zeros(1, kv_heads, 16, d, dtype=torch.half)
+    slots, index = torch.zeros(n, dtype=torch.long), torch.tensor([4, 5, 6])
+    torch.ops.draftwise_native.rope_write(qkv, cos, sin, cache_k, cache_v, slots, index, heads, kv_heads)
+    rotated = _rotate(qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d), cos[:, None], sin[:, None])
+    assert torch.equal(cache_k[0, :, 4:7].transpose(0, 1), rotated[:, heads:].half())
+    assert torch.equal(cache_v[0, :, 4:7].transpose(0, 1), qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d).half())

@@ -19,6 +19,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -27,6 +28,10 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -42,6 +47,25 @@ inline Vec load(const float* p) {
 
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
 
+// 16 cached fp16 values as fp32 (exact: every half is a float), by F16C where the CPU has it.
+inline Vec load(const c10::Half* p) {
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  Vec v;
+  std::memcpy(&v, &wide, sizeof(Vec));
+  return v;
+#elif defined(__F16C__)
+  float out[kLanes];
+  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
+  return load(out);
+#else
+  float out[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) out[l] = static_cast<float>(p[l]);
+  return load(out);
+#endif
+}
+
 // acc[0] + ... + acc[15] as the fixed tree ((l + 8) then (l + 4), (l + 2), (l + 1)), by vector shuffles.
 inline float lane_sum(Vec v) {
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -53,11 +77,12 @@ inline float lane_sum(Vec v) {
 
 // <a, b> over n floats: lane l accumulates the products of elements l, l + 16, ... (a multiply, then an add),
 // then one fixed tree over the lanes.
-inline float dot(const float* a, const float* b, int64_t n) {
+template <class K>
+inline float dot(const float* a, const K* b, int64_t n) {
   Vec acc = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
-  for (int64_t l = 0; i + l < n; ++l) acc[l] += a[i + l] * b[i + l];
+  for (int64_t l = 0; i + l < n; ++l) acc[l] += a[i + l] * static_cast<float>(b[i + l]);
   return lane_sum(acc);
 }
 
@@ -82,16 +107,17 @@ inline float exp_nonpositive(float x) {
   return y * two_n;
 }
 
+template <class K>
 struct Keys {
-  const float* keys;  // [kv, capacity, d] (strides below)
-  const float* values;
+  const K* keys;  // [kv, capacity, d] (strides below), fp32 or fp16
+  const K* values;
   int64_t head_stride_k, row_stride_k, head_stride_v, row_stride_v;
 };
 
 // sum_j p[t][j] v_j for the G query heads, in increasing j, 16 elements of d at a time (G accumulators kept in
 // registers); the remainder of d lane by lane with the same multiply and add.
-template <int G>
-void weighted_values(const float* v_head, int64_t row_stride, const int64_t* index, int64_t length,
+template <int G, class K>
+void weighted_values(const K* v_head, int64_t row_stride, const int64_t* index, int64_t length,
                      const float* probs, int64_t padded, int64_t d, float* acc) {
   int64_t e = 0;
   for (; e + kLanes <= d; e += kLanes) {
@@ -105,35 +131,38 @@ void weighted_values(const float* v_head, int64_t row_stride, const int64_t* ind
   for (; e < d; ++e)
     for (int t = 0; t < G; ++t) {
       float sum = 0.f;
-      for (int64_t j = 0; j < length; ++j) sum += probs[t * padded + j] * v_head[index[j] * row_stride + e];
+      for (int64_t j = 0; j < length; ++j)
+        sum += probs[t * padded + j] * static_cast<float>(v_head[index[j] * row_stride + e]);
       acc[t * d + e] = sum;
     }
 }
 
-void weighted_values_any(int64_t g, const float* v_head, int64_t row_stride, const int64_t* index, int64_t length,
+template <class K>
+void weighted_values_any(int64_t g, const K* v_head, int64_t row_stride, const int64_t* index, int64_t length,
                          const float* probs, int64_t padded, int64_t d, float* acc) {
   switch (g) {
-    case 1: return weighted_values<1>(v_head, row_stride, index, length, probs, padded, d, acc);
-    case 2: return weighted_values<2>(v_head, row_stride, index, length, probs, padded, d, acc);
-    case 4: return weighted_values<4>(v_head, row_stride, index, length, probs, padded, d, acc);
-    case 6: return weighted_values<6>(v_head, row_stride, index, length, probs, padded, d, acc);
-    case 7: return weighted_values<7>(v_head, row_stride, index, length, probs, padded, d, acc);
-    case 8: return weighted_values<8>(v_head, row_stride, index, length, probs, padded, d, acc);
+    case 1: return weighted_values<1, K>(v_head, row_stride, index, length, probs, padded, d, acc);
+    case 2: return weighted_values<2, K>(v_head, row_stride, index, length, probs, padded, d, acc);
+    case 4: return weighted_values<4, K>(v_head, row_stride, index, length, probs, padded, d, acc);
+    case 6: return weighted_values<6, K>(v_head, row_stride, index, length, probs, padded, d, acc);
+    case 7: return weighted_values<7, K>(v_head, row_stride, index, length, probs, padded, d, acc);
+    case 8: return weighted_values<8, K>(v_head, row_stride, index, length, probs, padded, d, acc);
     default:  // the same operations per head, one head at a time
       for (int64_t t = 0; t < g; ++t)
-        weighted_values<1>(v_head, row_stride, index, length, probs + t * padded, padded, d, acc + t * d);
+        weighted_values<1, K>(v_head, row_stride, index, length, probs + t * padded, padded, d, acc + t * d);
   }
 }
 
 // One (row, KV head): out[t] for its g query heads. scores: scratch of g * padded floats, acc: g * d.
-void attend_one(const float* q, int64_t g, int64_t d, const Keys& kv, int64_t head, const int64_t* index,
+template <class K>
+void attend_one(const float* q, int64_t g, int64_t d, const Keys<K>& kv, int64_t head, const int64_t* index,
                 int64_t length, float scale, float* scores, int64_t padded, float* acc, float* out) {
-  const float* k_head = kv.keys + head * kv.head_stride_k;
-  const float* v_head = kv.values + head * kv.head_stride_v;
+  const K* k_head = kv.keys + head * kv.head_stride_k;
+  const K* v_head = kv.values + head * kv.head_stride_v;
   if (d % kLanes == 0 && d <= kMaxChunks * kLanes) {
     const int64_t chunks = d / kLanes;
     for (int64_t j = 0; j < length; ++j) {  // the key's chunks loaded once for the g heads: dot()'s operations
-      const float* key = k_head + index[j] * kv.row_stride_k;
+      const K* key = k_head + index[j] * kv.row_stride_k;
       Vec k[kMaxChunks];
       for (int64_t c = 0; c < chunks; ++c) k[c] = load(key + c * kLanes);
       for (int64_t t = 0; t < g; ++t) {
@@ -144,7 +173,7 @@ void attend_one(const float* q, int64_t g, int64_t d, const Keys& kv, int64_t he
     }
   } else {
     for (int64_t j = 0; j < length; ++j) {
-      const float* key = k_head + index[j] * kv.row_stride_k;
+      const K* key = k_head + index[j] * kv.row_stride_k;
       for (int64_t t = 0; t < g; ++t) scores[t * padded + j] = dot(q + t * d, key, d) * scale;
     }
   }
@@ -165,13 +194,15 @@ void attend_one(const float* q, int64_t g, int64_t d, const Keys& kv, int64_t he
   }
 }
 
-// q [n, heads, d] fp32; keys, values [kv, capacity, d] fp32 (one slot of one layer); prefix [n], tail_len [n]
+// q [n, heads, d] fp32; keys, values [kv, capacity, d] fp32 or fp16 (one slot of one layer; fp16 is widened
+// exactly); prefix [n], tail_len [n]
 // int64; tail [n, T] int64 cache entries. Returns [n, heads, d].
 at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& prefix,
                      const at::Tensor& tail, const at::Tensor& tail_len, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "attention: q must be [n, heads, d] float32");
-  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.scalar_type() == at::kFloat &&
-              values.scalar_type() == at::kFloat, "attention: keys and values must be [kv, capacity, d] float32");
+  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3 && keys.scalar_type() == values.scalar_type() &&
+              (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf),
+              "attention: keys and values must be [kv, capacity, d], both float32 or both float16");
   TORCH_CHECK(keys.sizes() == values.sizes(), "attention: keys and values differ in shape");
   TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1, "attention: keys and values need unit stride in d");
   const at::Tensor qc = q.contiguous();
@@ -198,26 +229,33 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   }
   at::Tensor out = at::empty({n, heads, d}, qc.options());
   if (n == 0) return out;
-  const Keys kv{keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), keys.stride(1), values.stride(0),
-                values.stride(1)};
   const float* qp = qc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t g = heads / kv_heads;
   const float scale_f = static_cast<float>(scale);
   const int64_t padded_max = (longest + kLanes - 1) / kLanes * kLanes;
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> index(longest);
-    std::vector<float> scores(g * padded_max), acc(g * d);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, head = item % kv_heads;
-      const int64_t length = pre_p[r] + tl_p[r];
-      for (int64_t j = 0; j < pre_p[r]; ++j) index[j] = j;
-      for (int64_t j = 0; j < tl_p[r]; ++j) index[pre_p[r] + j] = tail_p[r * width + j];
-      const int64_t padded = (length + kLanes - 1) / kLanes * kLanes;
-      attend_one(qp + (r * heads + head * g) * d, g, d, kv, head, index.data(), length, scale_f, scores.data(), padded,
-                 acc.data(), op + (r * heads + head * g) * d);
-    }
-  });
+  auto run = [&](auto kv) {
+    at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int64_t> index(longest);
+      std::vector<float> scores(g * padded_max), acc(g * d);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t r = item / kv_heads, head = item % kv_heads;
+        const int64_t length = pre_p[r] + tl_p[r];
+        for (int64_t j = 0; j < pre_p[r]; ++j) index[j] = j;
+        for (int64_t j = 0; j < tl_p[r]; ++j) index[pre_p[r] + j] = tail_p[r * width + j];
+        const int64_t padded = (length + kLanes - 1) / kLanes * kLanes;
+        attend_one(qp + (r * heads + head * g) * d, g, d, kv, head, index.data(), length, scale_f, scores.data(),
+                   padded, acc.data(), op + (r * heads + head * g) * d);
+      }
+    });
+  };
+  if (keys.scalar_type() == at::kHalf) {
+    run(Keys<c10::Half>{keys.data_ptr<c10::Half>(), values.data_ptr<c10::Half>(), keys.stride(0), keys.stride(1),
+                        values.stride(0), values.stride(1)});
+  } else {
+    run(Keys<float>{keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), keys.stride(1), values.stride(0),
+                    values.stride(1)});
+  }
   return out;
 }
 

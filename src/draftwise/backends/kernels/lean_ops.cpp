@@ -13,12 +13,14 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -88,14 +90,16 @@ inline void rotate_head(const float* x, const float* cos, const float* sin, int6
 }
 
 // qkv [n, (heads + 2 kv) d]: the query heads, then the key heads, then the value heads of each row; cos, sin
-// [n, d]; keys, values [slots, kv, capacity, d] (one layer's cache); slots, index [n]. Returns q [n, heads, d].
+// [n, d]; keys, values [slots, kv, capacity, d] fp32 or fp16 (one layer's cache); slots, index [n]. Returns
+// q [n, heads, d].
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
                       const at::Tensor& values, const at::Tensor& slots, const at::Tensor& index, int64_t heads,
                       int64_t kv_heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat, "rope_write: qkv must be [n, width] float32");
-  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat &&
-              values.scalar_type() == at::kFloat && keys.stride(3) == 1 && values.stride(3) == 1,
-              "rope_write: keys and values must be [slots, kv, capacity, d] float32 with unit stride in d");
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.scalar_type() == values.scalar_type() &&
+              (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf) && keys.stride(3) == 1 &&
+              values.stride(3) == 1,
+              "rope_write: keys and values must be [slots, kv, capacity, d], float32 or float16, unit stride in d");
   const int64_t n = qkv.size(0), d = keys.size(3), capacity = keys.size(2);
   TORCH_CHECK(keys.size(1) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * d && d % 2 == 0,
               "rope_write: qkv width ", qkv.size(1), " is not (", heads, " + 2 x ", kv_heads, ") heads of ", d);
@@ -115,20 +119,29 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const float* cp = cc.data_ptr<float>();
   const float* sp = sc.data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  float* kp = keys.data_ptr<float>();
-  float* vp = values.data_ptr<float>();
+  const bool half = keys.scalar_type() == at::kHalf;
   const int64_t width = qc.size(1);
   at::parallel_for(0, n, kRowGrain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> rotated(d);
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = xp + r * width;
       const float* c = cp + r * d;
       const float* s = sp + r * d;
       for (int64_t h = 0; h < heads; ++h) rotate_head(row + h * d, c, s, d, qp + (r * heads + h) * d);
       for (int64_t h = 0; h < kv_heads; ++h) {
-        float* key = kp + slp[r] * keys.stride(0) + h * keys.stride(1) + ixp[r] * keys.stride(2);
-        float* value = vp + slp[r] * values.stride(0) + h * values.stride(1) + ixp[r] * values.stride(2);
-        rotate_head(row + (heads + h) * d, c, s, d, key);
-        std::memcpy(value, row + (heads + kv_heads + h) * d, d * sizeof(float));
+        const int64_t key_at = slp[r] * keys.stride(0) + h * keys.stride(1) + ixp[r] * keys.stride(2);
+        const int64_t value_at = slp[r] * values.stride(0) + h * values.stride(1) + ixp[r] * values.stride(2);
+        const float* value = row + (heads + kv_heads + h) * d;
+        rotate_head(row + (heads + h) * d, c, s, d, rotated.data());
+        if (half) {  // rounded to nearest even (c10::Half's software conversion: the same bits on every CPU)
+          c10::Half* key = keys.data_ptr<c10::Half>() + key_at;
+          c10::Half* out = values.data_ptr<c10::Half>() + value_at;
+          for (int64_t i = 0; i < d; ++i) key[i] = c10::Half(rotated[i]);
+          for (int64_t i = 0; i < d; ++i) out[i] = c10::Half(value[i]);
+        } else {
+          std::memcpy(keys.data_ptr<float>() + key_at, rotated.data(), d * sizeof(float));
+          std::memcpy(values.data_ptr<float>() + value_at, value, d * sizeof(float));
+        }
       }
     }
   });

@@ -36,7 +36,10 @@ def build_lean(hf_model, *, quantization: str | None = "int8", name: str = "mode
                                          q4k_source=q4k_source)
     else:
         linear = linear_factory(quantization, q4k_source=q4k_source)
-    model = LeanLlama(hf_model, linear, max_context=max_context, num_slots=num_slots, head_ids=head_ids)
+    # a float model keeps a float cache; a quantized one halves its cache's bytes (the native path reads fp16)
+    kv_dtype = torch.float32 if quantization == "none" else None
+    model = LeanLlama(hf_model, linear, max_context=max_context, num_slots=num_slots, head_ids=head_ids,
+                      kv_dtype=kv_dtype)
     if not model.check_row_invariance():
         raise NotExactError(f"{name}: a k-token pass does not reproduce one-token decoding bit for bit on this CPU "
                             f"with {torch.get_num_threads()} threads; use --runtime transformers")

@@ -275,13 +275,17 @@ class LeanLlama(nn.Module):
             extension, one call each; None = where it builds and loads (a C++ compiler), else in torch
             (:func:`block_attention`). Either gives row-invariant logits; their bits differ, and a model keeps
             one for its lifetime.
+        kv_dtype: the KV cache's element type: None = fp16 on the native path (keys and values rounded to
+            nearest even when written), fp32 on the torch path (which reads fp32 only).
 
     Raises:
         UnsupportedArchitecture: see :func:`lean_config_from_hf`.
+        ValueError: ``kv_dtype`` other than fp32 on the torch path.
     """
 
     def __init__(self, hf_model, linear: LinearFactory, *, max_context: int | None = None, num_slots: int = 1,
-                 block: int = 64, head_ids=None, native: bool | None = None) -> None:
+                 block: int = 64, head_ids=None, native: bool | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         config = lean_config_from_hf(hf_model.config, max_context)
         if native is None:
@@ -290,6 +294,11 @@ class LeanLlama(nn.Module):
             if reason is not None:
                 logger.info("attention and norms run in torch: the native extension is unavailable: %s", reason)
         self.native = bool(native)
+        #: the KV cache's element type: by default fp16 on the native path (its attention widens it exactly; half
+        #: the bytes a pass reads, as llama.cpp's default cache), fp32 on the torch path, which reads fp32 only
+        self.kv_dtype = kv_dtype or (torch.float16 if self.native else torch.float32)
+        if not self.native and self.kv_dtype != torch.float32:
+            raise ValueError(f"the torch attention reads an fp32 cache, not {self.kv_dtype}")
         self.config = config
         self.block = block
         decoder = hf_model.model
@@ -309,7 +318,7 @@ class LeanLlama(nn.Module):
             self.lm_head = SubsetLMHead(head_weight, head_ids, vocab_size=config.vocab_size, bias=head_bias, kernel=linear)
         self.cos, self.sin = _rotary_tables(decoder.rotary_emb, config)  # [max_context, d] each
         self.cache = SlotKVCache(config.num_layers, num_slots, config.num_kv_heads, config.head_dim,
-                                 config.max_context, block=block)
+                                 config.max_context, block=block, dtype=self.kv_dtype)
         self.multiple = row_multiple(config.num_heads, config.num_kv_heads, config.head_dim, block,
                                      torch.get_num_threads())
 
@@ -472,7 +481,7 @@ class LeanLlama(nn.Module):
         draft.lm_head = self.lm_head
         draft.config = dataclasses.replace(self.config, num_layers=num_layers)
         draft.cache = SlotKVCache(num_layers, 1, self.config.num_kv_heads, self.config.head_dim,
-                                  self.config.max_context, block=self.block)
+                                  self.config.max_context, block=self.block, dtype=self.kv_dtype)
         return draft
 
     def weight_bytes(self) -> int:
