@@ -278,7 +278,7 @@ def test_stops_max_tokens_and_statistics(single, multi):
     engine = EngineCore(multi, ngram(), 4, eos_token_ids=[1])
     batch = prompts([10, 25], seed=5)
     full = alone(single, batch[0])
-    stop = full[6]
+    stop = next(t for i, t in enumerate(full) if i >= 3 and t not in full[:i])  # first seen mid-sequence
     one, stopped, plain = (engine.add(batch[0], SamplingParams(max_tokens=1, ignore_eos=True)),
                            engine.add(batch[0], SamplingParams(max_tokens=24, stop_token_ids=(stop,), ignore_eos=True)),
                            engine.add(batch[1], GREEDY, num_speculative_tokens=0))
