@@ -6,7 +6,7 @@
 // ancestors and itself). For every one of its g = heads / kv_heads query heads:
 //   s_j = <q, k_j> * scale        (16 fp32 lanes over head_dim, then one fixed lane tree)
 //   m   = max_j s_j               (exact in any order)
-//   p_j = exp(s_j - m)            (one polynomial, below)
+//   p_j = exp(s_j - m)            (native_math.h's polynomial)
 //   out = (sum_j p_j v_j) / sum_j p_j   (sums over j in increasing order; the denominator in 16 lanes)
 // So a row's output depends only on its query, its keys' values and their logical order: not on the other rows
 // of the pass, their number, the thread split, or where a key sits in the cache. A tree node therefore gets
@@ -19,7 +19,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,83 +28,13 @@
 #include <limits>
 #include <vector>
 
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "native_math.h"
 
 namespace {
 
-constexpr int64_t kLanes = 16;
+using namespace draftwise_native;
+
 constexpr int64_t kMaxChunks = 16;  // head_dim up to 256 keeps a key in registers
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));  // 16 fp32 lanes (GCC vector extension)
-
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(Vec));
-  return v;
-}
-
-inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
-
-// 16 cached fp16 values as fp32 (exact: every half is a float), by F16C where the CPU has it.
-inline Vec load(const c10::Half* p) {
-#if defined(__AVX512F__)
-  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  Vec v;
-  std::memcpy(&v, &wide, sizeof(Vec));
-  return v;
-#elif defined(__F16C__)
-  float out[kLanes];
-  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
-  return load(out);
-#else
-  float out[kLanes];
-  for (int64_t l = 0; l < kLanes; ++l) out[l] = static_cast<float>(p[l]);
-  return load(out);
-#endif
-}
-
-// acc[0] + ... + acc[15] as the fixed tree ((l + 8) then (l + 4), (l + 2), (l + 1)), by vector shuffles.
-inline float lane_sum(Vec v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return v[0];
-}
-
-// <a, b> over n floats: lane l accumulates the products of elements l, l + 16, ... (a multiply, then an add),
-// then one fixed tree over the lanes.
-template <class K>
-inline float dot(const float* a, const K* b, int64_t n) {
-  Vec acc = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
-  for (int64_t l = 0; i + l < n; ++l) acc[l] += a[i + l] * static_cast<float>(b[i + l]);
-  return lane_sum(acc);
-}
-
-// exp(x) for x <= 0 (a score minus its row's max), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
-// polynomial in r times 2^n. x is clamped at -87 (exp(-87) ~ 1.6e-38, the normal range's end), so a key far
-// below the max weighs about 1e-38 instead of 0. Only +, -, * and exact conversions: the same bits in every lane.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest: |x log2 e| < 2^22
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * (r * r) + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, 4);
-  return y * two_n;
-}
 
 template <class K>
 struct Keys {
@@ -181,7 +110,7 @@ void attend_one(const float* q, int64_t g, int64_t d, const Keys<K>& kv, int64_t
     float* s = scores + t * padded;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < length; ++j) top = std::max(top, s[j]);
-    for (int64_t j = 0; j < length; ++j) s[j] = exp_nonpositive(s[j] - top);
+    for (int64_t j = 0; j < length; ++j) s[j] = exp_clamped(s[j] - top);
     for (int64_t j = length; j < padded; ++j) s[j] = 0.f;
   }
   weighted_values_any(g, v_head, kv.row_stride_v, index, length, scores, padded, d, acc);

@@ -5,7 +5,7 @@
 // fixed tree), so the results do not depend on the other rows of the pass or on the thread split (threads take
 // whole rows). Built with -ffp-contract=off: every operation is the written IEEE one, so a vector lane gives
 // the scalar loop's bits.
-//   rms_norm:   y = (x * (1 / sqrt(sum(x^2) / H + eps))) * w          (transformers' LlamaRMSNorm in fp32)
+//   rms_norm:   y = (x * (1 / sqrt(sum(x^2) / H + eps))) * w        (the sum as native_math.h's dot(x, x))          (transformers' LlamaRMSNorm in fp32)
 //   rope_write: rotary embedding (rotate-half: x * cos + rotate(x) * sin, the same operations as the torch path
 //               of lean/model.py, so the same bits) of the query and key heads of a fused qkv row; the keys and
 //               values are written into the slot cache, the queries returned
@@ -22,42 +22,13 @@
 #include <cstring>
 #include <vector>
 
+#include "native_math.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;
+using namespace draftwise_native;
+
 constexpr int64_t kRowGrain = 4;  // rows per thread task
-
-// sum of x[i]^2 over n floats: lane l takes elements l, l + 16, ...; then the tree (l + 8), (l + 4), (l + 2), (l + 1).
-inline float sum_squares(const float* x, int64_t n) {
-  float acc[kLanes] = {0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) acc[l] += x[i + l] * x[i + l];
-  for (int64_t l = 0; i + l < n; ++l) acc[l] += x[i + l] * x[i + l];
-  for (int64_t width = kLanes / 2; width >= 1; width /= 2)
-    for (int64_t l = 0; l < width; ++l) acc[l] += acc[l + width];
-  return acc[0];
-}
-
-// exp(x) for x in [-87, 88] (clamped: the float range's normal ends), Cephes' expf: x = n ln2 + r, a degree-6
-// polynomial in r times 2^n. Only +, -, * and exact conversions.
-inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * (r * r) + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, 4);
-  return y * two_n;
-}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "rms_norm: x must be [n, H] float32");
@@ -73,7 +44,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::parallel_for(0, n, kRowGrain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = xp + r * width;
-      const float inv = 1.f / std::sqrt(sum_squares(row, width) * inv_width + epsilon);
+      const float inv = 1.f / std::sqrt(dot(row, row, width) * inv_width + epsilon);  // lane-wise sum of squares
       float* out = yp + r * width;
       for (int64_t i = 0; i < width; ++i) out[i] = (row[i] * inv) * wp[i];
     }

@@ -48,6 +48,8 @@ PACKED_BLOCK_BYTES = 152
 GGUF_BLOCK_BYTES = 144
 #: the extension's sources: the GGUF block kernels, and the lean runtime's attention and per-row operations
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("q4k.cpp", "attention.cpp", "lean_ops.cpp"))
+#: headers the sources include (part of the build key, so an edit rebuilds)
+_HEADERS = (Path(__file__).with_name("native_math.h"),)
 #: -march=native: the build is for this CPU (the cache key holds its model and flags); -ffp-contract=off: no
 #: fused multiply-adds but the written ones, so the rounding is the source's.
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
@@ -62,8 +64,8 @@ def _build_key() -> str:
     from draftwise.machine import cpu_flags, cpu_model_name
 
     digest = hashlib.sha256()
-    parts = (*(source.read_bytes() for source in _SOURCES), " ".join(_CFLAGS).encode(), torch.__version__.encode(), cpu_model_name().encode(),
-             " ".join(sorted(cpu_flags())).encode())
+    parts = (*(path.read_bytes() for path in _SOURCES + _HEADERS), " ".join(_CFLAGS).encode(),
+             torch.__version__.encode(), cpu_model_name().encode(), " ".join(sorted(cpu_flags())).encode())
     for part in parts:
         digest.update(part)
     return digest.hexdigest()[:16]
@@ -92,8 +94,8 @@ def load_q4k_ops() -> str:
         logger.info("compiling the GGUF kernels for this CPU into %s (once)", build_dir)
     try:
         cpp_extension.load(
-            name=name, sources=[str(source) for source in _SOURCES], build_directory=str(build_dir), is_python_module=False,
-            extra_cflags=list(_CFLAGS),
+            name=name, sources=[str(source) for source in _SOURCES], build_directory=str(build_dir),
+            is_python_module=False, extra_cflags=list(_CFLAGS),
             extra_ldflags=[f"-L{torch_lib}", "-lgomp", f"-Wl,-rpath,{torch_lib}"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - a compiler or loader failure of any kind means "not here"
         raise Q4KError(f"building the Q4_K kernel failed ({type(exc).__name__}): {_first_error(str(exc))}") from exc

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -154,9 +153,9 @@ class SlotView:
         visible: ``[g, S]`` bool over the slot's keys ``[0, S)`` (S a multiple of the key block).
         tail_index, tail_visible: trees only: ``[g, T]`` cache indexes of each row's further keys in logical
             order (committed keys from S, then ancestors and itself) and their validity; None for chains.
-        prefix, tail_len: ``[g]`` int64, the same keys for the native attention: the entries ``[0, prefix)`` in
-            place, then the first ``tail_len`` of ``tail_index`` (a chain's row: its context length, no tail).
-        covers_all: ``rows`` are all the pass's rows, in order (one slot).
+        native_keys: the same keys for :func:`native_attention`, ``(prefix [g], tail [g, T], tail_len [g])``
+            int64: the entries ``[0, prefix)`` in place, then the first ``tail_len`` of ``tail`` (a chain's row:
+            its context length and no tail); built once per pass.
     """
 
     slot: int
@@ -164,15 +163,7 @@ class SlotView:
     visible: torch.Tensor
     tail_index: torch.Tensor | None = None
     tail_visible: torch.Tensor | None = None
-    prefix: torch.Tensor | None = None
-    tail_len: torch.Tensor | None = None
-    covers_all: bool = False
-
-    def native_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(prefix [g], tail [g, T], tail_len [g])`` int64 for :func:`native_attention`."""
-        if self.tail_index is None:
-            return self.prefix, self.prefix.new_zeros(len(self.prefix), 0), self.prefix.new_zeros(len(self.prefix))
-        return self.prefix, self.tail_index, self.tail_len
+    native_keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class LeanLayer(nn.Module):
@@ -239,15 +230,15 @@ class LeanLayer(nn.Module):
         q = ops.rope_write(qkv, cos, sin, cache.keys[index], cache.values[index], rows.slots, rows.cache_index,
                            c.num_heads, c.num_kv_heads)  # [n, h, d]; the keys and values are in the cache
         scale = c.head_dim ** -0.5
-        if len(visibility) == 1 and visibility[0].covers_all:
+        if len(visibility) == 1:  # one slot: its rows are all the pass's rows, in order
             view = visibility[0]
             attended = native_attention(q, cache.keys[index][view.slot], cache.values[index][view.slot],
-                                        *view.native_keys(), scale=scale)
+                                        *view.native_keys, scale=scale)
         else:
             attended = torch.empty(n, c.num_heads, c.head_dim)
             for view in visibility:
                 attended[view.rows] = native_attention(q[view.rows], cache.keys[index][view.slot],
-                                                       cache.values[index][view.slot], *view.native_keys(), scale=scale)
+                                                       cache.values[index][view.slot], *view.native_keys, scale=scale)
         x = x + self.o(attended.view(n, c.num_heads * c.head_dim))
         return x + self.down(ops.silu_mul(self.gate_up(ops.rms_norm(x, self.post_norm, c.rms_norm_eps))))
 
@@ -362,19 +353,17 @@ class LeanLlama(nn.Module):
     def _visibility(self, rows: RowBatch) -> list[SlotView]:
         """Per slot in the pass, the rows and the keys they attend to (see :class:`SlotView`)."""
         views = []
-        slots = torch.unique(rows.slots).tolist()
-        for slot in slots:
+        for slot in torch.unique(rows.slots).tolist():
             row_index = (rows.slots == slot).nonzero().flatten()
             context = rows.context_len[row_index]
             # a tree's rows see themselves through the mask; a chain's rows (mask rows all False) through the cache
             if rows.tree_mask is None or not bool(rows.tree_mask[row_index[0], row_index[0]]):
                 length = _round_up(int(context.max()), self.block)
                 visible = torch.arange(length)[None, :] < context[:, None]  # [g, L]
-                views.append(SlotView(slot, row_index, visible, prefix=context))
+                no_tail = context.new_zeros(len(context), 0), context.new_zeros(len(context))
+                views.append(SlotView(slot, row_index, visible, native_keys=(context, *no_tail)))
             else:
                 views.append(self._tree_view(slot, row_index, rows))
-        if len(slots) == 1:
-            views[0] = dataclasses.replace(views[0], covers_all=True)
         return views
 
     def _tree_view(self, slot: int, row_index: torch.Tensor, rows: RowBatch) -> SlotView:
@@ -398,7 +387,7 @@ class LeanLlama(nn.Module):
         visible = torch.ones(len(tails), shared, dtype=torch.bool)
         prefix = torch.full((len(tails),), shared, dtype=torch.long)
         tail_len = torch.tensor([len(tail) for tail in tails], dtype=torch.long)
-        return SlotView(slot, row_index, visible, tail_index, tail_visible, prefix, tail_len)
+        return SlotView(slot, row_index, visible, tail_index, tail_visible, (prefix, tail_index, tail_len))
 
     @torch.inference_mode()
     def check_row_invariance(self, *, context: int = 70, max_rows: int = 9, slot: int = 0, seed: int = 0) -> bool:
