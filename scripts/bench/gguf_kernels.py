@@ -36,22 +36,27 @@ _LAYOUT = {"Q4_K": (256, GGUF_BLOCK_BYTES, (0, 2)), **{
     name: (f.block_weights, f.block_bytes, (208,) if name == "Q6_K" else (0,)) for name, f in BLOCK_FORMATS.items()}}
 
 
-def random_layer(kind: str, out_features: int, in_features: int, rng: np.random.Generator) -> torch.nn.Module | None:
-    """A layer of type ``kind`` with random valid blocks ``[out, in]``, or None when ``in`` is not a multiple
-    of the type's block."""
-    if kind == "int8":
-        return Int8Linear(torch.randn(out_features, in_features) / math.sqrt(in_features), None)
+def random_packed(kind: str, out_features: int, in_features: int, rng: np.random.Generator) -> torch.Tensor:
+    """Random valid GGUF blocks of type ``kind`` (not int8) for an ``[out, in]`` weight (``in`` a multiple of
+    the type's block), in the layout its kernel reads (Q4_K repacked, the others as GGUF stores them)."""
     block, nbytes, scales = _LAYOUT[kind]
-    if in_features % block:
-        return None
     nb = in_features // block
     raw = rng.integers(0, 256, size=(out_features, nb, nbytes), dtype=np.uint8)
     for at in scales:
         raw[..., at:at + 2] = np.array([1e-3], dtype=np.float16).view(np.uint8).reshape(1, 1, 2)
     raw = raw.reshape(out_features, nb * nbytes)
-    if kind == "Q4_K":
-        return Q4KLinear(pack_gguf_q4k(raw))
-    return GGUFBlockLinear(BLOCK_FORMATS[kind], torch.from_numpy(raw))
+    return pack_gguf_q4k(raw) if kind == "Q4_K" else torch.from_numpy(raw)
+
+
+def random_layer(kind: str, out_features: int, in_features: int, rng: np.random.Generator) -> torch.nn.Module | None:
+    """A layer of type ``kind`` with random valid blocks ``[out, in]``, or None when ``in`` is not a multiple
+    of the type's block."""
+    if kind == "int8":
+        return Int8Linear(torch.randn(out_features, in_features) / math.sqrt(in_features), None)
+    if in_features % _LAYOUT[kind][0]:
+        return None
+    packed = random_packed(kind, out_features, in_features, rng)
+    return Q4KLinear(packed) if kind == "Q4_K" else GGUFBlockLinear(BLOCK_FORMATS[kind], packed)
 
 
 def layer_bytes(layer: torch.nn.Module) -> int:

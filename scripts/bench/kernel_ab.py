@@ -23,20 +23,19 @@ import hashlib
 import math
 import os
 import re
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from draftwise.backends.kernels.q4k import _CFLAGS, GGUF_BLOCK_BYTES, pack_gguf_q4k
+from draftwise.backends.kernels.q4k import _CFLAGS
 from draftwise.files import draftwise_home
 from draftwise.machine import cpu_model_name
+from gguf_kernels import random_packed
 
-#: GGUF block bytes and fp16 scale offsets per type, and the op of each
-_TYPES = {"Q4_K": (GGUF_BLOCK_BYTES, (0, 2), "linear"), "Q6_K": (210, (208,), "linear_q6_k")}
+#: the op of each type
+_OPS = {"Q4_K": "linear", "Q6_K": "linear_q6_k"}
 
 
 def build(name: str, source: Path, flags: list[str], index: int):
@@ -55,16 +54,6 @@ def build(name: str, source: Path, flags: list[str], index: int):
                        is_python_module=False, extra_cflags=[*_CFLAGS, *flags],
                        extra_ldflags=[f"-L{torch_lib}", "-lgomp", f"-Wl,-rpath,{torch_lib}"], verbose=False)
     return getattr(torch.ops, f"ab{index}")
-
-
-def random_packed(kind: str, out: int, width: int, rng: np.random.Generator) -> torch.Tensor:
-    """Random valid blocks of type ``kind``, ``[out, width]`` weights, in the kernel's packed layout."""
-    nbytes, scales, _ = _TYPES[kind]
-    raw = rng.integers(0, 256, size=(out, width // 256, nbytes), dtype=np.uint8)
-    for at in scales:
-        raw[..., at:at + 2] = np.array([1e-3], dtype=np.float16).view(np.uint8).reshape(1, 1, 2)
-    raw = raw.reshape(out, -1)
-    return pack_gguf_q4k(raw) if kind == "Q4_K" else torch.from_numpy(raw)
 
 
 def seconds(fn, calls: int) -> float:
@@ -98,7 +87,7 @@ def main() -> int:
             weight = random_packed(kind, out, width, rng)
             copies = [weight] + [weight.clone() for _ in range((384 << 20) // weight.numel())]
             x = torch.randn(args.rows, width)
-            op_name = _TYPES[kind][2]
+            op_name = _OPS[kind]
             reference = None
             best = {name: [math.inf, math.inf] for name in ops}
             for _ in range(args.rounds):
