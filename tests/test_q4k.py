@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from draftwise.backends.kernels import q4k
 from draftwise.machine import cpu_flags
 from draftwise.backends.kernels.gguf_source import GGUFSource, q4k_linear_factory
 from draftwise.backends.kernels.q4k import (
@@ -75,6 +76,25 @@ def test_rows_do_not_depend_on_the_other_rows_of_the_call(in_features):
     shifted = q4k_linear(x[5:25], packed)  # the same rows at other positions of the call
     assert torch.equal(shifted, alone[5:25])
     assert torch.equal(q4k_linear(x[:9], packed), q4k_linear(x[:9].clone(), packed))  # deterministic
+
+
+def test_a_weight_row_gives_the_same_bits_in_a_full_group_and_in_the_last_one():
+    """The packed layout interleaves 8 weight rows per group; a last group of fewer rows runs the scalar path.
+    A row's output must not depend on which of the two computes it."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(16, 512, generator=generator) * 0.05
+    x = torch.randn(9, 512, generator=generator)
+    whole = q4k_linear(x, quantize_q4k(weight))      # rows 8..12 in the second full group (vector path)
+    tail = q4k_linear(x, quantize_q4k(weight[3:13]))  # rows 11, 12 in a last group of 2 (scalar path)
+    lone = q4k_linear(x, quantize_q4k(weight[8:13]))  # rows 8..12 as a last group of 5
+    assert torch.equal(whole[:, 3:13], tail) and torch.equal(whole[:, 8:13], lone)
+
+
+def test_packing_round_trips_every_group_shape():
+    generator = torch.Generator().manual_seed(6)
+    for out in (1, 7, 8, 9, 21):
+        packed = quantize_q4k(torch.randn(out, 512, generator=generator))
+        assert torch.equal(q4k._pack(*q4k._unpack(packed)), packed), out
 
 
 def test_zero_rows_and_bad_shapes():
@@ -215,8 +235,6 @@ def test_quantize_model_q4k_makes_transformers_row_invariant():
 def test_a_failing_build_is_a_clear_error(monkeypatch):
     from torch.utils import cpp_extension
 
-    from draftwise.backends.kernels import q4k
-
     def broken(**kwargs):
         raise RuntimeError("Error building extension\nq4k.cpp:1:1: error: no compiler here\nninja: stopped")
 
@@ -255,5 +273,6 @@ def test_every_format_kernel_keeps_its_weight_prefetch():
             function = line
         elif "prefetch" in line:
             prefetching.add(function)
-    for fmt in ("Q4K", "Q6K", "Q8_0Decode", "Q5_0Decode"):
+    assert any("q4k_linear(" in f for f in prefetching), "Q4K"
+    for fmt in ("Q6K", "Q8_0Decode", "Q5_0Decode"):
         assert any("linear<(anonymous namespace)::" in f and fmt in f for f in prefetching), fmt

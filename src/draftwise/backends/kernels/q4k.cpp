@@ -15,15 +15,18 @@
 //
 // Row invariance by construction: y[r, n] depends only on x[r, :] and weight row n. The activation row is
 // quantized on its own; each block's integer dot product is exact; the float accumulation over blocks, the
-// 8-lane horizontal sum, the min correction and the bias are added in an order that depends on neither the
-// number of rows in the call, nor the row's position, nor the thread split (threads split the output
+// horizontal sum (the row formats), the min correction and the bias are added in an order that depends on
+// neither the number of rows in the call, nor the row's position, nor the thread split (threads split the output
 // features, never a reduction). Each weight block loaded serves up to 8 activation rows of the call.
 //
-// Packed Q4_K layout: one uint8 tensor [out, nb * 152] (nb = in_features / 256) in two planes, so that
-// every 32-byte load of quants is aligned:
-//   bytes [0, out*nb*128):          qs[out][nb][128]; qs[32*j + l]: low nibble = quant of sub-block 2j at l,
-//                                   high nibble = sub-block 2j+1 at l (GGUF order)
-//   bytes [out*nb*128, out*nb*152): meta[out][nb] = {float d; float dmin; uint8 sc[8]; uint8 mn[8]}
+// Packed Q4_K layout: one uint8 tensor [out, nb * 152] (nb = in_features / 256), 32-byte aligned, in groups of
+// 8 weight rows (the last group holds out % 8 rows when that is not 0). A group of R rows is nb super-blocks of
+// 152 * R bytes each:
+//   quants [jp 4][k 8][r R][i 4]: low nibble = quant 4k+i of sub-block 2jp of row r, high nibble = sub-block
+//                                 2jp+1 (GGUF's pairing of sub-blocks, 4 weights of each row side by side)
+//   sc [s 8][r R], mn [sp 4][r R][2] (mins of sub-blocks 2sp, 2sp+1): the decoded 6-bit scales and mins, bytes
+//   d [r R], dmin [r R]: fp32
+// so one 32-byte load gives 4 weights of each of 8 rows, and each row's sums stay in a lane of their own.
 // Q6_K, Q8_0, Q5_0: the GGUF rows as they are, [out, nb * block bytes] uint8.
 
 #include <ATen/ATen.h>
@@ -177,6 +180,16 @@ DW_ALWAYS_INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
+
+// acc + the int32 sums of 4 adjacent u8 x s8 products in each lane (the same integers on both paths: the
+// callers' maddubs pair sums do not saturate)
+DW_ALWAYS_INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
 #endif
 
 DW_ALWAYS_INLINE void prefetch_bytes(const uint8_t* p, int64_t bytes) {
@@ -197,133 +210,133 @@ DW_ALWAYS_INLINE void prefetch_bytes(const uint8_t* p, int64_t bytes) {
 struct Q4K {
   static constexpr int64_t kWeights = 256;
   static constexpr int64_t kSums = 8;
-  static constexpr int64_t kBytes = 152;  // 128 bytes of quants + 24 of meta
+  static constexpr int64_t kRowBytes = 152;  // per weight row and super-block: 128 bytes of quants + 24 of meta
+  static constexpr int kGroup = 8;           // weight rows interleaved per group
   static constexpr const char* kName = "q4k_linear";
 
-  struct Meta {
-    float d;
-    float dmin;
-    uint8_t sc[8];
-    uint8_t mn[8];
-  };
-  static_assert(sizeof(Meta) == 24, "packed Q4_K meta must be 24 bytes");
-
-  // One weight row: its nb super-blocks' quants (128 bytes each, 32-byte aligned) and meta.
-  struct Row {
-    const uint8_t* qs;
-    const Meta* meta;
-  };
-
-  static Row row(const uint8_t* base, int64_t out, int64_t nb, int64_t n) {
-    const Meta* meta_plane = reinterpret_cast<const Meta*>(base + out * nb * 128);
-    return {base + n * nb * 128, meta_plane + n * nb};
-  }
+  // Offsets inside one group's super-block of R rows (152 * R bytes): quants [jp 4][k 8][r R][i 4], then
+  // sc [s 8][r R], mn [sp 4][r R][2], d [r R] fp32, dmin [r R] fp32.
+  static constexpr int64_t sc_at(int R) { return 128 * R; }
+  static constexpr int64_t mn_at(int R) { return 136 * R; }
+  static constexpr int64_t d_at(int R) { return 144 * R; }
+  static constexpr int64_t dmin_at(int R) { return 148 * R; }
 
   static void check(const uint8_t* base) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 32 == 0, "q4k_linear: packed must be 32-byte aligned");
   }
 
-  DW_ALWAYS_INLINE static void prefetch(const uint8_t* base, int64_t out, int64_t nb, int64_t n, int count) {
-    prefetch_bytes(base + n * nb * 128, count * nb * 128);
-    prefetch_bytes(base + out * nb * 128 + n * nb * 24, count * nb * 24);
+  // Any R (a group's last rows, and every group without AVX2): y[t * R + r] for each row, by the integer sums
+  // and the fp32 operations of the vector path, in the same order, so the bits are the same.
+  static void dot_rows(const uint8_t* g, int R, const ActRows& a, const int64_t* rows, int count, float* out) {
+    const int64_t bytes = kRowBytes * R;
+    for (int t = 0; t < count; ++t) {
+      const int8_t* q = a.q + rows[t] * a.in;
+      for (int r = 0; r < R; ++r) {
+        float facc = 0.f, macc = 0.f;
+        for (int64_t b = 0; b < a.nb; ++b) {
+          const uint8_t* blk = g + b * bytes;
+          const int8_t* qb = q + b * kWeights;
+          int32_t isum = 0, msum = 0;
+          for (int s = 0; s < 8; ++s) {
+            int32_t sub = 0;
+            for (int k = 0; k < 8; ++k)
+              for (int i = 0; i < 4; ++i) {
+                const uint8_t byte = blk[(8 * (s / 2) + k) * 4 * R + 4 * r + i];
+                sub += ((s & 1) ? byte >> 4 : byte & 0x0F) * qb[32 * s + 4 * k + i];
+              }
+            isum += blk[sc_at(R) + s * R + r] * sub;
+            msum += blk[mn_at(R) + (s / 2) * 2 * R + 2 * r + (s & 1)] * a.bsum[(rows[t] * a.nb + b) * kSums + s];
+          }
+          float dw, dmw;
+          std::memcpy(&dw, blk + d_at(R) + 4 * r, 4);
+          std::memcpy(&dmw, blk + dmin_at(R) + 4 * r, 4);
+          const float da = a.d[rows[t] * a.nb + b];
+          facc = std::fma(dw * da, static_cast<float>(isum), facc);
+          macc = std::fma(dmw * da, static_cast<float>(msum), macc);
+        }
+        out[t * R + r] = facc - macc;
+      }
+    }
   }
 
 #if defined(__AVX2__)
-  // Per super-block and sub-block, U unpacked weight vectors meet T activation vectors in T x U products
-  // (maddubs: u8 quants x s8 activations -> s16 pairs; madd with the sub-block scale -> s32), so each load
-  // serves several products; the min correction sum_j mn_j * bsum_j is one madd per row and weight row, kept
-  // in lane-wise fp32 accumulators (one horizontal sum at the end).
-  template <int T, int U>
-  static void dot(const Row* w, const ActRows& a, const int64_t* rows, float* out) {
+  // A full group of 8 weight rows against T activation rows: out[t * 8 + r]. One 32-byte load holds 4
+  // consecutive weights of 8 rows for two sub-blocks (low and high nibbles); a dpbusd against 4 activation bytes
+  // broadcast gives each row's sum of 4 products in its own lane, so the sub-block scales, the mins and d, dmin
+  // apply per lane and no horizontal sum is needed. With VNNI the high nibbles are taken as 16 * q (masked, not
+  // shifted) and each sub-block's sum is shifted back, exactly. `pf`: a later group's bytes to prefetch, or null.
+  template <int T>
+  static void dot(const uint8_t* g, const uint8_t* pf, const ActRows& a, const int64_t* rows, float* out) {
+    constexpr int64_t bytes = kRowBytes * kGroup;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    // byte shuffles that broadcast 16-bit scale j of 8 to every 16-bit lane
-    alignas(32) static const uint8_t kPick[8][32] = {
-#define DW_PICK(j) {2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, \
-                    2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1}
-        DW_PICK(0), DW_PICK(1), DW_PICK(2), DW_PICK(3), DW_PICK(4), DW_PICK(5), DW_PICK(6), DW_PICK(7)};
-#undef DW_PICK
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const __m256i high4 = _mm256_set1_epi8(static_cast<char>(0xF0));
+#endif
     const int8_t* qrow[T];
     const float* drow[T];
     const int16_t* brow[T];
-    __m256 facc[U][T];
-    __m128 macc[U][T];
+    __m256 facc[T], macc[T];
     for (int t = 0; t < T; ++t) {
       qrow[t] = a.q + rows[t] * a.in;
       drow[t] = a.d + rows[t] * a.nb;
       brow[t] = a.bsum + rows[t] * a.nb * kSums;
-      for (int u = 0; u < U; ++u) {
-        facc[u][t] = _mm256_setzero_ps();
-        macc[u][t] = _mm_setzero_ps();
-      }
+      facc[t] = _mm256_setzero_ps();
+      macc[t] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < a.nb; ++b) {
-      __m256i iacc[U][T];
-      __m256i scales[U];
-      const __m256i* qs[U];
-      for (int u = 0; u < U; ++u) {
-        for (int t = 0; t < T; ++t) iacc[u][t] = _mm256_setzero_si256();
-        scales[u] = _mm256_broadcastsi128_si256(
-            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[u].meta[b].sc))));
-        qs[u] = reinterpret_cast<const __m256i*>(w[u].qs + b * 128);
-      }
-      for (int j = 0; j < 8; ++j) {
-        const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPick[j]));
-        __m256i wq[U], ws[U];
-        for (int u = 0; u < U; ++u) {
-          const __m256i bits = _mm256_load_si256(qs[u] + (j >> 1));
-          wq[u] = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(bits, 4) : bits, low4);
-          ws[u] = _mm256_shuffle_epi8(scales[u], pick);
-        }
-        for (int t = 0; t < T; ++t) {
-          const __m256i act = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow[t] + b * kWeights + 32 * j));
-          for (int u = 0; u < U; ++u)
-            iacc[u][t] = madd_add(iacc[u][t], _mm256_maddubs_epi16(wq[u], act), ws[u]);
-        }
-      }
-      for (int u = 0; u < U; ++u) {
-        const Meta& meta = w[u].meta[b];
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta.mn)));
-        for (int t = 0; t < T; ++t) {
-          const float da = drow[t][b];
-          facc[u][t] = _mm256_fmadd_ps(_mm256_set1_ps(meta.d * da), _mm256_cvtepi32_ps(iacc[u][t]), facc[u][t]);
-          const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(brow[t] + b * kSums));
-          macc[u][t] = _mm_fmadd_ps(_mm_set1_ps(meta.dmin * da), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs)),
-                                    macc[u][t]);
-        }
-      }
-    }
-    for (int u = 0; u < U; ++u)
-      for (int t = 0; t < T; ++t) out[u * T + t] = hsum8(facc[u][t]) - hsum4(macc[u][t]);
-  }
+      const uint8_t* blk = g + b * bytes;
+      if (pf) prefetch_bytes(pf + b * bytes, bytes);
+      __m256i isum[T];
+      for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+      for (int jp = 0; jp < 4; ++jp) {
+        __m256i lo[8], hi[8];
+        for (int k = 0; k < 8; ++k) {
+          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + 256 * jp + 32 * k));
+          lo[k] = _mm256_and_si256(v, low4);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+          hi[k] = _mm256_and_si256(v, high4);
 #else
-  // Portable path: the same integer sums; fp32 accumulation per super-block in a fixed order.
-  template <int T, int U>
-  static void dot(const Row* w, const ActRows& a, const int64_t* rows, float* out) {
-    for (int u = 0; u < U; ++u) {
-      for (int t = 0; t < T; ++t) {
-        float facc = 0.f, macc = 0.f;
-        for (int64_t b = 0; b < a.nb; ++b) {
-          const Meta& blk = w[u].meta[b];
-          const uint8_t* qs = w[u].qs + b * 128;
-          const int8_t* q = a.q + rows[t] * a.in + b * kWeights;
-          int isum = 0;
-          for (int j = 0; j < 4; ++j) {
-            int lo = 0, hi = 0;
-            for (int l = 0; l < 32; ++l) {
-              lo += (qs[32 * j + l] & 0x0F) * q[64 * j + l];
-              hi += (qs[32 * j + l] >> 4) * q[64 * j + 32 + l];
-            }
-            isum += blk.sc[2 * j] * lo + blk.sc[2 * j + 1] * hi;
-          }
-          const int64_t ab = rows[t] * a.nb + b;
-          int msum = 0;
-          for (int j = 0; j < 8; ++j) msum += blk.mn[j] * a.bsum[ab * kSums + j];
-          facc = std::fma(blk.d * a.d[ab], static_cast<float>(isum), facc);
-          macc = std::fma(blk.dmin * a.d[ab], static_cast<float>(msum), macc);
+          hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+#endif
         }
-        out[u * T + t] = facc - macc;
+        const __m256i sc_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + sc_at(8) + 16 * jp)));
+        const __m256i sc_hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + sc_at(8) + 16 * jp + 8)));
+        for (int t = 0; t < T; ++t) {
+          int32_t a_lo[8], a_hi[8];  // 4 activation bytes at a time: sub-block 2jp, then 2jp + 1
+          std::memcpy(a_lo, qrow[t] + b * kWeights + 64 * jp, 32);
+          std::memcpy(a_hi, qrow[t] + b * kWeights + 64 * jp + 32, 32);
+          __m256i l0 = _mm256_setzero_si256(), l1 = l0, h0 = l0, h1 = l0;
+          for (int k = 0; k < 8; k += 2) {
+            l0 = dpbusd(l0, lo[k], _mm256_set1_epi32(a_lo[k]));
+            h0 = dpbusd(h0, hi[k], _mm256_set1_epi32(a_hi[k]));
+            l1 = dpbusd(l1, lo[k + 1], _mm256_set1_epi32(a_lo[k + 1]));
+            h1 = dpbusd(h1, hi[k + 1], _mm256_set1_epi32(a_hi[k + 1]));
+          }
+          const __m256i l = _mm256_add_epi32(l0, l1);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+          const __m256i h = _mm256_srai_epi32(_mm256_add_epi32(h0, h1), 4);
+#else
+          const __m256i h = _mm256_add_epi32(h0, h1);
+#endif
+          isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_mullo_epi32(l, sc_lo), _mm256_mullo_epi32(h, sc_hi)));
+        }
+      }
+      const __m256 dw = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + d_at(8)));
+      const __m256 dmw = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + dmin_at(8)));
+      __m256i mn[4];
+      for (int sp = 0; sp < 4; ++sp)
+        mn[sp] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + mn_at(8) + 16 * sp)));
+      for (int t = 0; t < T; ++t) {
+        int32_t bs[4];  // the activation sums in pairs (sub-blocks 2sp, 2sp + 1), against each row's two mins
+        std::memcpy(bs, brow[t] + b * kSums, 16);
+        __m256i ms = _mm256_madd_epi16(mn[0], _mm256_set1_epi32(bs[0]));
+        for (int sp = 1; sp < 4; ++sp) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mn[sp], _mm256_set1_epi32(bs[sp])));
+        const __m256 da = _mm256_set1_ps(drow[t][b]);
+        facc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(isum[t]), facc[t]);
+        macc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dmw, da), _mm256_cvtepi32_ps(ms), macc[t]);
       }
     }
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + kGroup * t, _mm256_sub_ps(facc[t], macc[t]));
   }
 #endif
 };
@@ -650,6 +663,98 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   return y;
 }
 
+
+template <int T>
+DW_ALWAYS_INLINE void q4k_tile(const uint8_t* g, const uint8_t* pf, const ActRows& a, const int64_t* rows, float* out) {
+#if defined(__AVX2__)
+  Q4K::dot<T>(g, pf, a, rows, out);
+#else
+  (void)pf;
+  Q4K::dot_rows(g, Q4K::kGroup, a, rows, T, out);
+#endif
+}
+
+// y [m, out] = x [m, in] W^T + bias for Q4_K weights in groups of 8 interleaved rows (the last group may hold
+// fewer): activation rows quantized once, then threads over the groups, each group against tiles of up to 8
+// activation rows (one group's super-block serves every row of the tile).
+at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
+  const char* name = Q4K::kName;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be [m, in] float32");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, name, ": packed must be [out, bytes] uint8");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), in = xc.size(1), out_features = packed.size(0);
+  TORCH_CHECK(in % Q4K::kWeights == 0, name, ": in_features must be a multiple of ", Q4K::kWeights, ", got ", in);
+  const int64_t nb = in / Q4K::kWeights;
+  TORCH_CHECK(packed.size(1) == nb * Q4K::kRowBytes, name, ": packed rows hold ", packed.size(1),
+              " bytes, expected ", nb * Q4K::kRowBytes, " for ", in, " inputs");
+  TORCH_CHECK(packed.is_contiguous(), name, ": packed must be contiguous");
+  const bool has_bias = bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.numel() == out_features),
+              name, ": bias must be [out] float32 or empty");
+  const at::Tensor bias_c = has_bias ? bias.contiguous() : bias;
+
+  at::Tensor q = at::empty({m, in}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({m, nb}, x.options());
+  at::Tensor bsum = at::empty({m, nb * Q4K::kSums}, x.options().dtype(at::kShort));
+  at::Tensor y = at::empty({m, out_features}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  int16_t* bp = bsum.data_ptr<int16_t>();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    quantize_rows(xp, r0, r1, in, Q4K::kWeights, Q4K::kSums, qp, dp, bp);
+  });
+
+  const ActRows act{qp, dp, bp, in, nb, Q4K::kSums};
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  Q4K::check(base);
+  const float* biasp = has_bias ? bias_c.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t full = out_features / Q4K::kGroup, groups = (out_features + Q4K::kGroup - 1) / Q4K::kGroup;
+  const int64_t group_bytes = nb * Q4K::kRowBytes * Q4K::kGroup;
+  // activation rows per pass over the groups: about 128 KiB of int8 activations (cache-resident)
+  const int64_t row_chunk = std::max<int64_t>(kRowTile, (131072 / in) / kRowTile * kRowTile);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    int64_t rows[kRowTile];
+    float tile[Q4K::kGroup * kRowTile];
+    for (int64_t r0 = 0; r0 < m; r0 += row_chunk) {
+      const int64_t r1 = std::min(m, r0 + row_chunk);
+      for (int64_t g = g0; g < g1; ++g) {
+        const uint8_t* gp = base + g * group_bytes;
+        const int R = g < full ? Q4K::kGroup : static_cast<int>(out_features - full * Q4K::kGroup);
+        for (int64_t r = r0; r < r1; r += kRowTile) {
+          const int count = static_cast<int>(std::min<int64_t>(kRowTile, r1 - r));
+          for (int t = 0; t < count; ++t) rows[t] = r + t;
+          // one row streams its groups at the DRAM rate on the hardware prefetcher alone (measured on a Zen4:
+          // software prefetch made it slower); with several rows each group takes longer to compute, and the
+          // next group is prefetched one super-block at a time as this one is computed
+          const uint8_t* pf = (m > 1 && r == r0 && g + 1 < std::min(g1, full)) ? gp + group_bytes : nullptr;
+          if (R < Q4K::kGroup) {
+            Q4K::dot_rows(gp, R, act, rows, count, tile);
+          } else {
+            switch (count) {
+              case 8: q4k_tile<8>(gp, pf, act, rows, tile); break;
+              case 7: q4k_tile<7>(gp, pf, act, rows, tile); break;
+              case 6: q4k_tile<6>(gp, pf, act, rows, tile); break;
+              case 5: q4k_tile<5>(gp, pf, act, rows, tile); break;
+              case 4: q4k_tile<4>(gp, pf, act, rows, tile); break;
+              case 3: q4k_tile<3>(gp, pf, act, rows, tile); break;
+              case 2: q4k_tile<2>(gp, pf, act, rows, tile); break;
+              default: q4k_tile<1>(gp, pf, act, rows, tile); break;
+            }
+          }
+          for (int t = 0; t < count; ++t)
+            for (int u = 0; u < R; ++u) {
+              const int64_t n = g * Q4K::kGroup + u;
+              yp[(r + t) * out_features + n] = tile[t * R + u] + (has_bias ? biasp[n] : 0.f);
+            }
+        }
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(draftwise_q4k, lib) {
@@ -660,7 +765,7 @@ TORCH_LIBRARY(draftwise_q4k, lib) {
 }
 
 TORCH_LIBRARY_IMPL(draftwise_q4k, CPU, lib) {
-  lib.impl("linear", &linear<Q4K>);
+  lib.impl("linear", &q4k_linear);
   lib.impl("linear_q6_k", &linear<Q6K>);
   lib.impl("linear_q8_0", &linear<Q8_0>);
   lib.impl("linear_q5_0", &linear<Q5_0>);

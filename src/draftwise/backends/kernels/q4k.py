@@ -4,7 +4,8 @@ Format (ggml's k-quants, as GGUF stores them): an ``[out, in]`` weight is cut al
 256 weights, each 8 sub-blocks of 32 with a 6-bit scale ``sc`` and a 6-bit min ``m``, and a super-block's
 float scales ``d`` and ``dmin``; a weight is ``d * sc * q - dmin * m`` with ``q`` in 0..15 (4.5 bits per
 weight in GGUF, 4.75 in the repacked form here, where the 6-bit scales are stored decoded as bytes and ``d``,
-``dmin`` as fp32: 152 bytes per 256 weights, in two planes: quants, then scales; see :func:`_pack`).
+``dmin`` as fp32: 152 bytes per 256 weights, with 8 weight rows interleaved so that the kernel keeps each row's
+sums in a vector lane of its own; see :func:`_pack`).
 
 Arithmetic (``draftwise_q4k::linear``, ``q4k.cpp``): each activation row is quantized on its own to int8 per
 256 (scale ``amax / 127``), super-block dot products are exact integer sums, and the fp32 accumulation runs
@@ -136,32 +137,66 @@ def _check_in_features(in_features: int) -> int:
     return in_features // SUPER_BLOCK
 
 
+#: weight rows interleaved per group in the packed layout (the kernel's lanes)
+GROUP_ROWS = 8
+
+
 def _pack(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, qs: np.ndarray) -> torch.Tensor:
     """``d, dmin [out, nb]`` fp32, ``sc, mn [out, nb, 8]`` uint8, ``qs [out, nb, 128]`` uint8 (GGUF nibble
-    order) -> packed ``[out, nb * 152]`` uint8 in the kernel's two planes: all quants ``[out, nb, 128]``
-    first, then all meta ``[out, nb, 24]`` (fp32 d, fp32 dmin, 8 scales, 8 mins), 64-byte aligned."""
+    order) -> packed ``[out, nb * 152]`` uint8 in the kernel's layout (``q4k.cpp``): groups of 8 weight rows (the
+    last one holds ``out % 8`` rows when that is not 0), each ``nb`` super-blocks of quants ``[4, 8, rows, 4]``,
+    scales ``[8, rows]``, mins ``[4, rows, 2]``, ``d [rows]`` and ``dmin [rows]`` fp32; 64-byte aligned."""
     out, nb = d.shape
-    meta = np.empty((out, nb, 24), dtype=np.uint8)
-    meta[..., 0:4] = d.astype("<f4").reshape(out, nb, 1).view(np.uint8)
-    meta[..., 4:8] = dmin.astype("<f4").reshape(out, nb, 1).view(np.uint8)
-    meta[..., 8:16] = sc
-    meta[..., 16:24] = mn
     packed = torch.empty((out, nb * PACKED_BLOCK_BYTES), dtype=torch.uint8)  # c10's allocator: 64-byte aligned
     flat = packed.view(-1).numpy()
-    flat[: out * nb * 128] = np.ascontiguousarray(qs, dtype=np.uint8).reshape(-1)
-    flat[out * nb * 128:] = meta.reshape(-1)
+    parts = (d.astype("<f4"), dmin.astype("<f4"), sc, mn, np.ascontiguousarray(qs, dtype=np.uint8))
+    for first, count, rows in _groups(out):
+        block = _interleave(*(part[first:first + count] for part in parts), rows)
+        flat[first * nb * PACKED_BLOCK_BYTES:(first + count) * nb * PACKED_BLOCK_BYTES] = block.reshape(-1)
     return packed
+
+
+def _groups(out: int) -> list[tuple[int, int, int]]:
+    """``(first row, rows, rows per group)`` of the packed layout's parts: the full groups of 8 from row 0, then
+    the last group of ``out % 8`` rows; a part without rows is left out."""
+    full = out // GROUP_ROWS * GROUP_ROWS
+    parts = ((0, full, GROUP_ROWS), (full, out - full, out - full))
+    return [part for part in parts if part[1]]
+
+
+def _interleave(d, dmin, sc, mn, qs, rows: int) -> np.ndarray:
+    """Weight rows ``[g * rows, nb, ...]`` -> ``[g, nb, 152 * rows]`` bytes, each group's super-block laid out
+    as :func:`_pack` says."""
+    groups, nb = d.shape[0] // rows, d.shape[1]
+    q = qs.reshape(groups, rows, nb, 4, 8, 4).transpose(0, 2, 3, 4, 1, 5).reshape(groups, nb, 128 * rows)
+    scales = sc.reshape(groups, rows, nb, 8).transpose(0, 2, 3, 1).reshape(groups, nb, 8 * rows)
+    mins = mn.reshape(groups, rows, nb, 4, 2).transpose(0, 2, 3, 1, 4).reshape(groups, nb, 8 * rows)
+    floats = [np.ascontiguousarray(v.reshape(groups, rows, nb).transpose(0, 2, 1)).view(np.uint8) for v in (d, dmin)]
+    return np.concatenate([q, scales, mins, *floats], axis=2)
 
 
 def _unpack(packed: torch.Tensor) -> tuple[np.ndarray, ...]:
     """Packed ``[out, nb * 152]`` -> ``d, dmin [out, nb]``, ``sc, mn [out, nb, 8]``, ``qs [out, nb, 128]``."""
     out, nb = packed.shape[0], packed.shape[1] // PACKED_BLOCK_BYTES
     flat = packed.contiguous().view(-1).numpy()
-    qs = flat[: out * nb * 128].reshape(out, nb, 128)
-    meta = flat[out * nb * 128:].reshape(out, nb, 24)
-    d = np.ascontiguousarray(meta[..., 0:4]).view("<f4")[..., 0]
-    dmin = np.ascontiguousarray(meta[..., 4:8]).view("<f4")[..., 0]
-    return d, dmin, meta[..., 8:16], meta[..., 16:24], qs
+    d, dmin = np.empty((out, nb), np.float32), np.empty((out, nb), np.float32)
+    sc, mn = np.empty((out, nb, 8), np.uint8), np.empty((out, nb, 8), np.uint8)
+    qs = np.empty((out, nb, 128), np.uint8)
+    for first, count, rows in _groups(out):
+        groups = count // rows
+        block = flat[first * nb * PACKED_BLOCK_BYTES:(first + count) * nb * PACKED_BLOCK_BYTES]
+        block = block.reshape(groups, nb, PACKED_BLOCK_BYTES * rows)
+        span = slice(first, first + count)
+        qs[span] = block[..., :128 * rows].reshape(groups, nb, 4, 8, rows, 4).transpose(0, 4, 1, 2, 3, 5).reshape(
+            count, nb, 128)
+        sc[span] = block[..., 128 * rows:136 * rows].reshape(groups, nb, 8, rows).transpose(0, 3, 1, 2).reshape(
+            count, nb, 8)
+        mn[span] = block[..., 136 * rows:144 * rows].reshape(groups, nb, 4, rows, 2).transpose(0, 3, 1, 2, 4).reshape(
+            count, nb, 8)
+        for target, at in ((d, 144), (dmin, 148)):
+            raw = np.ascontiguousarray(block[..., at * rows:(at + 4) * rows]).view("<f4")  # [groups, nb, rows]
+            target[span] = raw.transpose(0, 2, 1).reshape(count, nb)
+    return d, dmin, sc, mn, qs
 
 
 def _nibbles_to_quants(qs: np.ndarray) -> np.ndarray:
