@@ -22,11 +22,11 @@
 // Packed Q4_K layout: one uint8 tensor [out, nb * 152] (nb = in_features / 256), 32-byte aligned, in groups of
 // 8 weight rows (the last group holds out % 8 rows when that is not 0). A group of R rows is nb super-blocks of
 // 152 * R bytes each:
-//   quants [jp 4][k 8][r R][i 4]: low nibble = quant 4k+i of sub-block 2jp of row r, high nibble = sub-block
-//                                 2jp+1 (GGUF's pairing of sub-blocks, 4 weights of each row side by side)
+//   quants [jp 4][k 4][r R][i 8]: low nibble = quant 8k+i of sub-block 2jp of row r, high nibble = sub-block
+//                                 2jp+1 (GGUF's pairing of sub-blocks, 8 weights of each row side by side)
 //   sc [s 8][r R], mn [sp 4][r R][2] (mins of sub-blocks 2sp, 2sp+1): the decoded 6-bit scales and mins, bytes
 //   d [r R], dmin [r R]: fp32
-// so one 32-byte load gives 4 weights of each of 8 rows, and each row's sums stay in a lane of their own.
+// so one 64-byte load gives 8 weights of each of 8 rows, and each row's sums stay in lanes of their own.
 // Q6_K, Q8_0, Q5_0: the GGUF rows as they are, [out, nb * block bytes] uint8.
 
 #include <ATen/ATen.h>
@@ -214,7 +214,7 @@ struct Q4K {
   static constexpr int kGroup = 8;           // weight rows interleaved per group
   static constexpr const char* kName = "q4k_linear";
 
-  // Offsets inside one group's super-block of R rows (152 * R bytes): quants [jp 4][k 8][r R][i 4], then
+  // Offsets inside one group's super-block of R rows (152 * R bytes): quants [jp 4][k 4][r R][i 8], then
   // sc [s 8][r R], mn [sp 4][r R][2], d [r R] fp32, dmin [r R] fp32.
   static constexpr int64_t sc_at(int R) { return 128 * R; }
   static constexpr int64_t mn_at(int R) { return 136 * R; }
@@ -239,10 +239,10 @@ struct Q4K {
           int32_t isum = 0, msum = 0;
           for (int s = 0; s < 8; ++s) {
             int32_t sub = 0;
-            for (int k = 0; k < 8; ++k)
-              for (int i = 0; i < 4; ++i) {
-                const uint8_t byte = blk[(8 * (s / 2) + k) * 4 * R + 4 * r + i];
-                sub += ((s & 1) ? byte >> 4 : byte & 0x0F) * qb[32 * s + 4 * k + i];
+            for (int k = 0; k < 4; ++k)
+              for (int i = 0; i < 8; ++i) {
+                const uint8_t byte = blk[(4 * (s / 2) + k) * 8 * R + 8 * r + i];
+                sub += ((s & 1) ? byte >> 4 : byte & 0x0F) * qb[32 * s + 8 * k + i];
               }
             isum += blk[sc_at(R) + s * R + r] * sub;
             msum += blk[mn_at(R) + (s / 2) * 2 * R + 2 * r + (s & 1)] * a.bsum[(rows[t] * a.nb + b) * kSums + s];
@@ -259,19 +259,18 @@ struct Q4K {
     }
   }
 
-#if defined(__AVX2__)
-  // A full group of 8 weight rows against T activation rows: out[t * 8 + r]. One 32-byte load holds 4
-  // consecutive weights of 8 rows for two sub-blocks (low and high nibbles); a dpbusd against 4 activation bytes
-  // broadcast gives each row's sum of 4 products in its own lane, so the sub-block scales, the mins and d, dmin
-  // apply per lane and no horizontal sum is needed. With VNNI the high nibbles are taken as 16 * q (masked, not
-  // shifted) and each sub-block's sum is shifted back, exactly. `pf`: a later group's bytes to prefetch, or null.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  // A full group of 8 weight rows against T activation rows: out[t * 8 + r]. One 64-byte load holds 8
+  // consecutive weights of each of 8 rows for two sub-blocks (low and high nibbles, the high ones masked in
+  // place as 16 * q); a vpdpbusd against 8 activation bytes broadcast gives each row's two sums of 4 products in
+  // lanes 2r and 2r + 1, so the sub-block scales apply lane-wise (each row's scale in both of its lanes) and the
+  // two lanes are added once per super-block; the mins, d and dmin then apply per row lane. No horizontal sum.
+  // `pf`: a later group's bytes to prefetch, or null.
   template <int T>
   static void dot(const uint8_t* g, const uint8_t* pf, const ActRows& a, const int64_t* rows, float* out) {
     constexpr int64_t bytes = kRowBytes * kGroup;
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const __m256i high4 = _mm256_set1_epi8(static_cast<char>(0xF0));
-#endif
+    const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+    const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // each row's byte twice
     const int8_t* qrow[T];
     const float* drow[T];
     const int16_t* brow[T];
@@ -286,57 +285,134 @@ struct Q4K {
     for (int64_t b = 0; b < a.nb; ++b) {
       const uint8_t* blk = g + b * bytes;
       if (pf) prefetch_bytes(pf + b * bytes, bytes);
-      __m256i isum[T];
-      for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+      __m512i isum[T];  // lanes 2r, 2r + 1: row r
+      for (int t = 0; t < T; ++t) isum[t] = _mm512_setzero_si512();
       for (int jp = 0; jp < 4; ++jp) {
-        __m256i lo[8], hi[8];
-        for (int k = 0; k < 8; ++k) {
-          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + 256 * jp + 32 * k));
-          lo[k] = _mm256_and_si256(v, low4);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-          hi[k] = _mm256_and_si256(v, high4);
-#else
-          hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-#endif
+        __m512i lo[4], hi[4];
+        for (int k = 0; k < 4; ++k) {
+          const __m512i v = _mm512_load_si512(reinterpret_cast<const void*>(blk + 256 * jp + 64 * k));
+          lo[k] = _mm512_and_si512(v, low4);
+          hi[k] = _mm512_and_si512(v, high4);
         }
-        const __m256i sc_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + sc_at(8) + 16 * jp)));
-        const __m256i sc_hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + sc_at(8) + 16 * jp + 8)));
+        const __m512i sc_lo = _mm512_cvtepu8_epi32(
+            _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + sc_at(8) + 16 * jp)), twice));
+        const __m512i sc_hi = _mm512_cvtepu8_epi32(
+            _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + sc_at(8) + 16 * jp + 8)), twice));
         for (int t = 0; t < T; ++t) {
-          int32_t a_lo[8], a_hi[8];  // 4 activation bytes at a time: sub-block 2jp, then 2jp + 1
+          int64_t a_lo[4], a_hi[4];  // 8 activation bytes at a time: sub-block 2jp, then 2jp + 1
           std::memcpy(a_lo, qrow[t] + b * kWeights + 64 * jp, 32);
           std::memcpy(a_hi, qrow[t] + b * kWeights + 64 * jp + 32, 32);
-          __m256i l0 = _mm256_setzero_si256(), l1 = l0, h0 = l0, h1 = l0;
-          for (int k = 0; k < 8; k += 2) {
-            l0 = dpbusd(l0, lo[k], _mm256_set1_epi32(a_lo[k]));
-            h0 = dpbusd(h0, hi[k], _mm256_set1_epi32(a_hi[k]));
-            l1 = dpbusd(l1, lo[k + 1], _mm256_set1_epi32(a_lo[k + 1]));
-            h1 = dpbusd(h1, hi[k + 1], _mm256_set1_epi32(a_hi[k + 1]));
-          }
-          const __m256i l = _mm256_add_epi32(l0, l1);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-          const __m256i h = _mm256_srai_epi32(_mm256_add_epi32(h0, h1), 4);
-#else
-          const __m256i h = _mm256_add_epi32(h0, h1);
-#endif
-          isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_mullo_epi32(l, sc_lo), _mm256_mullo_epi32(h, sc_hi)));
+          const __m512i zero = _mm512_setzero_si512();
+          __m512i l0 = _mm512_dpbusd_epi32(zero, lo[0], _mm512_set1_epi64(a_lo[0]));
+          __m512i h0 = _mm512_dpbusd_epi32(zero, hi[0], _mm512_set1_epi64(a_hi[0]));
+          __m512i l1 = _mm512_dpbusd_epi32(zero, lo[1], _mm512_set1_epi64(a_lo[1]));
+          __m512i h1 = _mm512_dpbusd_epi32(zero, hi[1], _mm512_set1_epi64(a_hi[1]));
+          l0 = _mm512_dpbusd_epi32(l0, lo[2], _mm512_set1_epi64(a_lo[2]));
+          h0 = _mm512_dpbusd_epi32(h0, hi[2], _mm512_set1_epi64(a_hi[2]));
+          l1 = _mm512_dpbusd_epi32(l1, lo[3], _mm512_set1_epi64(a_lo[3]));
+          h1 = _mm512_dpbusd_epi32(h1, hi[3], _mm512_set1_epi64(a_hi[3]));
+          const __m512i l = _mm512_add_epi32(l0, l1);
+          const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(h0, h1), 4);
+          isum[t] = _mm512_add_epi32(isum[t],
+                                     _mm512_add_epi32(_mm512_mullo_epi32(l, sc_lo), _mm512_mullo_epi32(h, sc_hi)));
         }
       }
-      const __m256 dw = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + d_at(8)));
-      const __m256 dmw = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + dmin_at(8)));
-      __m256i mn[4];
-      for (int sp = 0; sp < 4; ++sp)
-        mn[sp] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + mn_at(8) + 16 * sp)));
-      for (int t = 0; t < T; ++t) {
-        int32_t bs[4];  // the activation sums in pairs (sub-blocks 2sp, 2sp + 1), against each row's two mins
-        std::memcpy(bs, brow[t] + b * kSums, 16);
-        __m256i ms = _mm256_madd_epi16(mn[0], _mm256_set1_epi32(bs[0]));
-        for (int sp = 1; sp < 4; ++sp) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mn[sp], _mm256_set1_epi32(bs[sp])));
-        const __m256 da = _mm256_set1_ps(drow[t][b]);
-        facc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(isum[t]), facc[t]);
-        macc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dmw, da), _mm256_cvtepi32_ps(ms), macc[t]);
-      }
+      __m256i rowsum[T];  // each row's two lanes added: lane 2r + (lane 2r + 1), packed to 8 lanes
+      for (int t = 0; t < T; ++t)
+        rowsum[t] = _mm512_cvtepi64_epi32(_mm512_add_epi32(isum[t], _mm512_srli_epi64(isum[t], 32)));
+      finish_block<T>(blk, b, drow, brow, rowsum, facc, macc);
     }
     for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + kGroup * t, _mm256_sub_ps(facc[t], macc[t]));
+  }
+#elif defined(__AVX2__)
+  // The AVX2 path of the same layout: each 64-byte chunk as two 32-byte halves (rows 0-3, rows 4-7), the
+  // high nibbles shifted down (maddubs would saturate on 16 * q), the same integers and fp32 operations.
+  template <int T>
+  static void dot(const uint8_t* g, const uint8_t* pf, const ActRows& a, const int64_t* rows, float* out) {
+    constexpr int64_t bytes = kRowBytes * kGroup;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const int8_t* qrow[T];
+    const float* drow[T];
+    const int16_t* brow[T];
+    __m256 facc[T], macc[T];
+    for (int t = 0; t < T; ++t) {
+      qrow[t] = a.q + rows[t] * a.in;
+      drow[t] = a.d + rows[t] * a.nb;
+      brow[t] = a.bsum + rows[t] * a.nb * kSums;
+      facc[t] = _mm256_setzero_ps();
+      macc[t] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const uint8_t* blk = g + b * bytes;
+      if (pf) prefetch_bytes(pf + b * bytes, bytes);
+      __m256i isum[T][2];  // half e: rows 4e..4e+3, lanes 2r', 2r' + 1
+      for (int t = 0; t < T; ++t) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
+      for (int jp = 0; jp < 4; ++jp) {
+        const __m128i sl = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + sc_at(8) + 16 * jp)), twice);
+        const __m128i sh = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + sc_at(8) + 16 * jp + 8)), twice);
+        const __m256i sc_lo[2] = {_mm256_cvtepu8_epi32(sl), _mm256_cvtepu8_epi32(_mm_srli_si128(sl, 8))};
+        const __m256i sc_hi[2] = {_mm256_cvtepu8_epi32(sh), _mm256_cvtepu8_epi32(_mm_srli_si128(sh, 8))};
+        for (int e = 0; e < 2; ++e) {
+          __m256i lo[4], hi[4];
+          for (int k = 0; k < 4; ++k) {
+            const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + 256 * jp + 64 * k + 32 * e));
+            lo[k] = _mm256_and_si256(v, low4);
+            hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          }
+          for (int t = 0; t < T; ++t) {
+            int64_t a_lo[4], a_hi[4];
+            std::memcpy(a_lo, qrow[t] + b * kWeights + 64 * jp, 32);
+            std::memcpy(a_hi, qrow[t] + b * kWeights + 64 * jp + 32, 32);
+            __m256i l0 = _mm256_setzero_si256(), l1 = l0, h0 = l0, h1 = l0;
+            for (int k = 0; k < 4; k += 2) {
+              l0 = dpbusd(l0, lo[k], _mm256_set1_epi64x(a_lo[k]));
+              h0 = dpbusd(h0, hi[k], _mm256_set1_epi64x(a_hi[k]));
+              l1 = dpbusd(l1, lo[k + 1], _mm256_set1_epi64x(a_lo[k + 1]));
+              h1 = dpbusd(h1, hi[k + 1], _mm256_set1_epi64x(a_hi[k + 1]));
+            }
+            const __m256i l = _mm256_add_epi32(l0, l1), h = _mm256_add_epi32(h0, h1);
+            isum[t][e] = _mm256_add_epi32(isum[t][e], _mm256_add_epi32(_mm256_mullo_epi32(l, sc_lo[e]),
+                                                                        _mm256_mullo_epi32(h, sc_hi[e])));
+          }
+        }
+      }
+      __m256i rowsum[T];
+      for (int t = 0; t < T; ++t) {
+        // even lanes after adding each odd lane onto its even one: rows [0 1 4 5 | 2 3 6 7], then in order
+        const __m256i p0 = _mm256_add_epi32(isum[t][0], _mm256_srli_epi64(isum[t][0], 32));
+        const __m256i p1 = _mm256_add_epi32(isum[t][1], _mm256_srli_epi64(isum[t][1], 32));
+        const __m256i mixed = _mm256_castps_si256(
+            _mm256_shuffle_ps(_mm256_castsi256_ps(p0), _mm256_castsi256_ps(p1), _MM_SHUFFLE(2, 0, 2, 0)));
+        rowsum[t] = _mm256_permute4x64_epi64(mixed, _MM_SHUFFLE(3, 1, 2, 0));
+      }
+      finish_block<T>(blk, b, drow, brow, rowsum, facc, macc);
+    }
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + kGroup * t, _mm256_sub_ps(facc[t], macc[t]));
+  }
+#endif
+
+#if defined(__AVX2__)
+  // A super-block's end for each activation row: the rows' exact integer sums (8 lanes) times d * d_a, and the
+  // min correction (each row's mins against the activation sums, in pairs) times dmin * d_a, accumulated in fp32.
+  template <int T>
+  DW_ALWAYS_INLINE static void finish_block(const uint8_t* blk, int64_t b, const float* const* drow,
+                                            const int16_t* const* brow, const __m256i* rowsum, __m256* facc,
+                                            __m256* macc) {
+    const __m256 dw = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + d_at(8)));
+    const __m256 dmw = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + dmin_at(8)));
+    __m256i mn[4];
+    for (int sp = 0; sp < 4; ++sp)
+      mn[sp] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + mn_at(8) + 16 * sp)));
+    for (int t = 0; t < T; ++t) {
+      int32_t bs[4];  // the activation sums in pairs (sub-blocks 2sp, 2sp + 1), against each row's two mins
+      std::memcpy(bs, brow[t] + b * kSums, 16);
+      __m256i ms = _mm256_madd_epi16(mn[0], _mm256_set1_epi32(bs[0]));
+      for (int sp = 1; sp < 4; ++sp) ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mn[sp], _mm256_set1_epi32(bs[sp])));
+      const __m256 da = _mm256_set1_ps(drow[t][b]);
+      facc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(rowsum[t]), facc[t]);
+      macc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dmw, da), _mm256_cvtepi32_ps(ms), macc[t]);
+    }
   }
 #endif
 };

@@ -144,7 +144,7 @@ GROUP_ROWS = 8
 def _pack(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, qs: np.ndarray) -> torch.Tensor:
     """``d, dmin [out, nb]`` fp32, ``sc, mn [out, nb, 8]`` uint8, ``qs [out, nb, 128]`` uint8 (GGUF nibble
     order) -> packed ``[out, nb * 152]`` uint8 in the kernel's layout (``q4k.cpp``): groups of 8 weight rows (the
-    last one holds ``out % 8`` rows when that is not 0), each ``nb`` super-blocks of quants ``[4, 8, rows, 4]``,
+    last one holds ``out % 8`` rows when that is not 0), each ``nb`` super-blocks of quants ``[4, 4, rows, 8]``,
     scales ``[8, rows]``, mins ``[4, rows, 2]``, ``d [rows]`` and ``dmin [rows]`` fp32; 64-byte aligned."""
     out, nb = d.shape
     packed = torch.empty((out, nb * PACKED_BLOCK_BYTES), dtype=torch.uint8)  # c10's allocator: 64-byte aligned
@@ -168,7 +168,7 @@ def _interleave(d, dmin, sc, mn, qs, rows: int) -> np.ndarray:
     """Weight rows ``[g * rows, nb, ...]`` -> ``[g, nb, 152 * rows]`` bytes, each group's super-block laid out
     as :func:`_pack` says."""
     groups, nb = d.shape[0] // rows, d.shape[1]
-    q = qs.reshape(groups, rows, nb, 4, 8, 4).transpose(0, 2, 3, 4, 1, 5).reshape(groups, nb, 128 * rows)
+    q = qs.reshape(groups, rows, nb, 4, 4, 8).transpose(0, 2, 3, 4, 1, 5).reshape(groups, nb, 128 * rows)
     scales = sc.reshape(groups, rows, nb, 8).transpose(0, 2, 3, 1).reshape(groups, nb, 8 * rows)
     mins = mn.reshape(groups, rows, nb, 4, 2).transpose(0, 2, 3, 1, 4).reshape(groups, nb, 8 * rows)
     floats = [np.ascontiguousarray(v.reshape(groups, rows, nb).transpose(0, 2, 1)).view(np.uint8) for v in (d, dmin)]
@@ -187,7 +187,7 @@ def _unpack(packed: torch.Tensor) -> tuple[np.ndarray, ...]:
         block = flat[first * nb * PACKED_BLOCK_BYTES:(first + count) * nb * PACKED_BLOCK_BYTES]
         block = block.reshape(groups, nb, PACKED_BLOCK_BYTES * rows)
         span = slice(first, first + count)
-        qs[span] = block[..., :128 * rows].reshape(groups, nb, 4, 8, rows, 4).transpose(0, 4, 1, 2, 3, 5).reshape(
+        qs[span] = block[..., :128 * rows].reshape(groups, nb, 4, 4, rows, 8).transpose(0, 4, 1, 2, 3, 5).reshape(
             count, nb, 128)
         sc[span] = block[..., 128 * rows:136 * rows].reshape(groups, nb, 8, rows).transpose(0, 3, 1, 2).reshape(
             count, nb, 8)
