@@ -131,6 +131,22 @@ def test_rows_do_not_depend_on_the_other_rows_of_the_call(fmt):
     assert torch.equal(layer(x[5:25]), alone[5:25])  # the same rows at other positions of the call
 
 
+def test_q6k_regrouping_round_trips_and_a_row_gives_the_same_bits_in_any_group():
+    """Q6_K's rows are regrouped 8 at a time for the kernel; a last group of fewer rows runs the scalar path."""
+    from draftwise.backends.kernels.gguf_blocks import interleave_q6k, q6k_rows
+
+    fmt = BLOCK_FORMATS["Q6_K"]
+    for out in (1, 5, 8, 13):
+        raw = random_blocks("Q6_K", out, 512, seed=out)
+        assert np.array_equal(q6k_rows(interleave_q6k(raw)), raw), out
+    raw = torch.from_numpy(random_blocks("Q6_K", 16, 512, seed=7))
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(7))
+    whole = GGUFBlockLinear(fmt, raw)(x)            # rows 8..15: a full group (vector path)
+    tail = GGUFBlockLinear(fmt, raw[3:13])(x)       # rows 11, 12: a last group of 2 (scalar path)
+    assert torch.equal(whole[:, 3:13], tail)
+    assert torch.equal(GGUFBlockLinear(fmt, raw).gguf_rows(), raw)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.ggml_type)
 def test_zero_rows_and_bad_shapes(fmt):
     layer = GGUFBlockLinear.from_float(fmt, torch.randn(8, 256))
@@ -281,7 +297,7 @@ def test_the_kernels_build_and_agree_on_avx2_only_and_portable_builds(tmp_path):
     references = {"linear": q8_reference(x, q4k.dequantize_q4k(packed_q4k))}
     for fmt in FORMATS:
         raw = torch.from_numpy(random_blocks(fmt.ggml_type, 24, 512, seed=fmt.block_bytes))
-        cases[fmt.op] = (x, raw)
+        cases[fmt.op] = (x, GGUFBlockLinear(fmt, raw).packed)  # the layout the op reads
         references[fmt.op] = int8_reference(x, dequantize_blocks(raw, fmt), fmt.block_weights)
     native = {op: getattr(torch.ops.draftwise_q4k, op)(x, packed, torch.empty(0)) for op, (x, packed) in cases.items()}
     data = tmp_path / "cases.pt"

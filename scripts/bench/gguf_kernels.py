@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from draftwise.backends.kernels import cpu_description, llama_linear_shapes, measure_dram_bandwidth
-from draftwise.backends.kernels.gguf_blocks import BLOCK_FORMATS, GGUFBlockLinear
-from draftwise.backends.kernels.q4k import GGUF_BLOCK_BYTES, Q4KLinear, pack_gguf_q4k
+from draftwise.backends.kernels.gguf_blocks import BLOCK_FORMATS, GGUFBlockLinear, gguf_linear
+from draftwise.backends.kernels.q4k import GGUF_BLOCK_BYTES, Q4KLinear
 from draftwise.backends.quantization import Int8Linear
 from draftwise.machine import torch_threads
 from kernel_table import PRESETS
@@ -36,16 +36,20 @@ _LAYOUT = {"Q4_K": (256, GGUF_BLOCK_BYTES, (0, 2)), **{
     name: (f.block_weights, f.block_bytes, (208,) if name == "Q6_K" else (0,)) for name, f in BLOCK_FORMATS.items()}}
 
 
-def random_packed(kind: str, out_features: int, in_features: int, rng: np.random.Generator) -> torch.Tensor:
-    """Random valid GGUF blocks of type ``kind`` (not int8) for an ``[out, in]`` weight (``in`` a multiple of
-    the type's block), in the layout its kernel reads (Q4_K repacked, the others as GGUF stores them)."""
+def random_rows(kind: str, out_features: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid GGUF rows of type ``kind`` (not int8) for an ``[out, in]`` weight (``in`` a multiple of the
+    type's block), as a file stores them: ``[out, in / block * block bytes]`` uint8."""
     block, nbytes, scales = _LAYOUT[kind]
     nb = in_features // block
     raw = rng.integers(0, 256, size=(out_features, nb, nbytes), dtype=np.uint8)
     for at in scales:
         raw[..., at:at + 2] = np.array([1e-3], dtype=np.float16).view(np.uint8).reshape(1, 1, 2)
-    raw = raw.reshape(out_features, nb * nbytes)
-    return pack_gguf_q4k(raw) if kind == "Q4_K" else torch.from_numpy(raw)
+    return raw.reshape(out_features, nb * nbytes)
+
+
+def random_packed(kind: str, out_features: int, in_features: int, rng: np.random.Generator) -> torch.Tensor:
+    """:func:`random_rows` in the layout its kernel reads (Q4_K and Q6_K regrouped, the others as stored)."""
+    return random_layer(kind, out_features, in_features, rng).packed
 
 
 def random_layer(kind: str, out_features: int, in_features: int, rng: np.random.Generator) -> torch.nn.Module | None:
@@ -55,8 +59,7 @@ def random_layer(kind: str, out_features: int, in_features: int, rng: np.random.
         return Int8Linear(torch.randn(out_features, in_features) / math.sqrt(in_features), None)
     if in_features % _LAYOUT[kind][0]:
         return None
-    packed = random_packed(kind, out_features, in_features, rng)
-    return Q4KLinear(packed) if kind == "Q4_K" else GGUFBlockLinear(BLOCK_FORMATS[kind], packed)
+    return gguf_linear(kind, random_rows(kind, out_features, in_features, rng))
 
 
 def layer_bytes(layer: torch.nn.Module) -> int:
@@ -72,7 +75,7 @@ def clone_layer(layer: torch.nn.Module) -> torch.nn.Module:
         return Int8Linear(torch.randn(layer.out_features, layer.in_features), None)
     if isinstance(layer, Q4KLinear):
         return Q4KLinear(layer.packed.clone())
-    return GGUFBlockLinear(layer.format, layer.packed.clone())
+    return GGUFBlockLinear(layer.format, layer.gguf_rows().clone())
 
 
 @torch.inference_mode()

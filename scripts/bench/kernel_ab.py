@@ -96,7 +96,9 @@ def main() -> int:
                     y = op(x, weight, empty)
                     if reference is None:
                         reference = y
-                    elif not torch.allclose(y, reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max())):
+                    elif not (torch.isfinite(y).all() and torch.isfinite(reference).all() and torch.allclose(
+                            y, reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))):
+                        # builds of different packed layouts read the same bytes differently: timing only
                         print(f"warning: {name} differs from {next(iter(ops))} on {kind} {shape}")
                     streamed = seconds(lambda: [op(x, c, empty) for c in copies], 1) / len(copies)
                     hot = seconds(lambda: op(x, weight, empty), 50)

@@ -9,8 +9,9 @@ Formats (ggml's ``ggml-common.h``; dequantization as ``dequantize_row_q6_K`` / `
 - Q5_0: blocks of 32, 22 bytes: fp16 ``d``, 32 fifth bits, 16 bytes of nibbles (low: weight j, high: j + 16);
   ``w = d * (q - 16)``, q in 0..31.
 
-A packed weight is the GGUF rows as they are, ``[out, in / block * block_bytes]`` uint8 (no repacking, so no
-second rounding, and the bytes streamed per weight are llama.cpp's). The kernels (``q4k.cpp``) quantize each
+A packed weight holds the GGUF rows' bytes, ``[out, in / block * block_bytes]`` uint8: no second rounding, and the
+bytes streamed per weight are llama.cpp's. Q8_0 and Q5_0 rows are used as they are; Q6_K's are regrouped
+(:func:`interleave_q6k`) so that 8 weight rows sit side by side, as Q4_K's do. The kernels (``q4k.cpp``) quantize each
 activation row on its own to int8 (per 256 for Q6_K, per 32 for Q8_0 and Q5_0), sum each block in integers
 and accumulate in fp32 in one fixed order: row-invariant by construction, as the Q4_K kernel
 (:mod:`draftwise.backends.kernels.q4k`, whose extension holds them all).
@@ -26,10 +27,10 @@ import numpy as np
 import torch
 
 from draftwise.backends.kernels.layers import KernelError, _KernelLinear
-from draftwise.backends.kernels.q4k import GGUFOpLinear, Q4KLinear, load_q4k_ops, pack_gguf_q4k
+from draftwise.backends.kernels.q4k import GGUFOpLinear, Q4KLinear, load_q4k_ops, pack_gguf_q4k, row_groups
 
 __all__ = ["BlockFormat", "BLOCK_FORMATS", "block_format", "quantize_blocks", "dequantize_blocks", "quantize_q6k",
-           "GGUFBlockLinear", "SegmentedLinear", "gguf_linear"]
+           "interleave_q6k", "q6k_rows", "GGUFBlockLinear", "SegmentedLinear", "gguf_linear"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class BlockFormat:
     op: str
     block_weights: int
     block_bytes: int
+    grouped: bool = False  # stored as :func:`interleave_q6k` regroups it, not as the file's rows
 
     @property
     def bytes_per_weight(self) -> float:
@@ -63,7 +65,7 @@ class BlockFormat:
 #: The formats served as stored, by ``GGMLQuantizationType`` name.
 BLOCK_FORMATS: dict[str, BlockFormat] = {
     f.ggml_type: f for f in (
-        BlockFormat("Q6_K", "q6k", "q6k-cpp", "linear_q6_k", 256, 210),
+        BlockFormat("Q6_K", "q6k", "q6k-cpp", "linear_q6_k", 256, 210, grouped=True),
         BlockFormat("Q8_0", "q8_0", "q8_0-cpp", "linear_q8_0", 32, 34),
         BlockFormat("Q5_0", "q5_0", "q5_0-cpp", "linear_q5_0", 32, 22),
     )
@@ -150,6 +152,82 @@ def dequantize_blocks(packed: torch.Tensor | np.ndarray, fmt: BlockFormat) -> to
     return torch.from_numpy(np.ascontiguousarray(dequantize(raw, _ggml_type(fmt)), dtype=np.float32))
 
 
+def _q6k_fields(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF Q6_K rows ``[out, nb * 210]`` -> quants ``[out, nb, 256]`` 0..63, scale bytes ``[out, nb, 16]``, fp16 d
+    bytes ``[out, nb, 2]`` (``dequantize_row_q6_K``'s reading: weight ``128h + 32k + l`` has its low 4 bits in
+    ``ql[64h + 32(k % 2) + l]`` (high nibble for k >= 2) and its high 2 bits at ``2k`` of ``qh[32h + l]``)."""
+    blocks = raw.reshape(raw.shape[0], -1, 210)
+    ql = blocks[..., :128].reshape(*blocks.shape[:2], 2, 2, 32)      # [h, k % 2, l]
+    qh = blocks[..., 128:192].reshape(*blocks.shape[:2], 2, 1, 32)   # [h, -, l]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-2)              # [h, k, l], k = 0..3
+    high = np.concatenate([(qh >> (2 * k)) & 3 for k in range(4)], axis=-2)
+    quants = (low | (high << 4)).reshape(*blocks.shape[:2], 256)
+    return quants, blocks[..., 192:208], blocks[..., 208:210]
+
+
+#: the quant parts of a regrouped Q6_K super-block in reading order: ("ql", p) low nibbles of sub-blocks 2p, 2p + 1;
+#: ("qh", h) the high bits of sub-blocks 4h..4h + 3
+_Q6K_PARTS = (("ql", 0), ("qh", 0), ("ql", 1), ("ql", 2), ("qh", 1), ("ql", 3))
+
+
+def interleave_q6k(raw: np.ndarray) -> torch.Tensor:
+    """GGUF Q6_K rows ``[out, nb * 210]`` -> the kernel's layout, the same size (``q4k.cpp``'s ``Q6K``): groups of
+    8 weight rows (the last one holds ``out % 8`` rows when that is not 0); a plane of quants (192 bytes per row and
+    super-block: per group and super-block the parts of :data:`_Q6K_PARTS`, each ``[4, rows, 8]``: 8 weights of
+    each row side by side), then a plane of scales ``[8, rows, 2]`` and fp16 ``d [rows]`` (18 bytes per row and
+    super-block)."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    out, nb = raw.shape[0], raw.shape[1] // 210
+    quants, scales, d = _q6k_fields(raw)
+    packed = torch.empty((out, nb * 210), dtype=torch.uint8)  # c10's allocator: 64-byte aligned
+    flat = packed.view(-1).numpy()
+    meta_at = out * nb * 192
+    for first, count, rows in row_groups(out):
+        g = count // rows
+        q = quants[first:first + count].reshape(g, rows, nb, 8, 4, 8)             # [g, r, b, sub, k, i]
+        low, high = q & 0x0F, q >> 4
+        nibbles = (low[:, :, :, 0::2] | (low[:, :, :, 1::2] << 4)).transpose(0, 2, 3, 4, 1, 5)  # [g, b, p, k, r, i]
+        bits = high.reshape(g, rows, nb, 2, 4, 4, 8)                              # [g, r, b, h, c, k, i]
+        bits = sum(bits[:, :, :, :, c] << (2 * c) for c in range(4)).astype(np.uint8).transpose(0, 2, 3, 4, 1, 5)
+        planes = {"ql": nibbles, "qh": bits}
+        block = np.concatenate([planes[kind][:, :, j].reshape(g, nb, 32 * rows) for kind, j in _Q6K_PARTS], axis=2)
+        flat[first * nb * 192:(first + count) * nb * 192] = block.reshape(-1)
+        meta = np.concatenate([scales[first:first + count].reshape(g, rows, nb, 8, 2).transpose(0, 2, 3, 1, 4)
+                               .reshape(g, nb, 16 * rows),
+                               d[first:first + count].reshape(g, rows, nb, 2).transpose(0, 2, 1, 3)
+                               .reshape(g, nb, 2 * rows)], axis=2)
+        flat[meta_at + first * nb * 18:meta_at + (first + count) * nb * 18] = meta.reshape(-1)
+    return packed
+
+
+def q6k_rows(packed: torch.Tensor) -> np.ndarray:
+    """The inverse of :func:`interleave_q6k`: the GGUF rows ``[out, nb * 210]``."""
+    out, nb = packed.shape[0], packed.shape[1] // 210
+    flat = packed.contiguous().view(-1).numpy()
+    quants = np.empty((out, nb, 8, 4, 8), np.uint8)
+    scales, d = np.empty((out, nb, 16), np.uint8), np.empty((out, nb, 2), np.uint8)
+    meta_at = out * nb * 192
+    for first, count, rows in row_groups(out):
+        g = count // rows
+        block = flat[first * nb * 192:(first + count) * nb * 192].reshape(g, nb, 6, 4, rows, 8)
+        parts = {part: block[:, :, n].transpose(0, 3, 1, 2, 4) for n, part in enumerate(_Q6K_PARTS)}  # [g, r, b, k, i]
+        low = np.stack([np.stack([parts["ql", p] & 0x0F, parts["ql", p] >> 4], axis=3) for p in range(4)], axis=3)
+        high = np.stack([np.stack([(parts["qh", h] >> (2 * c)) & 3 for c in range(4)], axis=3) for h in range(2)],
+                        axis=3)
+        quants[first:first + count] = (low.reshape(g, rows, nb, 8, 4, 8) | (high.reshape(g, rows, nb, 8, 4, 8) << 4)
+                                       ).reshape(count, nb, 8, 4, 8)
+        meta = flat[meta_at + first * nb * 18:meta_at + (first + count) * nb * 18].reshape(g, nb, 18 * rows)
+        scales[first:first + count] = meta[..., :16 * rows].reshape(g, nb, 8, rows, 2).transpose(0, 3, 1, 2, 4).reshape(
+            count, nb, 16)
+        d[first:first + count] = meta[..., 16 * rows:].reshape(g, nb, rows, 2).transpose(0, 2, 1, 3).reshape(
+            count, nb, 2)
+    q = quants.reshape(out, nb, 2, 4, 32)                                           # [h, k, l] of GGUF's order
+    ql = (q[:, :, :, 0:2] & 0x0F) | ((q[:, :, :, 2:4] & 0x0F) << 4)                 # [h, k % 2, l]
+    qh = sum(((q[:, :, :, k] >> 4) & 3) << (2 * k) for k in range(4)).astype(np.uint8)  # [h, l]
+    blocks = np.concatenate([ql.reshape(out, nb, 128), qh.reshape(out, nb, 64), scales, d], axis=2)
+    return blocks.reshape(out, nb * 210)
+
+
 # -------------------------------------------------------------------------------------------- the modules
 class GGUFBlockLinear(GGUFOpLinear):
     """``y = x W^T + b`` with ``W`` in GGUF rows of a :class:`BlockFormat` (Q6_K, Q8_0, Q5_0) on its row-invariant
@@ -157,7 +235,8 @@ class GGUFBlockLinear(GGUFOpLinear):
 
     Args:
         fmt: the format.
-        packed: ``[out, in / block * block_bytes]`` uint8, the file's rows or :func:`quantize_blocks`' output.
+        packed: ``[out, in / block * block_bytes]`` uint8, the file's rows or :func:`quantize_blocks`' output (a
+            grouped format's rows are regrouped here: :func:`interleave_q6k`).
         bias: ``[out]`` or None.
 
     Raises:
@@ -173,7 +252,13 @@ class GGUFBlockLinear(GGUFOpLinear):
         load_q4k_ops()
         self.format = fmt
         self.kernel_name = fmt.kernel_name
+        if fmt.grouped:
+            packed = interleave_q6k(packed.contiguous().numpy())
         self._bind(packed, getattr(torch.ops.draftwise_q4k, fmt.op).default)
+
+    def gguf_rows(self) -> torch.Tensor:
+        """The weight as the file's rows ``[out, in / block * block_bytes]`` uint8 (a copy for a grouped format)."""
+        return torch.from_numpy(q6k_rows(self.packed)) if self.format.grouped else self.packed
 
     @classmethod
     def from_float(cls, fmt: BlockFormat, weight: torch.Tensor, bias: torch.Tensor | None = None) -> GGUFBlockLinear:

@@ -5,11 +5,12 @@
 //   Q4_K: 256-weight super-blocks of 8 sub-blocks of 32, a 6-bit scale and min per sub-block, fp16 d and
 //         dmin; w = d*sc*q - dmin*m, q in 0..15. Repacked here with decoded scales (see the layout below).
 //   Q6_K: 256 weights {ql[128] low nibbles, qh[64] 2 high bits, int8 scales[16] (one per 16), fp16 d};
-//         w = d*sc*(q - 32), q in 0..63. 210 bytes, used as the file stores it.
+//         w = d*sc*(q - 32), q in 0..63. 210 bytes, regrouped 8 rows at a time (see the layout below).
 //   Q8_0: 32 weights {fp16 d, int8 q[32]}; w = d*q. 34 bytes, as stored.
 //   Q5_0: 32 weights {fp16 d, uint32 qh (5th bits), qs[16] (low nibble: weight j, high: j + 16)};
 //         w = d*(q - 16), q in 0..31. 22 bytes, as stored.
-// Paths: AVX2 (with AVX512-VNNI, vpdpwssd / vpdpbusd fuse the madd and the add: the same integers) and portable.
+// Paths: AVX-512 with VNNI (Q4_K, Q6_K on 64-byte vectors), AVX2 (with AVX512-VNNI, vpdpwssd / vpdpbusd fuse the
+// madd and the add: the same integers) and portable; every path of a format gives the same bits.
 // The arithmetic follows ggml's dot products (activations as int8 with a float scale per 256 for the k-quants,
 // per 32 for Q8_0/Q5_0, integer sums inside a block), so it reads as many bytes per weight as llama.cpp does.
 //
@@ -27,7 +28,13 @@
 //   sc [s 8][r R], mn [sp 4][r R][2] (mins of sub-blocks 2sp, 2sp+1): the decoded 6-bit scales and mins, bytes
 //   d [r R], dmin [r R]: fp32
 // so one 64-byte load gives 8 weights of each of 8 rows, and each row's sums stay in lanes of their own.
-// Q6_K, Q8_0, Q5_0: the GGUF rows as they are, [out, nb * block bytes] uint8.
+// Packed Q6_K layout: [out, nb * 210] uint8, 64-byte aligned, the file's bytes regrouped in groups of 8 rows
+// (the last may hold fewer): a quant plane (192 bytes per row and super-block), then a meta plane (18). A group of
+// R rows has nb quant super-blocks of 192 * R bytes: the low nibbles of sub-blocks 0/1 (low/high nibble), the
+// high 2-bit pairs of sub-blocks 0-3 (bits 2c, 2c+1: sub-block c), low nibbles of 2/3, of 4/5, high bits of 4-7,
+// low nibbles of 6/7, each part [k 4][r R][i 8] (weight 8k+i of the sub-block); and nb meta blocks of sc [sp 8]
+// [r R][2] (int8 scales of the 16-weight halves 2sp, 2sp+1) and d [r R] fp16.
+// Q8_0, Q5_0: the GGUF rows as they are, [out, nb * block bytes] uint8.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -190,6 +197,17 @@ DW_ALWAYS_INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
+
+// Rows 0-3 and 4-7 as two vectors of lane pairs (2r, 2r + 1 hold row r's two partial sums) -> 8 lanes, row r's
+// two sums added, in row order.
+DW_ALWAYS_INLINE __m256i pair_lanes(__m256i rows03, __m256i rows47) {
+  const __m256i p0 = _mm256_add_epi32(rows03, _mm256_srli_epi64(rows03, 32));
+  const __m256i p1 = _mm256_add_epi32(rows47, _mm256_srli_epi64(rows47, 32));
+  // the even lanes: rows [0 1 4 5 | 2 3 6 7], then in order
+  const __m256i mixed = _mm256_castps_si256(
+      _mm256_shuffle_ps(_mm256_castsi256_ps(p0), _mm256_castsi256_ps(p1), _MM_SHUFFLE(2, 0, 2, 0)));
+  return _mm256_permute4x64_epi64(mixed, _MM_SHUFFLE(3, 1, 2, 0));
+}
 #endif
 
 DW_ALWAYS_INLINE void prefetch_bytes(const uint8_t* p, int64_t bytes) {
@@ -222,19 +240,24 @@ struct Q4K {
   static constexpr int64_t dmin_at(int R) { return 148 * R; }
 
   static void check(const uint8_t* base) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 32 == 0, "q4k_linear: packed must be 32-byte aligned");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 64 == 0, "q4k_linear: packed must be 64-byte aligned");
   }
+
+  struct Group {
+    const uint8_t* q;  // the group's nb super-blocks
+  };
+  static Group group(const uint8_t* base, int64_t, int64_t nb, int64_t g) { return {base + g * nb * kRowBytes * kGroup}; }
 
   // Any R (a group's last rows, and every group without AVX2): y[t * R + r] for each row, by the integer sums
   // and the fp32 operations of the vector path, in the same order, so the bits are the same.
-  static void dot_rows(const uint8_t* g, int R, const ActRows& a, const int64_t* rows, int count, float* out) {
+  static void dot_rows(Group grp, int R, const ActRows& a, const int64_t* rows, int count, float* out) {
     const int64_t bytes = kRowBytes * R;
     for (int t = 0; t < count; ++t) {
       const int8_t* q = a.q + rows[t] * a.in;
       for (int r = 0; r < R; ++r) {
         float facc = 0.f, macc = 0.f;
         for (int64_t b = 0; b < a.nb; ++b) {
-          const uint8_t* blk = g + b * bytes;
+          const uint8_t* blk = grp.q + b * bytes;
           const int8_t* qb = q + b * kWeights;
           int32_t isum = 0, msum = 0;
           for (int s = 0; s < 8; ++s) {
@@ -265,9 +288,9 @@ struct Q4K {
   // place as 16 * q); a vpdpbusd against 8 activation bytes broadcast gives each row's two sums of 4 products in
   // lanes 2r and 2r + 1, so the sub-block scales apply lane-wise (each row's scale in both of its lanes) and the
   // two lanes are added once per super-block; the mins, d and dmin then apply per row lane. No horizontal sum.
-  // `pf`: a later group's bytes to prefetch, or null.
+  // `next`: the group to prefetch a super-block at a time (null: none).
   template <int T>
-  static void dot(const uint8_t* g, const uint8_t* pf, const ActRows& a, const int64_t* rows, float* out) {
+  static void dot(Group grp, Group next, const ActRows& a, const int64_t* rows, float* out) {
     constexpr int64_t bytes = kRowBytes * kGroup;
     const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
     const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // each row's byte twice
@@ -283,8 +306,8 @@ struct Q4K {
       macc[t] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < a.nb; ++b) {
-      const uint8_t* blk = g + b * bytes;
-      if (pf) prefetch_bytes(pf + b * bytes, bytes);
+      const uint8_t* blk = grp.q + b * bytes;
+      if (next.q) prefetch_bytes(next.q + b * bytes, bytes);
       __m512i isum[T];  // lanes 2r, 2r + 1: row r
       for (int t = 0; t < T; ++t) isum[t] = _mm512_setzero_si512();
       for (int jp = 0; jp < 4; ++jp) {
@@ -328,7 +351,7 @@ struct Q4K {
   // The AVX2 path of the same layout: each 64-byte chunk as two 32-byte halves (rows 0-3, rows 4-7), the
   // high nibbles shifted down (maddubs would saturate on 16 * q), the same integers and fp32 operations.
   template <int T>
-  static void dot(const uint8_t* g, const uint8_t* pf, const ActRows& a, const int64_t* rows, float* out) {
+  static void dot(Group grp, Group next, const ActRows& a, const int64_t* rows, float* out) {
     constexpr int64_t bytes = kRowBytes * kGroup;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -344,8 +367,8 @@ struct Q4K {
       macc[t] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < a.nb; ++b) {
-      const uint8_t* blk = g + b * bytes;
-      if (pf) prefetch_bytes(pf + b * bytes, bytes);
+      const uint8_t* blk = grp.q + b * bytes;
+      if (next.q) prefetch_bytes(next.q + b * bytes, bytes);
       __m256i isum[T][2];  // half e: rows 4e..4e+3, lanes 2r', 2r' + 1
       for (int t = 0; t < T; ++t) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
       for (int jp = 0; jp < 4; ++jp) {
@@ -378,14 +401,7 @@ struct Q4K {
         }
       }
       __m256i rowsum[T];
-      for (int t = 0; t < T; ++t) {
-        // even lanes after adding each odd lane onto its even one: rows [0 1 4 5 | 2 3 6 7], then in order
-        const __m256i p0 = _mm256_add_epi32(isum[t][0], _mm256_srli_epi64(isum[t][0], 32));
-        const __m256i p1 = _mm256_add_epi32(isum[t][1], _mm256_srli_epi64(isum[t][1], 32));
-        const __m256i mixed = _mm256_castps_si256(
-            _mm256_shuffle_ps(_mm256_castsi256_ps(p0), _mm256_castsi256_ps(p1), _MM_SHUFFLE(2, 0, 2, 0)));
-        rowsum[t] = _mm256_permute4x64_epi64(mixed, _MM_SHUFFLE(3, 1, 2, 0));
-      }
+      for (int t = 0; t < T; ++t) rowsum[t] = pair_lanes(isum[t][0], isum[t][1]);
       finish_block<T>(blk, b, drow, brow, rowsum, facc, macc);
     }
     for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + kGroup * t, _mm256_sub_ps(facc[t], macc[t]));
@@ -423,121 +439,219 @@ struct RawRows {
   static void check(const uint8_t*) {}
 };
 
-struct Q6K : RawRows {
+struct Q6K {
   static constexpr int64_t kWeights = 256;
-  static constexpr int64_t kSums = 16;  // one activation sum per 16: the -32 offset times each sub-block's scale
-  static constexpr int64_t kBytes = 210;
+  static constexpr int64_t kSums = 16;  // one activation sum per 16: the -32 offset times each scale
+  static constexpr int64_t kRowBytes = 210;
+  static constexpr int kGroup = 8;
+  static constexpr int64_t kQuantBytes = 192;  // per row and super-block; the other 18 are scales and d
   static constexpr const char* kName = "q6k_linear";
 
-  static Row row(const uint8_t* base, int64_t, int64_t nb, int64_t n) { return base + n * nb * kBytes; }
-  DW_ALWAYS_INLINE static void prefetch(const uint8_t* base, int64_t, int64_t nb, int64_t n, int count) {
-    prefetch_bytes(base + n * nb * kBytes, count * nb * kBytes);
+  // Per group of R rows (see the layout at the top): nb super-blocks of quants (192 * R bytes each) in the quant
+  // plane, nb of scales and d (18 * R bytes each) in the meta plane. A quant super-block, in reading order:
+  // low nibbles of sub-blocks 0/1 (as low/high nibble), the high bits of sub-blocks 0-3, low nibbles of 2/3, of
+  // 4/5, the high bits of 4-7, low nibbles of 6/7; each part [k 4][r R][i 8] (weight 8k + i of the sub-block).
+  static constexpr int64_t ql_at(int R, int p) { return R * (p == 0 ? 0 : p == 1 ? 64 : p == 2 ? 96 : 160); }
+  static constexpr int64_t qh_at(int R, int h) { return R * (h == 0 ? 32 : 128); }
+
+  static void check(const uint8_t* base) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 64 == 0, "q6k_linear: packed must be 64-byte aligned");
   }
 
-  // quant (0..63) of weight e (0..255) of a super-block, as dequantize_row_q6_K reads it
-  static int quant(const uint8_t* blk, int e) {
-    const int h = e / 128, k = (e % 128) / 32, l = e % 32;
-    const uint8_t ql = blk[64 * h + 32 * (k & 1) + l];
-    const int low = (k >> 1) ? (ql >> 4) : (ql & 0x0F);
-    return low | (((blk[128 + 32 * h + l] >> (2 * k)) & 3) << 4);
+  struct Group {
+    const uint8_t* q;     // nb quant super-blocks
+    const uint8_t* meta;  // nb of {sc [sp 8][r R][2] int8 (the scales of halves 2sp, 2sp + 1), d [r R] fp16}
+  };
+  static Group group(const uint8_t* base, int64_t out, int64_t nb, int64_t g) {
+    return {base + g * kGroup * nb * kQuantBytes, base + out * nb * kQuantBytes + g * kGroup * nb * (kRowBytes - kQuantBytes)};
+  }
+
+  // quant (0..63) of weight e (0..255) of row r in a quant super-block of R rows
+  static int quant(const uint8_t* q, int R, int r, int e) {
+    const int sub = e / 32, k = (e % 32) / 8, i = e % 8;
+    const uint8_t ql = q[ql_at(R, sub / 2) + k * 8 * R + 8 * r + i];
+    const uint8_t qh = q[qh_at(R, sub / 4) + k * 8 * R + 8 * r + i];
+    return ((sub & 1) ? ql >> 4 : ql & 0x0F) | (((qh >> (2 * (sub % 4))) & 3) << 4);
+  }
+
+  // Any R: y[t * R + r], the vector paths' integers and fp32 operations, so the same bits.
+  static void dot_rows(Group grp, int R, const ActRows& a, const int64_t* rows, int count, float* out) {
+    for (int t = 0; t < count; ++t) {
+      const int8_t* x = a.q + rows[t] * a.in;
+      for (int r = 0; r < R; ++r) {
+        float facc = 0.f;
+        for (int64_t b = 0; b < a.nb; ++b) {
+          const uint8_t* q = grp.q + b * kQuantBytes * R;
+          const uint8_t* meta = grp.meta + b * (kRowBytes - kQuantBytes) * R;
+          const int8_t* xb = x + b * kWeights;
+          const int16_t* bs = a.bsum + (rows[t] * a.nb + b) * kSums;
+          int32_t isum = 0, offset = 0;
+          for (int half = 0; half < 16; ++half) {
+            int32_t sub = 0;
+            for (int e = 16 * half; e < 16 * half + 16; ++e) sub += quant(q, R, r, e) * xb[e];
+            const int32_t sc = static_cast<int8_t>(meta[(half / 2) * 2 * R + 2 * r + (half & 1)]);
+            isum += sc * sub;
+            offset += sc * bs[half];
+          }
+          const float dw = half_to_float(meta + 16 * R + 2 * r);
+          facc = std::fma(dw * a.d[rows[t] * a.nb + b], static_cast<float>(isum - 32 * offset), facc);
+        }
+        out[t * R + r] = facc;
+      }
+    }
   }
 
 #if defined(__AVX2__)
-  // Per half (128 weights) and k (32 weights: sub-blocks 8h + 2k and 8h + 2k + 1), the unsigned 6-bit quants of
-  // U weight rows meet T activation vectors (maddubs u8 x s8 -> s16 pairs, madd with the two sub-block
-  // scales -> s32); the -32 offset is the integer 32 * sum_s sc_s * bsum16_s, subtracted in the same int32
-  // lanes, so each super-block's sum is exact before its one fp32 multiply-add.
-  template <int T, int U>
-  static void dot(const Row* w, const ActRows& a, const int64_t* rows, float* out) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    // byte shuffles over 8 int16 scales: 128-bit lane 0 takes scale 2k, lane 1 scale 2k + 1
-    alignas(32) static const uint8_t kPick[4][32] = {
-#define DW_PICK(k) {4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, \
-                    4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, \
-                    4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3}
-        DW_PICK(0), DW_PICK(1), DW_PICK(2), DW_PICK(3)};
-#undef DW_PICK
+  // A super-block's end for each activation row: the rows' exact sums (8 lanes) less 32 times each row's scales
+  // against the activation sums (the -32 offset), times d * d_a, accumulated in fp32.
+  template <int T>
+  DW_ALWAYS_INLINE static void finish_block(const uint8_t* meta, int64_t b, const float* const* drow,
+                                            const int16_t* const* brow, const __m256i* sc16, const __m256i* rowsum,
+                                            __m256* facc) {
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * kGroup)));
+    for (int t = 0; t < T; ++t) {
+      int32_t bs[8];  // the activation sums in pairs (halves 2sp, 2sp + 1), against each row's two scales
+      std::memcpy(bs, brow[t] + b * kSums, 32);
+      __m256i offset = _mm256_madd_epi16(sc16[0], _mm256_set1_epi32(bs[0]));
+      for (int sp = 1; sp < 8; ++sp) offset = _mm256_add_epi32(offset, _mm256_madd_epi16(sc16[sp], _mm256_set1_epi32(bs[sp])));
+      const __m256i total = _mm256_sub_epi32(rowsum[t], _mm256_slli_epi32(offset, 5));
+      facc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(drow[t][b])), _mm256_cvtepi32_ps(total), facc[t]);
+    }
+  }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // A full group of 8 rows against T activation rows: out[t * 8 + r]. One 64-byte load of low nibbles and one of
+  // high bits give 8 weights of each of 8 rows for two sub-blocks; a vpdpbusd against 8 activation bytes gives
+  // each row's two sums of 4 in lanes 2r, 2r + 1; the 16-weight halves (k < 2, k >= 2) accumulate apart for their
+  // scales (each row's scale in both of its lanes); the two lanes are added once per super-block.
+  template <int T>
+  static void dot(Group grp, Group next, const ActRows& a, const int64_t* rows, float* out) {
+    constexpr int64_t qbytes = kQuantBytes * kGroup, mbytes = (kRowBytes - kQuantBytes) * kGroup;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+    const __m128i even = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
+    const __m128i odd = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
     const int8_t* qrow[T];
     const float* drow[T];
     const int16_t* brow[T];
-    __m256 facc[U][T];
+    __m256 facc[T];
     for (int t = 0; t < T; ++t) {
       qrow[t] = a.q + rows[t] * a.in;
       drow[t] = a.d + rows[t] * a.nb;
       brow[t] = a.bsum + rows[t] * a.nb * kSums;
-      for (int u = 0; u < U; ++u) facc[u][t] = _mm256_setzero_ps();
+      facc[t] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < a.nb; ++b) {
-      __m256i iacc[U][T];
-      const uint8_t* blk[U];
-      for (int u = 0; u < U; ++u) {
-        blk[u] = w[u] + b * kBytes;
-        for (int t = 0; t < T; ++t) iacc[u][t] = _mm256_setzero_si256();
-      }
-      for (int h = 0; h < 2; ++h) {
-        __m256i scales[U];
-        for (int u = 0; u < U; ++u)
-          scales[u] = _mm256_broadcastsi128_si256(
-              _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk[u] + 192 + 8 * h))));
+      const uint8_t* q = grp.q + b * qbytes;
+      const uint8_t* meta = grp.meta + b * mbytes;
+      if (next.q) prefetch_bytes(next.q + b * qbytes, qbytes);
+      __m256i sc16[8];  // int16 [r 8][2]: the scales of halves 2sp, 2sp + 1
+      __m512i isum[T];  // lanes 2r, 2r + 1: row r
+      for (int t = 0; t < T; ++t) isum[t] = _mm512_setzero_si512();
+      for (int sp = 0; sp < 8; ++sp)
+        sc16[sp] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * sp)));
+      for (int p = 0; p < 4; ++p) {
+        __m512i q0[4], q1[4];  // sub-blocks 2p and 2p + 1
         for (int k = 0; k < 4; ++k) {
-          const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPick[k]));
-          const __m256i high2 = _mm256_set1_epi8(static_cast<char>(3 << (2 * k)));
-          __m256i wq[U], ws[U];
-          for (int u = 0; u < U; ++u) {
-            const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[u] + 64 * h + 32 * (k & 1)));
-            const __m256i qh = _mm256_and_si256(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[u] + 128 + 32 * h)), high2);
-            const __m256i low = _mm256_and_si256((k >> 1) ? _mm256_srli_epi16(ql, 4) : ql, low4);
-            // the two high bits of this k (bits 2k, 2k + 1 of qh) to bits 4, 5
-            const __m256i hi = k == 0 ? _mm256_slli_epi16(qh, 4)
-                             : k == 1 ? _mm256_slli_epi16(qh, 2)
-                             : k == 2 ? qh
-                                      : _mm256_srli_epi16(qh, 2);
-            wq[u] = _mm256_or_si256(low, hi);
-            ws[u] = _mm256_shuffle_epi8(scales[u], pick);
+          const __m512i v = _mm512_load_si512(reinterpret_cast<const void*>(q + ql_at(kGroup, p) + 64 * k));
+          const __m512i hb = _mm512_load_si512(reinterpret_cast<const void*>(q + qh_at(kGroup, p >> 1) + 64 * k));
+          // the high bits of sub-block 4h + c sit at bits 2c, 2c + 1: c = 0, 1 (p even) or 2, 3 (p odd)
+          const __m512i h0 = (p & 1) ? hb : _mm512_slli_epi16(hb, 4);
+          const __m512i h1 = (p & 1) ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
+          q0[k] = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(h0, bits45));
+          q1[k] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), _mm512_and_si512(h1, bits45));
+        }
+        // each row's scale twice: halves 4p, 4p + 1 (sub-block 2p), 4p + 2, 4p + 3 (2p + 1)
+        const __m128i sa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * (2 * p)));
+        const __m128i sb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * (2 * p + 1)));
+        const __m512i s0 = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(sa, even)), s1 = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(sa, odd));
+        const __m512i s2 = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(sb, even)), s3 = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(sb, odd));
+        for (int t = 0; t < T; ++t) {
+          int64_t a0[4], a1[4];  // 8 activation bytes at a time: sub-block 2p, then 2p + 1
+          std::memcpy(a0, qrow[t] + b * kWeights + 64 * p, 32);
+          std::memcpy(a1, qrow[t] + b * kWeights + 64 * p + 32, 32);
+          const __m512i zero = _mm512_setzero_si512();
+          const __m512i c0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q0[0], _mm512_set1_epi64(a0[0])), q0[1], _mm512_set1_epi64(a0[1]));
+          const __m512i c1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q0[2], _mm512_set1_epi64(a0[2])), q0[3], _mm512_set1_epi64(a0[3]));
+          const __m512i c2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q1[0], _mm512_set1_epi64(a1[0])), q1[1], _mm512_set1_epi64(a1[1]));
+          const __m512i c3 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, q1[2], _mm512_set1_epi64(a1[2])), q1[3], _mm512_set1_epi64(a1[3]));
+          const __m512i lo = _mm512_add_epi32(_mm512_mullo_epi32(c0, s0), _mm512_mullo_epi32(c1, s1));
+          const __m512i hi = _mm512_add_epi32(_mm512_mullo_epi32(c2, s2), _mm512_mullo_epi32(c3, s3));
+          isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(lo, hi));
+        }
+      }
+      __m256i rowsum[T];
+      for (int t = 0; t < T; ++t)
+        rowsum[t] = _mm512_cvtepi64_epi32(_mm512_add_epi32(isum[t], _mm512_srli_epi64(isum[t], 32)));
+      finish_block<T>(meta, b, drow, brow, sc16, rowsum, facc);
+    }
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + kGroup * t, facc[t]);
+  }
+#elif defined(__AVX2__)
+  // The AVX2 path of the same layout: each 64-byte chunk as two 32-byte halves (rows 0-3, rows 4-7), the same
+  // integers and fp32 operations.
+  template <int T>
+  static void dot(Group grp, Group next, const ActRows& a, const int64_t* rows, float* out) {
+    constexpr int64_t qbytes = kQuantBytes * kGroup, mbytes = (kRowBytes - kQuantBytes) * kGroup;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+    const __m128i even = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
+    const __m128i odd = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
+    const int8_t* qrow[T];
+    const float* drow[T];
+    const int16_t* brow[T];
+    __m256 facc[T];
+    for (int t = 0; t < T; ++t) {
+      qrow[t] = a.q + rows[t] * a.in;
+      drow[t] = a.d + rows[t] * a.nb;
+      brow[t] = a.bsum + rows[t] * a.nb * kSums;
+      facc[t] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const uint8_t* q = grp.q + b * qbytes;
+      const uint8_t* meta = grp.meta + b * mbytes;
+      if (next.q) prefetch_bytes(next.q + b * qbytes, qbytes);
+      __m256i sc16[8];
+      __m256i isum[T][2];  // half e: rows 4e..4e+3, lanes 2r', 2r' + 1
+      for (int t = 0; t < T; ++t) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
+      for (int sp = 0; sp < 8; ++sp)
+        sc16[sp] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * sp)));
+      for (int p = 0; p < 4; ++p) {
+        const __m128i sa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * (2 * p)));
+        const __m128i sb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16 * (2 * p + 1)));
+        const __m128i sc[4] = {_mm_shuffle_epi8(sa, even), _mm_shuffle_epi8(sa, odd), _mm_shuffle_epi8(sb, even),
+                               _mm_shuffle_epi8(sb, odd)};
+        for (int e = 0; e < 2; ++e) {
+          __m256i s[4];
+          for (int j = 0; j < 4; ++j) s[j] = _mm256_cvtepi8_epi32(e ? _mm_srli_si128(sc[j], 8) : sc[j]);
+          __m256i q0[4], q1[4];
+          for (int k = 0; k < 4; ++k) {
+            const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + ql_at(kGroup, p) + 64 * k + 32 * e));
+            const __m256i hb = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + qh_at(kGroup, p >> 1) + 64 * k + 32 * e));
+            const __m256i h0 = (p & 1) ? hb : _mm256_slli_epi16(hb, 4);
+            const __m256i h1 = (p & 1) ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2);
+            q0[k] = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(h0, bits45));
+            q1[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_and_si256(h1, bits45));
           }
           for (int t = 0; t < T; ++t) {
-            const __m256i act =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow[t] + b * kWeights + 128 * h + 32 * k));
-            for (int u = 0; u < U; ++u)
-              iacc[u][t] = madd_add(iacc[u][t], _mm256_maddubs_epi16(wq[u], act), ws[u]);
+            int64_t a0[4], a1[4];
+            std::memcpy(a0, qrow[t] + b * kWeights + 64 * p, 32);
+            std::memcpy(a1, qrow[t] + b * kWeights + 64 * p + 32, 32);
+            const __m256i zero = _mm256_setzero_si256();
+            const __m256i c0 = dpbusd(dpbusd(zero, q0[0], _mm256_set1_epi64x(a0[0])), q0[1], _mm256_set1_epi64x(a0[1]));
+            const __m256i c1 = dpbusd(dpbusd(zero, q0[2], _mm256_set1_epi64x(a0[2])), q0[3], _mm256_set1_epi64x(a0[3]));
+            const __m256i c2 = dpbusd(dpbusd(zero, q1[0], _mm256_set1_epi64x(a1[0])), q1[1], _mm256_set1_epi64x(a1[1]));
+            const __m256i c3 = dpbusd(dpbusd(zero, q1[2], _mm256_set1_epi64x(a1[2])), q1[3], _mm256_set1_epi64x(a1[3]));
+            const __m256i lo = _mm256_add_epi32(_mm256_mullo_epi32(c0, s[0]), _mm256_mullo_epi32(c1, s[1]));
+            const __m256i hi = _mm256_add_epi32(_mm256_mullo_epi32(c2, s[2]), _mm256_mullo_epi32(c3, s[3]));
+            isum[t][e] = _mm256_add_epi32(isum[t][e], _mm256_add_epi32(lo, hi));
           }
         }
       }
-      for (int u = 0; u < U; ++u) {
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[u] + 192)));
-        const float dw = half_to_float(blk[u] + 208);
-        for (int t = 0; t < T; ++t) {
-          const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(brow[t] + b * kSums));
-          const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);  // 32 * sc * bsum16
-          const __m256i isum = _mm256_sub_epi32(iacc[u][t], offset);
-          facc[u][t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * drow[t][b]), _mm256_cvtepi32_ps(isum), facc[u][t]);
-        }
-      }
+      __m256i rowsum[T];
+      for (int t = 0; t < T; ++t) rowsum[t] = pair_lanes(isum[t][0], isum[t][1]);
+      finish_block<T>(meta, b, drow, brow, sc16, rowsum, facc);
     }
-    for (int u = 0; u < U; ++u)
-      for (int t = 0; t < T; ++t) out[u * T + t] = hsum8(facc[u][t]);
-  }
-#else
-  template <int T, int U>
-  static void dot(const Row* w, const ActRows& a, const int64_t* rows, float* out) {
-    for (int u = 0; u < U; ++u) {
-      for (int t = 0; t < T; ++t) {
-        float facc = 0.f;
-        for (int64_t b = 0; b < a.nb; ++b) {
-          const uint8_t* blk = w[u] + b * kBytes;
-          const int8_t* q = a.q + rows[t] * a.in + b * kWeights;
-          int isum = 0;
-          for (int s = 0; s < 16; ++s) {
-            int sub = 0;
-            for (int i = 16 * s; i < 16 * s + 16; ++i) sub += (quant(blk, i) - 32) * q[i];
-            isum += static_cast<int8_t>(blk[192 + s]) * sub;
-          }
-          facc = std::fma(half_to_float(blk + 208) * a.d[rows[t] * a.nb + b], static_cast<float>(isum), facc);
-        }
-        out[u * T + t] = facc;
-      }
-    }
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + kGroup * t, facc[t]);
   }
 #endif
 };
@@ -740,29 +854,31 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
 }
 
 
-template <int T>
-DW_ALWAYS_INLINE void q4k_tile(const uint8_t* g, const uint8_t* pf, const ActRows& a, const int64_t* rows, float* out) {
+template <class F, int T>
+DW_ALWAYS_INLINE void group_tile(typename F::Group grp, typename F::Group next, const ActRows& a, const int64_t* rows,
+                                 float* out) {
 #if defined(__AVX2__)
-  Q4K::dot<T>(g, pf, a, rows, out);
+  F::template dot<T>(grp, next, a, rows, out);
 #else
-  (void)pf;
-  Q4K::dot_rows(g, Q4K::kGroup, a, rows, T, out);
+  (void)next;
+  F::dot_rows(grp, F::kGroup, a, rows, T, out);
 #endif
 }
 
-// y [m, out] = x [m, in] W^T + bias for Q4_K weights in groups of 8 interleaved rows (the last group may hold
-// fewer): activation rows quantized once, then threads over the groups, each group against tiles of up to 8
-// activation rows (one group's super-block serves every row of the tile).
-at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
-  const char* name = Q4K::kName;
+// y [m, out] = x [m, in] W^T + bias for a format F of interleaved weight rows (Q4K, Q6K: groups of 8 rows, the
+// last group may hold fewer): activation rows quantized once, then threads over the groups, each group against
+// tiles of up to 8 activation rows (one group's super-block serves every row of the tile).
+template <class F>
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
+  const char* name = F::kName;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be [m, in] float32");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, name, ": packed must be [out, bytes] uint8");
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), in = xc.size(1), out_features = packed.size(0);
-  TORCH_CHECK(in % Q4K::kWeights == 0, name, ": in_features must be a multiple of ", Q4K::kWeights, ", got ", in);
-  const int64_t nb = in / Q4K::kWeights;
-  TORCH_CHECK(packed.size(1) == nb * Q4K::kRowBytes, name, ": packed rows hold ", packed.size(1),
-              " bytes, expected ", nb * Q4K::kRowBytes, " for ", in, " inputs");
+  TORCH_CHECK(in % F::kWeights == 0, name, ": in_features must be a multiple of ", F::kWeights, ", got ", in);
+  const int64_t nb = in / F::kWeights;
+  TORCH_CHECK(packed.size(1) == nb * F::kRowBytes, name, ": packed rows hold ", packed.size(1),
+              " bytes, expected ", nb * F::kRowBytes, " for ", in, " inputs");
   TORCH_CHECK(packed.is_contiguous(), name, ": packed must be contiguous");
   const bool has_bias = bias.numel() > 0;
   TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.numel() == out_features),
@@ -771,57 +887,57 @@ at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
 
   at::Tensor q = at::empty({m, in}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({m, nb}, x.options());
-  at::Tensor bsum = at::empty({m, nb * Q4K::kSums}, x.options().dtype(at::kShort));
+  at::Tensor bsum = at::empty({m, nb * F::kSums}, x.options().dtype(at::kShort));
   at::Tensor y = at::empty({m, out_features}, x.options());
   const float* xp = xc.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = d.data_ptr<float>();
   int16_t* bp = bsum.data_ptr<int16_t>();
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    quantize_rows(xp, r0, r1, in, Q4K::kWeights, Q4K::kSums, qp, dp, bp);
+    quantize_rows(xp, r0, r1, in, F::kWeights, F::kSums, qp, dp, bp);
   });
 
-  const ActRows act{qp, dp, bp, in, nb, Q4K::kSums};
+  const ActRows act{qp, dp, bp, in, nb, F::kSums};
   const uint8_t* base = packed.data_ptr<uint8_t>();
-  Q4K::check(base);
+  F::check(base);
   const float* biasp = has_bias ? bias_c.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t full = out_features / Q4K::kGroup, groups = (out_features + Q4K::kGroup - 1) / Q4K::kGroup;
-  const int64_t group_bytes = nb * Q4K::kRowBytes * Q4K::kGroup;
+  const int64_t full = out_features / F::kGroup, groups = (out_features + F::kGroup - 1) / F::kGroup;
   // activation rows per pass over the groups: about 128 KiB of int8 activations (cache-resident)
   const int64_t row_chunk = std::max<int64_t>(kRowTile, (131072 / in) / kRowTile * kRowTile);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     int64_t rows[kRowTile];
-    float tile[Q4K::kGroup * kRowTile];
+    float tile[F::kGroup * kRowTile];
     for (int64_t r0 = 0; r0 < m; r0 += row_chunk) {
       const int64_t r1 = std::min(m, r0 + row_chunk);
       for (int64_t g = g0; g < g1; ++g) {
-        const uint8_t* gp = base + g * group_bytes;
-        const int R = g < full ? Q4K::kGroup : static_cast<int>(out_features - full * Q4K::kGroup);
+        const typename F::Group grp = F::group(base, out_features, nb, g);
+        const int R = g < full ? F::kGroup : static_cast<int>(out_features - full * F::kGroup);
         for (int64_t r = r0; r < r1; r += kRowTile) {
           const int count = static_cast<int>(std::min<int64_t>(kRowTile, r1 - r));
           for (int t = 0; t < count; ++t) rows[t] = r + t;
           // one row streams its groups at the DRAM rate on the hardware prefetcher alone (measured on a Zen4:
           // software prefetch made it slower); with several rows each group takes longer to compute, and the
           // next group is prefetched one super-block at a time as this one is computed
-          const uint8_t* pf = (m > 1 && r == r0 && g + 1 < std::min(g1, full)) ? gp + group_bytes : nullptr;
-          if (R < Q4K::kGroup) {
-            Q4K::dot_rows(gp, R, act, rows, count, tile);
+          const bool ahead = m > 1 && r == r0 && g + 1 < std::min(g1, full);
+          const typename F::Group next = ahead ? F::group(base, out_features, nb, g + 1) : typename F::Group{};
+          if (R < F::kGroup) {
+            F::dot_rows(grp, R, act, rows, count, tile);
           } else {
             switch (count) {
-              case 8: q4k_tile<8>(gp, pf, act, rows, tile); break;
-              case 7: q4k_tile<7>(gp, pf, act, rows, tile); break;
-              case 6: q4k_tile<6>(gp, pf, act, rows, tile); break;
-              case 5: q4k_tile<5>(gp, pf, act, rows, tile); break;
-              case 4: q4k_tile<4>(gp, pf, act, rows, tile); break;
-              case 3: q4k_tile<3>(gp, pf, act, rows, tile); break;
-              case 2: q4k_tile<2>(gp, pf, act, rows, tile); break;
-              default: q4k_tile<1>(gp, pf, act, rows, tile); break;
+              case 8: group_tile<F, 8>(grp, next, act, rows, tile); break;
+              case 7: group_tile<F, 7>(grp, next, act, rows, tile); break;
+              case 6: group_tile<F, 6>(grp, next, act, rows, tile); break;
+              case 5: group_tile<F, 5>(grp, next, act, rows, tile); break;
+              case 4: group_tile<F, 4>(grp, next, act, rows, tile); break;
+              case 3: group_tile<F, 3>(grp, next, act, rows, tile); break;
+              case 2: group_tile<F, 2>(grp, next, act, rows, tile); break;
+              default: group_tile<F, 1>(grp, next, act, rows, tile); break;
             }
           }
           for (int t = 0; t < count; ++t)
             for (int u = 0; u < R; ++u) {
-              const int64_t n = g * Q4K::kGroup + u;
+              const int64_t n = g * F::kGroup + u;
               yp[(r + t) * out_features + n] = tile[t * R + u] + (has_bias ? biasp[n] : 0.f);
             }
         }
@@ -841,8 +957,8 @@ TORCH_LIBRARY(draftwise_q4k, lib) {
 }
 
 TORCH_LIBRARY_IMPL(draftwise_q4k, CPU, lib) {
-  lib.impl("linear", &q4k_linear);
-  lib.impl("linear_q6_k", &linear<Q6K>);
+  lib.impl("linear", &grouped_linear<Q4K>);
+  lib.impl("linear_q6_k", &grouped_linear<Q6K>);
   lib.impl("linear_q8_0", &linear<Q8_0>);
   lib.impl("linear_q5_0", &linear<Q5_0>);
 }

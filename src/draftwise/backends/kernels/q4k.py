@@ -150,13 +150,13 @@ def _pack(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, qs: n
     packed = torch.empty((out, nb * PACKED_BLOCK_BYTES), dtype=torch.uint8)  # c10's allocator: 64-byte aligned
     flat = packed.view(-1).numpy()
     parts = (d.astype("<f4"), dmin.astype("<f4"), sc, mn, np.ascontiguousarray(qs, dtype=np.uint8))
-    for first, count, rows in _groups(out):
+    for first, count, rows in row_groups(out):
         block = _interleave(*(part[first:first + count] for part in parts), rows)
         flat[first * nb * PACKED_BLOCK_BYTES:(first + count) * nb * PACKED_BLOCK_BYTES] = block.reshape(-1)
     return packed
 
 
-def _groups(out: int) -> list[tuple[int, int, int]]:
+def row_groups(out: int) -> list[tuple[int, int, int]]:
     """``(first row, rows, rows per group)`` of the packed layout's parts: the full groups of 8 from row 0, then
     the last group of ``out % 8`` rows; a part without rows is left out."""
     full = out // GROUP_ROWS * GROUP_ROWS
@@ -182,7 +182,7 @@ def _unpack(packed: torch.Tensor) -> tuple[np.ndarray, ...]:
     d, dmin = np.empty((out, nb), np.float32), np.empty((out, nb), np.float32)
     sc, mn = np.empty((out, nb, 8), np.uint8), np.empty((out, nb, 8), np.uint8)
     qs = np.empty((out, nb, 128), np.uint8)
-    for first, count, rows in _groups(out):
+    for first, count, rows in row_groups(out):
         groups = count // rows
         block = flat[first * nb * PACKED_BLOCK_BYTES:(first + count) * nb * PACKED_BLOCK_BYTES]
         block = block.reshape(groups, nb, PACKED_BLOCK_BYTES * rows)
@@ -312,8 +312,8 @@ class Q4KLinear(GGUFOpLinear):
                            f"{tuple(packed.shape)} {packed.dtype}")
         super().__init__(packed.shape[0], packed.shape[1] // PACKED_BLOCK_BYTES * SUPER_BLOCK, bias)
         load_q4k_ops()
-        if packed.data_ptr() % 32:
-            packed = packed.clone()  # the kernel's aligned loads need 32-byte alignment (c10 gives 64)
+        if packed.data_ptr() % 64:
+            packed = packed.clone()  # the kernel's aligned loads need 64-byte alignment (c10 gives 64)
         self._bind(packed, torch.ops.draftwise_q4k.linear.default)
 
     @classmethod
