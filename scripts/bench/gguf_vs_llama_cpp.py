@@ -4,7 +4,7 @@
 For llama.cpp (llama-cpp-python as scripts/setup.sh builds it, its normal one-token decoding, flash attention)
 and for draftwise's lean runtime in each ``--modes`` quantization (``q4k``: the GGUF's own Q4_K blocks on the
 row-invariant kernel; ``int8``): one-token time at contexts 200 and 2,000, the verify curve v_k = t_k / t_1 for
-k = 1..8 (context 200), prefill of a 2,000-token prompt, then greedy generations of ``--prompts`` Spec-Bench
+k = 1..8 (context 200), prefill of 130- and 2,000-token prompts, then greedy generations of ``--prompts`` Spec-Bench
 coding prompts (``--max-tokens`` tokens): llama.cpp plain, and per draftwise mode plain, n-gram (K = 4), the
 draft model (K = 4, ``--speculative-backend auto``) and the draft model with the auto K policy (K <= 8). Every
 draftwise output is compared with draftwise's plain output of the same mode (exactness); llama.cpp's plain
@@ -39,6 +39,8 @@ from draftwise.models.loading import load_model, resolve_model
 CONTEXTS = (200, 2000)
 KS = tuple(range(1, 9))
 PREFILL = 2000
+#: the short prompt's prefill (a coding prompt's length with its chat template)
+SHORT_PREFILL = 130
 
 
 def prompt_ids(n: int) -> list[int]:
@@ -71,13 +73,15 @@ def cost_round(backend) -> dict:
     """One round of timings on ``backend``: prefill of PREFILL tokens, one token on top of it, and on a fresh
     200-token context one token and t_k for k in KS (seconds)."""
     backend.reset()
+    short = timed(lambda: backend.forward(prompt_ids(SHORT_PREFILL), num_logits=1))
+    backend.reset()
     prefill = timed(lambda: backend.forward(prompt_ids(PREFILL), num_logits=1))
     t1 = {CONTEXTS[1]: pass_seconds(backend, PREFILL, 1)}
     backend.reset()
     backend.forward(prompt_ids(CONTEXTS[0]), num_logits=1)
     t1[CONTEXTS[0]] = pass_seconds(backend, CONTEXTS[0], 1)
     tk = {k: pass_seconds(backend, CONTEXTS[0], k) for k in KS}
-    return {"prefill": prefill, "t1": t1, "tk": tk}
+    return {"prefill": prefill, "short_prefill": short, "t1": t1, "tk": tk}
 
 
 def summarize_costs(rounds: list[dict]) -> dict:
@@ -85,7 +89,8 @@ def summarize_costs(rounds: list[dict]) -> dict:
     t1 = {c: statistics.median(r["t1"][c] for r in rounds) for c in CONTEXTS}
     tk = {k: statistics.median(r["tk"][k] for r in rounds) for k in KS}
     return {"one_token_ms": {c: 1e3 * v for c, v in t1.items()}, "v_k": {k: tk[k] / tk[1] for k in KS},
-            "prefill_tokens_per_s": PREFILL / statistics.median(r["prefill"] for r in rounds)}
+            "prefill_tokens_per_s": PREFILL / statistics.median(r["prefill"] for r in rounds),
+            "short_prefill_tokens_per_s": SHORT_PREFILL / statistics.median(r["short_prefill"] for r in rounds)}
 
 
 def llama_cpp_generate(backend: LlamaCppCausalLM, ids: list[int], max_tokens: int, eos: set[int]) -> list[int]:
@@ -266,11 +271,12 @@ def add(rows: dict, name: str, seconds: float, tokens: list[int], plain: list[in
 
 
 def print_costs(costs: dict) -> None:
-    print("\nruntime            | 1 token @200 | 1 token @2000 | prefill 2000 | v_2  v_4  v_5  v_8")
+    print("\nruntime            | 1 token @200 | 1 token @2000 | prefill 130 | prefill 2000 | v_2  v_4  v_5  v_8")
     for name, row in costs.items():
         v = row["v_k"]
         print(f"{name:<18} | {row['one_token_ms'][200]:9.1f} ms | {row['one_token_ms'][2000]:10.1f} ms | "
-              f"{row['prefill_tokens_per_s']:7.1f} tok/s | {v[2]:.2f} {v[4]:.2f} {v[5]:.2f} {v[8]:.2f}", flush=True)
+              f"{row['short_prefill_tokens_per_s']:6.1f} tok/s | {row['prefill_tokens_per_s']:7.1f} tok/s | "
+              f"{v[2]:.2f} {v[4]:.2f} {v[5]:.2f} {v[8]:.2f}", flush=True)
 
 
 def print_generation(rows: dict) -> None:
