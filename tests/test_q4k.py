@@ -239,7 +239,7 @@ def test_a_failing_build_is_a_clear_error(monkeypatch):
         raise RuntimeError("Error building extension\nq4k.cpp:1:1: error: no compiler here\nninja: stopped")
 
     monkeypatch.setattr(cpp_extension, "load", broken)
-    monkeypatch.setattr(q4k, "_build_key", lambda: "broken-build")
+    monkeypatch.setattr(q4k, "build_key", lambda: "broken-build")
     q4k.load_q4k_ops.cache_clear()
     try:
         assert "error: no compiler here" in (q4k.q4k_available() or "")
@@ -275,3 +275,18 @@ def test_every_format_kernel_keeps_its_weight_prefetch():
             prefetching.add(function)
     for fmt in ("Q4K", "Q6K", "Q8_0Decode", "Q5_0Decode"):
         assert any("linear<(anonymous namespace)::" in f and fmt in f for f in prefetching), fmt
+
+
+def test_the_kernel_self_test_measures_again_after_the_extension_changes(monkeypatch):
+    """The self-test's cache key holds the extension's build key for its kernels' modes, so a changed kernel
+    source is timed and checked again; other modes' keys do not depend on it."""
+    from draftwise.backends.kernels import linear_kernels
+    from draftwise.backends.kernels.selftest import _cache_key
+
+    def key(mode):
+        return _cache_key(mode, [], linear_kernels(mode), True, 2, False)
+
+    before = {mode: key(mode) for mode in ("q4k", "int8")}
+    monkeypatch.setattr(q4k, "build_key", lambda: "another-source")
+    assert key("q4k") != before["q4k"]
+    assert key("int8") == before["int8"]

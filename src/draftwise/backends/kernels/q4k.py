@@ -61,7 +61,9 @@ class Q4KError(KernelError):
 
 
 # --------------------------------------------------------------------------------------------- the extension
-def _build_key() -> str:
+def build_key() -> str:
+    """A hash of the extension's sources, headers and flags, torch's version and this CPU: its build directory's
+    name, and part of the kernel self-test's cache key."""
     from draftwise.machine import cpu_flags, cpu_model_name
 
     digest = hashlib.sha256()
@@ -85,7 +87,7 @@ def load_q4k_ops() -> str:
         from torch.utils import cpp_extension
     except ImportError as exc:  # pragma: no cover - part of every torch build
         raise Q4KError(f"torch.utils.cpp_extension unavailable: {exc}") from exc
-    key = _build_key()
+    key = build_key()
     build_dir = draftwise_home() / "extensions" / f"q4k-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     torch_lib = Path(torch.__file__).parent / "lib"

@@ -538,7 +538,22 @@ def _cache_key(mode: str, shapes: Sequence[LinearShape], kernels: Sequence[Linea
             "cpu_flags_sha": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16],
             "torch": torch.__version__, "threads": threads, "mode": mode, "require_invariant": require_invariant,
             "shapes": [[s.out_features, s.in_features, s.count] for s in shapes],
-            "kernels": [k.name for k in kernels], "check_all": check_all, "weights": {str(m): w for m, w in COST_WEIGHTS.items()}}
+            "kernels": [k.name for k in kernels], "check_all": check_all, "weights": {str(m): w for m, w in COST_WEIGHTS.items()},
+            "extension": _extension_key(kernels)}
+
+
+#: modes whose kernels are draftwise's own C++ extension (``q4k.cpp``), rebuilt when its source changes
+_EXTENSION_MODES = ("q4k", "q6k", "q8_0", "q5_0")
+
+
+def _extension_key(kernels: Sequence[LinearKernel]) -> str | None:
+    """The extension's build key (a hash of its sources and flags) when a kernel runs on it, so that a changed
+    kernel is measured and checked again instead of read from the cache; None otherwise."""
+    if not any(kernel.mode in _EXTENSION_MODES for kernel in kernels):
+        return None
+    from draftwise.backends.kernels.q4k import build_key
+
+    return build_key()
 
 
 def _digest(key: dict) -> str:
