@@ -289,3 +289,19 @@ def test_costs_says_which_draft_runtime_auto_chose(stories_path, draftwise_home,
     assert "draft runtime (auto): " in capsys.readouterr().out
     assert main([*common, "--speculative-backend", "llama.cpp", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["draft_runtime_choice"] is None  # forced: nothing measured
+
+
+def test_the_cache_key_follows_the_gguf_kernels_source_for_a_q4k_draft(tmp_path, monkeypatch):
+    """A lean draft on the GGUF kernels is measured again after their source changes; an int8 draft's key does
+    not depend on it."""
+    from draftwise import draft_backend
+    from draftwise.backends.kernels import q4k
+
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(b"GGUF")
+    monkeypatch.setattr(q4k, "q4k_available", lambda: None)
+    monkeypatch.setattr(q4k, "build_key", lambda: "source-1")
+    first = {mode: draft_backend._cache_key(str(draft), 2, mode) for mode in ("q4k", "int8")}
+    monkeypatch.setattr(q4k, "build_key", lambda: "source-2")
+    assert draft_backend._cache_key(str(draft), 2, "q4k") != first["q4k"]
+    assert draft_backend._cache_key(str(draft), 2, "int8") == first["int8"]

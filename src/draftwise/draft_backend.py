@@ -15,8 +15,8 @@ measured and reported but not chosen (a copy that guesses differently would lose
 speed). Each candidate's prefill rate (one pass over ``context`` tokens) is reported beside it: a draft catches
 up on the whole prompt once per request (``docs/draft_trees.md``). The choice, and the re-quantized copy, are
 cached per draft file and machine (CPU model and flags, torch and llama-cpp-python versions, threads,
-quantization) under ``draftwise_home()/draft_backends/``, like the kernel self-test, so later loads measure
-nothing.
+quantization, the GGUF kernels' source) under ``draftwise_home()/draft_backends/``, like the kernel self-test, so
+later loads measure nothing.
 """
 
 from __future__ import annotations
@@ -196,7 +196,17 @@ def _cache_key(path: str, threads: int | None, quantization: str | None) -> dict
             "mtime_ns": stat.st_mtime_ns, "cpu": cpu_model_name(), "flags": sorted(cpu_flags()),
             "torch": torch.__version__, "llama_cpp": _llama_cpp_version(), "threads": threads,
             "torch_threads": torch.get_num_threads(), "quantization": quantization, "context": CONTEXT_TOKENS,
-            "min_agreement": MIN_AGREEMENT}
+            "min_agreement": MIN_AGREEMENT, "extension": _extension_key(quantization)}
+
+
+def _extension_key(quantization: str | None) -> str | None:
+    """The GGUF kernels' build key when the lean candidate may run on them (``q4k``, ``auto``), so a changed
+    kernel is measured again; None otherwise or where they do not build."""
+    if quantization not in ("q4k", "auto"):
+        return None
+    from draftwise.backends.kernels.q4k import build_key, q4k_available
+
+    return build_key() if q4k_available() is None else None
 
 
 def _requantized_copy(path: str, file_type: str, head_type: str | None, folder: Path, threads: int | None,
