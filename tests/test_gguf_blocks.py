@@ -131,15 +131,15 @@ def test_rows_do_not_depend_on_the_other_rows_of_the_call(fmt):
     assert torch.equal(layer(x[5:25]), alone[5:25])  # the same rows at other positions of the call
 
 
-def test_q6k_regrouping_round_trips_and_a_row_gives_the_same_bits_in_any_group():
-    """Q6_K's rows are regrouped 8 at a time for the kernel; a last group of fewer rows runs the scalar path."""
-    from draftwise.backends.kernels.gguf_blocks import interleave_q6k, q6k_rows
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.ggml_type)
+def test_regrouping_round_trips_and_a_row_gives_the_same_bits_in_any_group(fmt):
+    """The rows are regrouped 8 at a time for the kernel; a last group of fewer rows runs the scalar path."""
+    from draftwise.backends.kernels.gguf_blocks import file_rows, regroup
 
-    fmt = BLOCK_FORMATS["Q6_K"]
     for out in (1, 5, 8, 13):
-        raw = random_blocks("Q6_K", out, 512, seed=out)
-        assert np.array_equal(q6k_rows(interleave_q6k(raw)), raw), out
-    raw = torch.from_numpy(random_blocks("Q6_K", 16, 512, seed=7))
+        raw = random_blocks(fmt.ggml_type, out, 512, seed=out)
+        assert np.array_equal(file_rows(fmt, regroup(fmt, raw)), raw), out
+    raw = torch.from_numpy(random_blocks(fmt.ggml_type, 16, 512, seed=7))
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(7))
     whole = GGUFBlockLinear(fmt, raw)(x)            # rows 8..15: a full group (vector path)
     tail = GGUFBlockLinear(fmt, raw[3:13])(x)       # rows 11, 12: a last group of 2 (scalar path)

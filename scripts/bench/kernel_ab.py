@@ -35,7 +35,7 @@ from draftwise.machine import cpu_model_name
 from gguf_kernels import random_packed
 
 #: the op of each type
-_OPS = {"Q4_K": "linear", "Q6_K": "linear_q6_k"}
+_OPS = {"Q4_K": "linear", "Q6_K": "linear_q6_k", "Q8_0": "linear_q8_0", "Q5_0": "linear_q5_0"}
 
 
 def build(name: str, source: Path, flags: list[str], index: int):

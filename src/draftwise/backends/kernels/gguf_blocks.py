@@ -10,8 +10,8 @@ Formats (ggml's ``ggml-common.h``; dequantization as ``dequantize_row_q6_K`` / `
   ``w = d * (q - 16)``, q in 0..31.
 
 A packed weight holds the GGUF rows' bytes, ``[out, in / block * block_bytes]`` uint8: no second rounding, and the
-bytes streamed per weight are llama.cpp's. Q8_0 and Q5_0 rows are used as they are; Q6_K's are regrouped
-(:func:`interleave_q6k`) so that 8 weight rows sit side by side, as Q4_K's do. The kernels (``q4k.cpp``) quantize each
+bytes streamed per weight are llama.cpp's. The rows are regrouped (:func:`regroup`) so that 8 weight rows sit side
+by side, as Q4_K's do: one vector load holds 8 weights of each of 8 rows. The kernels (``q4k.cpp``) quantize each
 activation row on its own to int8 (per 256 for Q6_K, per 32 for Q8_0 and Q5_0), sum each block in integers
 and accumulate in fp32 in one fixed order: row-invariant by construction, as the Q4_K kernel
 (:mod:`draftwise.backends.kernels.q4k`, whose extension holds them all).
@@ -30,7 +30,7 @@ from draftwise.backends.kernels.layers import KernelError, _KernelLinear
 from draftwise.backends.kernels.q4k import GGUFOpLinear, Q4KLinear, load_q4k_ops, pack_gguf_q4k, row_groups
 
 __all__ = ["BlockFormat", "BLOCK_FORMATS", "block_format", "quantize_blocks", "dequantize_blocks", "quantize_q6k",
-           "interleave_q6k", "q6k_rows", "GGUFBlockLinear", "SegmentedLinear", "gguf_linear"]
+           "interleave_q6k", "q6k_rows", "regroup", "file_rows", "GGUFBlockLinear", "SegmentedLinear", "gguf_linear"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,6 @@ class BlockFormat:
     op: str
     block_weights: int
     block_bytes: int
-    grouped: bool = False  # stored as :func:`interleave_q6k` regroups it, not as the file's rows
 
     @property
     def bytes_per_weight(self) -> float:
@@ -65,7 +64,7 @@ class BlockFormat:
 #: The formats served as stored, by ``GGMLQuantizationType`` name.
 BLOCK_FORMATS: dict[str, BlockFormat] = {
     f.ggml_type: f for f in (
-        BlockFormat("Q6_K", "q6k", "q6k-cpp", "linear_q6_k", 256, 210, grouped=True),
+        BlockFormat("Q6_K", "q6k", "q6k-cpp", "linear_q6_k", 256, 210),
         BlockFormat("Q8_0", "q8_0", "q8_0-cpp", "linear_q8_0", 32, 34),
         BlockFormat("Q5_0", "q5_0", "q5_0-cpp", "linear_q5_0", 32, 22),
     )
@@ -228,6 +227,83 @@ def q6k_rows(packed: torch.Tensor) -> np.ndarray:
     return blocks.reshape(out, nb * 210)
 
 
+def _q5_0_quants(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks ``[..., 22]`` -> quants ``[..., 32]`` 0..31 (``dequantize_row_q5_0``: the low nibble of byte
+    j is weight j, the high nibble weight j + 16, bit j of ``qh`` its fifth bit)."""
+    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")[..., 0]
+    nibbles = np.concatenate([blocks[..., 6:22] & 0x0F, blocks[..., 6:22] >> 4], axis=-1)
+    fifth = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+    return (nibbles | (fifth.astype(np.uint8) << 4)).astype(np.uint8)
+
+
+def _block32_planes(kind: str, blocks: np.ndarray, rows: int) -> list[np.ndarray]:
+    """One part's blocks ``[g * rows, nb, block bytes]`` -> its planes, each ``[g, nb, bytes per row * rows]``:
+    Q8_0: quants ``[4, rows, 8]`` (q + 128), d; Q5_0: nibbles ``[2, rows, 8]`` (low: weight 8j + i, high: 16 + 8j + i),
+    fifth bits ``[4, rows, 8]`` (one bit each, packed little-endian), d. ``d`` is ``[rows]`` fp16 bytes."""
+    count, nb = blocks.shape[:2]
+    g = count // rows
+    d = blocks[..., 0:2].reshape(g, rows, nb, 2).transpose(0, 2, 1, 3).reshape(g, nb, 2 * rows)
+    if kind == "Q8_0":
+        q = (blocks[..., 2:34] ^ 0x80).reshape(g, rows, nb, 4, 8).transpose(0, 2, 3, 1, 4)
+        return [q.reshape(g, nb, 32 * rows), d]
+    q = _q5_0_quants(blocks).reshape(g, rows, nb, 4, 8).transpose(0, 2, 3, 1, 4)  # [g, b, k, r, i]
+    nibbles = (q[:, :, 0:2] & 0x0F) | ((q[:, :, 2:4] & 0x0F) << 4)
+    bits = np.packbits((q >> 4).reshape(g, nb, 32 * rows), axis=-1, bitorder="little")
+    return [nibbles.reshape(g, nb, 16 * rows), bits, d]
+
+
+def _plane_bytes(kind: str) -> tuple[int, ...]:
+    return {"Q8_0": (32, 2), "Q5_0": (16, 4, 2)}[kind]
+
+
+def regroup(fmt: BlockFormat, raw: np.ndarray) -> torch.Tensor:
+    """GGUF rows ``[out, nb * block_bytes]`` -> the kernel's layout, the same size (``q4k.cpp``): Q6_K as
+    :func:`interleave_q6k`; Q8_0 and Q5_0 in planes (per row and block: Q8_0 32 bytes of quants, 2 of d; Q5_0 16 of
+    nibbles, 4 of fifth bits, 2 of d), each plane in groups of 8 weight rows (the last may hold fewer) as
+    :func:`_block32_planes` lays them out. 64-byte aligned."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if fmt.ggml_type == "Q6_K":
+        return interleave_q6k(raw)
+    out, nb = raw.shape[0], raw.shape[1] // fmt.block_bytes
+    blocks = raw.reshape(out, nb, fmt.block_bytes)
+    packed = torch.empty((out, nb * fmt.block_bytes), dtype=torch.uint8)  # c10's allocator: 64-byte aligned
+    flat = packed.view(-1).numpy()
+    widths = _plane_bytes(fmt.ggml_type)
+    starts = np.cumsum((0, *widths[:-1])) * out * nb
+    for first, count, rows in row_groups(out):
+        for start, width, plane in zip(starts, widths, _block32_planes(fmt.ggml_type, blocks[first:first + count], rows)):
+            flat[start + first * nb * width:start + (first + count) * nb * width] = plane.reshape(-1)
+    return packed
+
+
+def file_rows(fmt: BlockFormat, packed: torch.Tensor) -> np.ndarray:
+    """The inverse of :func:`regroup`: the GGUF rows ``[out, nb * block_bytes]``."""
+    if fmt.ggml_type == "Q6_K":
+        return q6k_rows(packed)
+    out, nb = packed.shape[0], packed.shape[1] // fmt.block_bytes
+    flat = packed.contiguous().view(-1).numpy()
+    widths = _plane_bytes(fmt.ggml_type)
+    starts = np.cumsum((0, *widths[:-1])) * out * nb
+    blocks = np.empty((out, nb, fmt.block_bytes), np.uint8)
+    for first, count, rows in row_groups(out):
+        g = count // rows
+        planes = [flat[start + first * nb * width:start + (first + count) * nb * width].reshape(g, nb, width * rows)
+                  for start, width in zip(starts, widths)]
+        blocks[first:first + count, :, 0:2] = planes[-1].reshape(g, nb, rows, 2).transpose(0, 2, 1, 3).reshape(count, nb, 2)
+        if fmt.ggml_type == "Q8_0":
+            q = planes[0].reshape(g, nb, 4, rows, 8).transpose(0, 3, 1, 2, 4).reshape(count, nb, 32)
+            blocks[first:first + count, :, 2:34] = q ^ 0x80
+            continue
+        nibbles = planes[0].reshape(g, nb, 2, rows, 8)
+        low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)                 # [g, b, k, r, i]
+        fifth = np.unpackbits(planes[1], axis=-1, bitorder="little").reshape(g, nb, 4, rows, 8)
+        q = (low | (fifth << 4)).transpose(0, 3, 1, 2, 4).reshape(count, nb, 32)
+        qh = (((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+        blocks[first:first + count, :, 2:6] = qh.astype("<u4")[..., None].view(np.uint8)
+        blocks[first:first + count, :, 6:22] = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)
+    return blocks.reshape(out, nb * fmt.block_bytes)
+
+
 # -------------------------------------------------------------------------------------------- the modules
 class GGUFBlockLinear(GGUFOpLinear):
     """``y = x W^T + b`` with ``W`` in GGUF rows of a :class:`BlockFormat` (Q6_K, Q8_0, Q5_0) on its row-invariant
@@ -235,8 +311,8 @@ class GGUFBlockLinear(GGUFOpLinear):
 
     Args:
         fmt: the format.
-        packed: ``[out, in / block * block_bytes]`` uint8, the file's rows or :func:`quantize_blocks`' output (a
-            grouped format's rows are regrouped here: :func:`interleave_q6k`).
+        packed: ``[out, in / block * block_bytes]`` uint8, the file's rows or :func:`quantize_blocks`' output
+            (regrouped here for the kernel: :func:`regroup`).
         bias: ``[out]`` or None.
 
     Raises:
@@ -252,13 +328,12 @@ class GGUFBlockLinear(GGUFOpLinear):
         load_q4k_ops()
         self.format = fmt
         self.kernel_name = fmt.kernel_name
-        if fmt.grouped:
-            packed = interleave_q6k(packed.contiguous().numpy())
+        packed = regroup(fmt, packed.contiguous().numpy())
         self._bind(packed, getattr(torch.ops.draftwise_q4k, fmt.op).default)
 
     def gguf_rows(self) -> torch.Tensor:
-        """The weight as the file's rows ``[out, in / block * block_bytes]`` uint8 (a copy for a grouped format)."""
-        return torch.from_numpy(q6k_rows(self.packed)) if self.format.grouped else self.packed
+        """The weight as the file's rows ``[out, in / block * block_bytes]`` uint8 (a copy)."""
+        return torch.from_numpy(file_rows(self.format, self.packed))
 
     @classmethod
     def from_float(cls, fmt: BlockFormat, weight: torch.Tensor, bias: torch.Tensor | None = None) -> GGUFBlockLinear:

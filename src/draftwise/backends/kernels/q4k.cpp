@@ -56,9 +56,6 @@ namespace {
 #define DW_ALWAYS_INLINE inline __attribute__((always_inline))
 
 constexpr int kRowTile = 8;  // activation rows computed together against one unpacked weight block
-// software prefetch distance: weight bytes ahead of the rows being computed (a distance in rows would run out of
-// the L1 cache for long rows: 16 rows of the 8960-wide down projection are 72 KiB)
-constexpr int64_t kPrefetchBytes = 8192;
 
 // One set of activation rows quantized: q [m, in] int8, d [m, nb] float (one scale per block of `block`
 // inputs), bsum [m, nb * sums] int16 (sums of q over `block / sums` consecutive inputs; none when sums is 0).
@@ -433,12 +430,6 @@ struct Q4K {
 #endif
 };
 
-// The formats used as GGUF stores them: a weight row is nb consecutive blocks of kBytes.
-struct RawRows {
-  using Row = const uint8_t*;
-  static void check(const uint8_t*) {}
-};
-
 struct Q6K {
   static constexpr int64_t kWeights = 256;
   static constexpr int64_t kSums = 16;  // one activation sum per 16: the -32 offset times each scale
@@ -656,106 +647,210 @@ struct Q6K {
 #endif
 };
 
-// Q8_0 and Q5_0: 32-weight blocks {fp16 d, signed quants}; Decode gives a block's 32 quants as int8.
-template <class Decode>
-struct Block32 : RawRows {
-  static constexpr int64_t kWeights = 32;
-  static constexpr int64_t kSums = 0;
-  static constexpr int64_t kBytes = Decode::kBytes;
-  static constexpr const char* kName = Decode::kName;
-
-  static Row row(const uint8_t* base, int64_t, int64_t nb, int64_t n) { return base + n * nb * kBytes; }
-  DW_ALWAYS_INLINE static void prefetch(const uint8_t* base, int64_t, int64_t nb, int64_t n, int count) {
-    prefetch_bytes(base + n * nb * kBytes, count * nb * kBytes);
-  }
-
-#if defined(__AVX2__)
-  // Per block, U decoded weight vectors meet T activation vectors: |w| x (a * sign(w)) by maddubs (u8 x s8;
-  // |w| <= 128 and |a| <= 127, so the s16 pair sums do not saturate), madd with ones -> 8 int32 lanes, one
-  // fp32 multiply-add per lane with d_w * d_a.
-  template <int T, int U>
-  static void dot(const Row* w, const ActRows& a, const int64_t* rows, float* out) {
-    const int8_t* qrow[T];
-    const float* drow[T];
-    __m256 facc[U][T];
-    for (int t = 0; t < T; ++t) {
-      qrow[t] = a.q + rows[t] * a.in;
-      drow[t] = a.d + rows[t] * a.nb;
-      for (int u = 0; u < U; ++u) facc[u][t] = _mm256_setzero_ps();
-    }
-    for (int64_t b = 0; b < a.nb; ++b) {
-      __m256i wq[U], wabs[U];
-      float dw[U];
-      for (int u = 0; u < U; ++u) {
-        const uint8_t* blk = w[u] + b * kBytes;
-        wq[u] = Decode::load(blk);
-        wabs[u] = _mm256_sign_epi8(wq[u], wq[u]);
-        dw[u] = half_to_float(blk);
-      }
-      for (int t = 0; t < T; ++t) {
-        const __m256i act = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow[t] + b * kWeights));
-        const float da = drow[t][b];
-        for (int u = 0; u < U; ++u) {
-          const __m256i isum = dot_u8s8(wabs[u], _mm256_sign_epi8(act, wq[u]));
-          facc[u][t] = _mm256_fmadd_ps(_mm256_set1_ps(dw[u] * da), _mm256_cvtepi32_ps(isum), facc[u][t]);
-        }
-      }
-    }
-    for (int u = 0; u < U; ++u)
-      for (int t = 0; t < T; ++t) out[u * T + t] = hsum8(facc[u][t]);
-  }
-#else
-  template <int T, int U>
-  static void dot(const Row* w, const ActRows& a, const int64_t* rows, float* out) {
-    for (int u = 0; u < U; ++u) {
-      for (int t = 0; t < T; ++t) {
-        float facc = 0.f;
-        for (int64_t b = 0; b < a.nb; ++b) {
-          const uint8_t* blk = w[u] + b * kBytes;
-          const int8_t* q = a.q + rows[t] * a.in + b * kWeights;
-          int isum = 0;
-          for (int i = 0; i < 32; ++i) isum += Decode::quant(blk, i) * q[i];
-          facc = std::fma(half_to_float(blk) * a.d[rows[t] * a.nb + b], static_cast<float>(isum), facc);
-        }
-        out[u * T + t] = facc;
-      }
-    }
-  }
-#endif
-};
-
+// Q8_0 and Q5_0: 32-weight blocks with an fp16 d each, regrouped 8 rows at a time in planes (see the layout at the
+// top). A Decode gives the unsigned quants of a group's block as four 64-byte vectors [r 8][i 8] (weights 8k+i,
+// k = 0..3), their offset (128: Q8_0 stored as q + 128; 16: Q5_0's q - 16), and the scalar quant.
 struct Q8_0Decode {
-  static constexpr int64_t kBytes = 34;
+  static constexpr int64_t kRowBytes = 34;
+  static constexpr int64_t kPlanes[2] = {32, 2};  // quants [k 4][r R][i 8] u8 (q + 128), d [r R] fp16
+  static constexpr int32_t kOffset = 128;
   static constexpr const char* kName = "q8_0_linear";
-  static int quant(const uint8_t* blk, int i) { return static_cast<int8_t>(blk[2 + i]); }
-#if defined(__AVX2__)
-  static __m256i load(const uint8_t* blk) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)); }
+  static int quant(const uint8_t* quants, int R, int r, int e) { return quants[(e / 8) * 8 * R + 8 * r + e % 8]; }
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  DW_ALWAYS_INLINE static void load(const uint8_t* const* plane, int64_t b, __m512i* w) {
+    for (int k = 0; k < 4; ++k) w[k] = _mm512_load_si512(reinterpret_cast<const void*>(plane[0] + 256 * b + 64 * k));
+  }
+#elif defined(__AVX2__)
+  // signed quants (q + 128 with its top bit flipped back): maddubs would saturate on q + 128 up to 255
+  static constexpr bool kSigned = true;
+  DW_ALWAYS_INLINE static void load(const uint8_t* const* plane, int64_t b, int e, __m256i* w) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int k = 0; k < 4; ++k)
+      w[k] = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(plane[0] + 256 * b + 64 * k + 32 * e)), flip);
+  }
 #endif
 };
 
 struct Q5_0Decode {
-  static constexpr int64_t kBytes = 22;
+  static constexpr int64_t kRowBytes = 22;
+  // nibbles [j 2][r R][i 8] (low: weight 8j+i, high: 16+8j+i), fifth bits [k 4][r R][i 8] (one bit each, in that
+  // order), d [r R] fp16
+  static constexpr int64_t kPlanes[3] = {16, 4, 2};
+  static constexpr int32_t kOffset = 16;
   static constexpr const char* kName = "q5_0_linear";
-  static int quant(const uint8_t* blk, int i) {
-    uint32_t qh;
-    std::memcpy(&qh, blk + 2, 4);
-    const int low = i < 16 ? (blk[6 + i] & 0x0F) : (blk[6 + i - 16] >> 4);
-    return (low | (((qh >> i) & 1) << 4)) - 16;
+  static int quant(const uint8_t* nibbles, const uint8_t* bits, int R, int r, int e) {
+    const int k = e / 8, i = e % 8;
+    const uint8_t byte = nibbles[(k % 2) * 8 * R + 8 * r + i];
+    const int bit = (k * 8 * R + 8 * r + i);
+    return ((k < 2) ? byte & 0x0F : byte >> 4) | (((bits[bit / 8] >> (bit % 8)) & 1) << 4);
   }
-#if defined(__AVX2__)
-  // nibbles to bytes (weights 0..15 from the low nibbles, 16..31 from the high ones); where the fifth bit is
-  // clear the byte gets 0xF0, which makes it the signed q - 16 directly (ggml's trick)
-  static __m256i load(const uint8_t* blk) {
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
-    const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0F));
-    uint32_t qh;
-    std::memcpy(&qh, blk + 2, 4);
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(static_cast<int>(qh)),
-        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
-    const __m256i bit_set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                                              _mm256_set1_epi64x(-1));
-    return _mm256_or_si256(nibbles, _mm256_andnot_si256(bit_set, _mm256_set1_epi8(static_cast<char>(0xF0))));
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  DW_ALWAYS_INLINE static void load(const uint8_t* const* plane, int64_t b, __m512i* w) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    const __m512i v0 = _mm512_load_si512(reinterpret_cast<const void*>(plane[0] + 128 * b));
+    const __m512i v1 = _mm512_load_si512(reinterpret_cast<const void*>(plane[0] + 128 * b + 64));
+    const __m512i n[4] = {_mm512_and_si512(v0, low4), _mm512_and_si512(v1, low4),
+                          _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4), _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4)};
+    for (int k = 0; k < 4; ++k) {
+      uint64_t bits;
+      std::memcpy(&bits, plane[1] + 32 * b + 8 * k, 8);
+      w[k] = _mm512_mask_add_epi8(n[k], static_cast<__mmask64>(bits), n[k], fifth);
+    }
+  }
+#elif defined(__AVX2__)
+  static constexpr bool kSigned = false;
+  DW_ALWAYS_INLINE static void load(const uint8_t* const* plane, int64_t b, int e, __m256i* w) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+    const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(plane[0] + 128 * b + 32 * e));
+    const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(plane[0] + 128 * b + 64 + 32 * e));
+    const __m256i n[4] = {_mm256_and_si256(v0, low4), _mm256_and_si256(v1, low4),
+                          _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4)};
+    for (int k = 0; k < 4; ++k) {
+      uint32_t bits;  // this half's 32 bytes: bit j of these 32 bits belongs to byte j
+      std::memcpy(&bits, plane[1] + 32 * b + 8 * k + 4 * e, 4);
+      const __m256i spread = _mm256_shuffle_epi8(
+          _mm256_set1_epi32(static_cast<int>(bits)),
+          _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+      w[k] = _mm256_or_si256(n[k], _mm256_and_si256(set, fifth));
+    }
+  }
+#endif
+};
+
+template <class Decode>
+struct Block32 {
+  static constexpr int64_t kWeights = 32;
+  static constexpr int64_t kSums = 1;  // the activation sum per block: the offset times it
+  static constexpr int64_t kRowBytes = Decode::kRowBytes;
+  static constexpr int kGroup = 8;
+  static constexpr int kPlaneCount = sizeof(Decode::kPlanes) / sizeof(Decode::kPlanes[0]);
+  static constexpr const char* kName = Decode::kName;
+
+  static void check(const uint8_t* base) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 64 == 0, kName, ": packed must be 64-byte aligned");
+  }
+
+  struct Group {
+    const uint8_t* plane[kPlaneCount];  // this group's part of each plane (the last one: d)
+  };
+  static Group group(const uint8_t* base, int64_t out, int64_t nb, int64_t g) {
+    Group grp{};
+    int64_t at = 0;
+    for (int p = 0; p < kPlaneCount; ++p) {
+      grp.plane[p] = base + at + g * kGroup * nb * Decode::kPlanes[p];
+      at += out * nb * Decode::kPlanes[p];
+    }
+    return grp;
+  }
+
+  static int quant(const Group& grp, int64_t b, int R, int r, int e) {
+    if constexpr (kPlaneCount == 3) {
+      return Decode::quant(grp.plane[0] + b * Decode::kPlanes[0] * R, grp.plane[1] + b * Decode::kPlanes[1] * R, R, r, e);
+    } else {
+      return Decode::quant(grp.plane[0] + b * Decode::kPlanes[0] * R, R, r, e);
+    }
+  }
+
+  // Any R: y[t * R + r], the vector paths' integers and fp32 operations, so the same bits.
+  static void dot_rows(Group grp, int R, const ActRows& a, const int64_t* rows, int count, float* out) {
+    const uint8_t* dplane = grp.plane[kPlaneCount - 1];
+    for (int t = 0; t < count; ++t) {
+      const int8_t* x = a.q + rows[t] * a.in;
+      for (int r = 0; r < R; ++r) {
+        float facc = 0.f;
+        for (int64_t b = 0; b < a.nb; ++b) {
+          int32_t isum = 0;
+          for (int e = 0; e < 32; ++e) isum += quant(grp, b, R, r, e) * x[b * kWeights + e];
+          const int32_t total = isum - Decode::kOffset * a.bsum[rows[t] * a.nb + b];
+          const float dw = half_to_float(dplane + 2 * (b * R + r));
+          facc = std::fma(dw * a.d[rows[t] * a.nb + b], static_cast<float>(total), facc);
+        }
+        out[t * R + r] = facc;
+      }
+    }
+  }
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // A full group of 8 rows against T activation rows: out[t * 8 + r]. Per block, four 64-byte vectors of unsigned
+  // quants (8 weights of each row) meet 8 activation bytes broadcast in a vpdpbusd each: each row's two sums of 4
+  // in lanes 2r, 2r + 1, added once per block; the offset times the block's activation sum comes off per row lane,
+  // then one fp32 multiply-add per block with d * d_a.
+  template <int T>
+  static void dot(Group grp, Group next, const ActRows& a, const int64_t* rows, float* out) {
+    const int8_t* qrow[T];
+    const float* drow[T];
+    const int16_t* brow[T];
+    __m256 facc[T];
+    for (int t = 0; t < T; ++t) {
+      qrow[t] = a.q + rows[t] * a.in;
+      drow[t] = a.d + rows[t] * a.nb;
+      brow[t] = a.bsum + rows[t] * a.nb;
+      facc[t] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < a.nb; ++b) {
+      if (next.plane[0] && b % 2 == 0) prefetch_bytes(next.plane[0] + b * Decode::kPlanes[0] * kGroup, 2 * Decode::kPlanes[0] * kGroup);
+      __m512i w[4];
+      Decode::load(grp.plane, b, w);
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp.plane[kPlaneCount - 1] + 16 * b)));
+      for (int t = 0; t < T; ++t) {
+        int64_t x[4];
+        std::memcpy(x, qrow[t] + b * kWeights, 32);
+        const __m512i zero = _mm512_setzero_si512();
+        const __m512i s0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w[0], _mm512_set1_epi64(x[0])), w[2], _mm512_set1_epi64(x[2]));
+        const __m512i s1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w[1], _mm512_set1_epi64(x[1])), w[3], _mm512_set1_epi64(x[3]));
+        const __m512i s = _mm512_add_epi32(s0, s1);
+        const __m256i rowsum = _mm512_cvtepi64_epi32(_mm512_add_epi32(s, _mm512_srli_epi64(s, 32)));
+        const __m256i total = _mm256_sub_epi32(rowsum, _mm256_set1_epi32(Decode::kOffset * brow[t][b]));
+        facc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(drow[t][b])), _mm256_cvtepi32_ps(total), facc[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + kGroup * t, facc[t]);
+  }
+#elif defined(__AVX2__)
+  // acc + each lane's sum of 4 products of quants and activation bytes (signed quants: |q| against the activation
+  // with q's sign, so that maddubs's pair sums fit in int16)
+  DW_ALWAYS_INLINE static __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+    if constexpr (Decode::kSigned) return dpbusd(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return dpbusd(acc, w, x);
+  }
+
+  // The AVX2 path of the same layout: each 64-byte vector as two 32-byte halves (rows 0-3, rows 4-7).
+  template <int T>
+  static void dot(Group grp, Group next, const ActRows& a, const int64_t* rows, float* out) {
+    const int8_t* qrow[T];
+    const float* drow[T];
+    const int16_t* brow[T];
+    __m256 facc[T];
+    for (int t = 0; t < T; ++t) {
+      qrow[t] = a.q + rows[t] * a.in;
+      drow[t] = a.d + rows[t] * a.nb;
+      brow[t] = a.bsum + rows[t] * a.nb;
+      facc[t] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < a.nb; ++b) {
+      if (next.plane[0] && b % 2 == 0) prefetch_bytes(next.plane[0] + b * Decode::kPlanes[0] * kGroup, 2 * Decode::kPlanes[0] * kGroup);
+      __m256i w[2][4];
+      Decode::load(grp.plane, b, 0, w[0]);
+      Decode::load(grp.plane, b, 1, w[1]);
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp.plane[kPlaneCount - 1] + 16 * b)));
+      for (int t = 0; t < T; ++t) {
+        int64_t x[4];
+        std::memcpy(x, qrow[t] + b * kWeights, 32);
+        __m256i half[2];
+        for (int e = 0; e < 2; ++e) {
+          __m256i s = _mm256_setzero_si256();
+          for (int k = 0; k < 4; ++k) s = dot4(s, w[e][k], _mm256_set1_epi64x(x[k]));
+          half[e] = s;
+        }
+        // signed quants carry no offset: the same integer as the unsigned sum less the offset times the sum
+        const int32_t offset = Decode::kSigned ? 0 : Decode::kOffset * brow[t][b];
+        const __m256i total = _mm256_sub_epi32(pair_lanes(half[0], half[1]), _mm256_set1_epi32(offset));
+        facc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(drow[t][b])), _mm256_cvtepi32_ps(total), facc[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + kGroup * t, facc[t]);
   }
 #endif
 };
@@ -764,96 +859,6 @@ using Q8_0 = Block32<Q8_0Decode>;
 using Q5_0 = Block32<Q5_0Decode>;
 
 // ------------------------------------------------------------------------------------------------ the driver
-template <class F, int U>
-void dot_tile(const typename F::Row* w, const ActRows& a, const int64_t* rows, int count, float* out) {
-  switch (count) {
-    case 8: F::template dot<8, U>(w, a, rows, out); break;
-    case 7: F::template dot<7, U>(w, a, rows, out); break;
-    case 6: F::template dot<6, U>(w, a, rows, out); break;
-    case 5: F::template dot<5, U>(w, a, rows, out); break;
-    case 4: F::template dot<4, U>(w, a, rows, out); break;
-    case 3: F::template dot<3, U>(w, a, rows, out); break;
-    case 2: F::template dot<2, U>(w, a, rows, out); break;
-    default: F::template dot<1, U>(w, a, rows, out); break;
-  }
-}
-
-// y [m, out] = x [m, in] W^T + bias for W in format F: activation rows quantized once, then threads over the
-// output features, each taking weight rows in pairs (up to 4 rows) or one at a time against tiles of up to 8
-// activation rows.
-template <class F>
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
-  const char* name = F::kName;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be [m, in] float32");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, name, ": packed must be [out, bytes] uint8");
-  const at::Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), in = xc.size(1), out_features = packed.size(0);
-  TORCH_CHECK(in % F::kWeights == 0, name, ": in_features must be a multiple of ", F::kWeights, ", got ", in);
-  const int64_t nb = in / F::kWeights;
-  TORCH_CHECK(packed.size(1) == nb * F::kBytes, name, ": packed rows hold ", packed.size(1), " bytes, expected ",
-              nb * F::kBytes, " for ", in, " inputs");
-  TORCH_CHECK(packed.is_contiguous(), name, ": packed must be contiguous");
-  const bool has_bias = bias.numel() > 0;
-  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.numel() == out_features),
-              name, ": bias must be [out] float32 or empty");
-  const at::Tensor bias_c = has_bias ? bias.contiguous() : bias;
-
-  at::Tensor q = at::empty({m, in}, x.options().dtype(at::kChar));
-  at::Tensor d = at::empty({m, nb}, x.options());
-  at::Tensor bsum = at::empty({m, nb * F::kSums}, x.options().dtype(at::kShort));
-  at::Tensor y = at::empty({m, out_features}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* dp = d.data_ptr<float>();
-  int16_t* bp = bsum.data_ptr<int16_t>();
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    quantize_rows(xp, r0, r1, in, F::kWeights, F::kSums, qp, dp, bp);
-  });
-
-  const ActRows act{qp, dp, bp, in, nb, F::kSums};
-  const uint8_t* base = packed.data_ptr<uint8_t>();
-  F::check(base);
-  const float* biasp = has_bias ? bias_c.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // activation rows per pass over a chunk of weight rows: about 128 KiB of int8 activations (cache-resident)
-  const int64_t row_chunk = std::max<int64_t>(kRowTile, (131072 / in) / kRowTile * kRowTile);
-  // up to 4 rows: pairs of weight rows against 4 activation rows (each load serves more products); from 5
-  // rows on: one weight row against up to 8 (the 2 x 8 accumulators would not fit in 16 registers)
-  const int pair_rows = m <= 4 ? 2 : 1;
-  const int64_t row_tile = m <= 4 ? 4 : kRowTile;
-  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / (nb * F::kBytes));  // weight rows
-  at::parallel_for(0, out_features, 16, [&](int64_t n0, int64_t n1) {
-    int64_t rows[kRowTile];
-    float tile[2 * kRowTile];
-    for (int64_t r0 = 0; r0 < m; r0 += row_chunk) {
-      const int64_t r1 = std::min(m, r0 + row_chunk);
-      for (int64_t n = n0; n < n1; n += pair_rows) {
-        const int pair = n + 1 < n1 ? pair_rows : 1;
-        // software prefetch of the weight rows about kPrefetchBytes ahead (the hardware prefetcher alone reads
-        // DRAM at about a third of its bandwidth here: measured 5 against 15 GB/s on one Zen3 core)
-        if (n + ahead + pair <= n1) F::prefetch(base, out_features, nb, n + ahead, pair);
-        const typename F::Row w[2] = {F::row(base, out_features, nb, n),
-                                      F::row(base, out_features, nb, n + pair - 1)};
-        for (int64_t r = r0; r < r1; r += row_tile) {
-          const int count = static_cast<int>(std::min<int64_t>(row_tile, r1 - r));
-          for (int t = 0; t < count; ++t) rows[t] = r + t;
-          if (pair == 2) {
-            dot_tile<F, 2>(w, act, rows, count, tile);
-          } else {
-            dot_tile<F, 1>(w, act, rows, count, tile);
-          }
-          for (int u = 0; u < pair; ++u) {
-            const float b = has_bias ? biasp[n + u] : 0.f;
-            for (int t = 0; t < count; ++t) yp[(r + t) * out_features + n + u] = tile[u * count + t] + b;
-          }
-        }
-      }
-    }
-  });
-  return y;
-}
-
-
 template <class F, int T>
 DW_ALWAYS_INLINE void group_tile(typename F::Group grp, typename F::Group next, const ActRows& a, const int64_t* rows,
                                  float* out) {
@@ -959,6 +964,6 @@ TORCH_LIBRARY(draftwise_q4k, lib) {
 TORCH_LIBRARY_IMPL(draftwise_q4k, CPU, lib) {
   lib.impl("linear", &grouped_linear<Q4K>);
   lib.impl("linear_q6_k", &grouped_linear<Q6K>);
-  lib.impl("linear_q8_0", &linear<Q8_0>);
-  lib.impl("linear_q5_0", &linear<Q5_0>);
+  lib.impl("linear_q8_0", &grouped_linear<Q8_0>);
+  lib.impl("linear_q5_0", &grouped_linear<Q5_0>);
 }
