@@ -372,7 +372,7 @@ def select_runtime(runtime: str, model, *, device: str, dtype: torch.dtype, quan
 
 
 def _q4k_source(path: str, quantization: str, *, label: str):
-    """The quantized rows of a ``.gguf`` file for the ``q4k`` mode (Q4_K, Q6_K, Q8_0, Q5_0; used as they are),
+    """The quantized rows of a ``.gguf`` file for the ``q4k`` mode (Q4_K, Q6_K, Q8_0, Q5_0: the file's weights, regrouped for the kernels),
     else None."""
     if quantization != "q4k" or not str(path).endswith(".gguf"):
         return None

@@ -1,4 +1,4 @@
-"""GGUF's other block formats on the row-invariant C++ kernels: Q6_K, Q8_0 and Q5_0, used as the file stores them.
+"""GGUF's other block formats on the row-invariant C++ kernels: Q6_K, Q8_0 and Q5_0, the file's weights regrouped.
 
 Formats (ggml's ``ggml-common.h``; dequantization as ``dequantize_row_q6_K`` / ``_q8_0`` / ``_q5_0`` of
 ``ggml-quants.c``, and as the ``gguf`` package's ``gguf.quants.dequantize``):
@@ -61,7 +61,7 @@ class BlockFormat:
         return self.block_bytes / self.block_weights
 
 
-#: The formats served as stored, by ``GGMLQuantizationType`` name.
+#: The formats with a kernel besides Q4_K, by ``GGMLQuantizationType`` name.
 BLOCK_FORMATS: dict[str, BlockFormat] = {
     f.ggml_type: f for f in (
         BlockFormat("Q6_K", "q6k", "q6k-cpp", "linear_q6_k", 256, 210),
@@ -374,7 +374,7 @@ class SegmentedLinear(_KernelLinear):
 
 def gguf_linear(ggml_type: str, raw: np.ndarray, bias: torch.Tensor | None = None) -> _KernelLinear:
     """The kernel layer for GGUF rows ``raw [out, row bytes]`` uint8 of type ``ggml_type`` (``"Q4_K"`` repacked
-    for :class:`Q4KLinear`; Q6_K, Q8_0, Q5_0 as they are for :class:`GGUFBlockLinear`).
+    for :class:`Q4KLinear`; Q6_K, Q8_0, Q5_0 regrouped by :class:`GGUFBlockLinear`).
 
     Raises:
         KernelError: a type without a kernel, or the kernel not available here.

@@ -6,9 +6,9 @@
 //         dmin; w = d*sc*q - dmin*m, q in 0..15. Repacked here with decoded scales (see the layout below).
 //   Q6_K: 256 weights {ql[128] low nibbles, qh[64] 2 high bits, int8 scales[16] (one per 16), fp16 d};
 //         w = d*sc*(q - 32), q in 0..63. 210 bytes, regrouped 8 rows at a time (see the layout below).
-//   Q8_0: 32 weights {fp16 d, int8 q[32]}; w = d*q. 34 bytes, as stored.
+//   Q8_0: 32 weights {fp16 d, int8 q[32]}; w = d*q. 34 bytes, regrouped (see the layout below).
 //   Q5_0: 32 weights {fp16 d, uint32 qh (5th bits), qs[16] (low nibble: weight j, high: j + 16)};
-//         w = d*(q - 16), q in 0..31. 22 bytes, as stored.
+//         w = d*(q - 16), q in 0..31. 22 bytes, regrouped.
 // Paths: AVX-512 with VNNI (Q4_K, Q6_K on 64-byte vectors), AVX2 (with AVX512-VNNI, vpdpwssd / vpdpbusd fuse the
 // madd and the add: the same integers) and portable; every path of a format gives the same bits.
 // The arithmetic follows ggml's dot products (activations as int8 with a float scale per 256 for the k-quants,
@@ -34,7 +34,10 @@
 // high 2-bit pairs of sub-blocks 0-3 (bits 2c, 2c+1: sub-block c), low nibbles of 2/3, of 4/5, high bits of 4-7,
 // low nibbles of 6/7, each part [k 4][r R][i 8] (weight 8k+i of the sub-block); and nb meta blocks of sc [sp 8]
 // [r R][2] (int8 scales of the 16-weight halves 2sp, 2sp+1) and d [r R] fp16.
-// Q8_0, Q5_0: the GGUF rows as they are, [out, nb * block bytes] uint8.
+// Packed Q8_0 and Q5_0: [out, nb * block bytes] uint8, 64-byte aligned, in planes, each in groups of 8 rows (the
+// last may hold fewer): Q8_0 quants [k 4][r R][i 8] as q + 128 (32 bytes per row and block), then d [r R] fp16 (2);
+// Q5_0 nibbles [j 2][r R][i 8] (low: weight 8j+i, high: 16+8j+i; 16 bytes), fifth bits [k 4][r R][i 8] one bit
+// each, little-endian (4), then d (2).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -154,16 +154,16 @@ LINEAR_KERNELS: tuple[LinearKernel, ...] = (
                  "to int8 per 256, integer sums, fixed-order fp32 accumulation (draftwise's C++ kernel)",
                  _build_q4k, bytes_per_weight=0.5, bytes_per_scale_group=(24, 256), row_invariant_by_construction=True,
                  probe_in_features=256),
-    LinearKernel("q6k-cpp", "q6k", "GGUF Q6_K weights as stored (6-bit, an int8 scale per 16), activations per row "
-                 "to int8 per 256, integer sums, fixed-order fp32 accumulation (draftwise's C++ kernel)",
+    LinearKernel("q6k-cpp", "q6k", "GGUF Q6_K weights, regrouped 8 rows at a time (6-bit, an int8 scale per 16), "
+                 "activations per row to int8 per 256, integer sums, fixed-order fp32 accumulation (draftwise's C++ kernel)",
                  _build_gguf_blocks("Q6_K"), bytes_per_weight=210 / 256, row_invariant_by_construction=True,
                  probe_in_features=256),
-    LinearKernel("q8_0-cpp", "q8_0", "GGUF Q8_0 weights as stored (8-bit, an fp16 scale per 32), activations per "
-                 "row to int8 per 32, integer sums, fixed-order fp32 accumulation (draftwise's C++ kernel)",
+    LinearKernel("q8_0-cpp", "q8_0", "GGUF Q8_0 weights, regrouped 8 rows at a time (8-bit, an fp16 scale per 32), "
+                 "activations per row to int8 per 32, integer sums, fixed-order fp32 accumulation (draftwise's C++ kernel)",
                  _build_gguf_blocks("Q8_0"), bytes_per_weight=34 / 32, row_invariant_by_construction=True,
                  probe_in_features=256),
-    LinearKernel("q5_0-cpp", "q5_0", "GGUF Q5_0 weights as stored (5-bit, an fp16 scale per 32), activations per "
-                 "row to int8 per 32, integer sums, fixed-order fp32 accumulation (draftwise's C++ kernel)",
+    LinearKernel("q5_0-cpp", "q5_0", "GGUF Q5_0 weights, regrouped 8 rows at a time (5-bit, an fp16 scale per 32), "
+                 "activations per row to int8 per 32, integer sums, fixed-order fp32 accumulation (draftwise's C++ kernel)",
                  _build_gguf_blocks("Q5_0"), bytes_per_weight=22 / 32, row_invariant_by_construction=True,
                  probe_in_features=256),
 )

@@ -21,7 +21,7 @@ def build_lean(hf_model, *, quantization: str | None = "int8", name: str = "mode
     ``select_kernels``: linear kernels from the machine's measured self-test
     (:func:`draftwise.backends.lean.linear.selected_linear_factory`, cached per machine) instead of the mode's
     default (fbgemm int8, or padded fp32 MKL). ``q4k_source``: for ``quantization="q4k"``, the GGUF file's
-    quantized rows (:class:`draftwise.backends.kernels.gguf_source.GGUFSource`), used as they are.
+    quantized rows (:class:`draftwise.backends.kernels.gguf_source.GGUFSource`), regrouped for the kernels.
 
     Raises:
         UnsupportedArchitecture: not a plain Llama-family decoder.
