@@ -28,6 +28,7 @@ from draftwise.config import SpeculativeConfig
 from draftwise.speculation.controller import KController
 from draftwise.engine import BATCHED_METHODS, EngineCore, SpeculativeEngine, one_slot_core
 from draftwise.methods import DEFAULT_CATCH_UP, FIXED_DRAFT_CONFIDENCE, METHODS, get_method
+from draftwise.models.auto_quantization import target_rows_per_pass
 from draftwise.models.loading import LoadedModel, check_model_source, load_model
 from draftwise.prefix_cache import PrefixCache
 from draftwise.proposers.base import PerSequenceProposers, Proposer, SequenceProposer
@@ -609,8 +610,10 @@ def build_engine(
             once per model and machine; see :func:`draftwise.speculation.calibration.calibrate_cost_model`).
         device, dtype: see :func:`draftwise.models.loading.load_model`.
         max_context: context length in tokens (default: the target config's).
-        quantization: ``"none"`` or ``"int8"`` for the target and a draft model (see
-            :mod:`draftwise.backends.quantization`).
+        quantization: ``"none"``, ``"int8"``, ``"q4k"`` or ``"auto"`` for the target and a draft model (see
+            :mod:`draftwise.backends.quantization`); ``"auto"`` sizes the target's mode for the rows of one
+            request's verify pass (1 for plain decoding, K + 1 with speculation:
+            :func:`draftwise.models.auto_quantization.target_rows_per_pass`) and a draft's for one-row passes.
         backend: ``"torch"``, ``"llama.cpp"`` or ``"auto"`` for the target, and for a draft model unless
             ``speculative_config.backend`` names the draft's own (see
             :func:`draftwise.models.loading.select_backend` and :func:`draft_load_options`).
@@ -649,7 +652,8 @@ def build_engine(
         kv_cache_memory = default_kv_cache_memory()
     target_model = load_model(target, device=device, dtype=dtype, max_context=max_context,
                               quantization=quantization, backend=backend, threads=threads, runtime=target_runtime,
-                              num_slots=max_num_seqs if batch else 1)
+                              num_slots=max_num_seqs if batch else 1,
+                              rows_per_pass=target_rows_per_pass(speculative_config))
     options = BuildOptions(device=device, dtype=dtype, quantization=quantization, backend=backend, threads=threads,
                            runtime=runtime)
     if batch and not isinstance(target_model.backend, LeanCausalLM):

@@ -75,9 +75,10 @@ def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
                         "(fp32 on the CPU: exact but slower, and verification costs grow with k); q4k: a GGUF's own "
                         "4-bit Q4_K blocks on draftwise's row-invariant kernel (compiled once per machine; other "
                         "layers int8; a float checkpoint is quantized to Q4_K), exact like int8 with fewer bytes "
-                        "per token (docs/q4k.md); auto (default): "
-                        "int8 on the CPU for architectures the lean runtime implements (Llama, Qwen2, Mistral "
-                        "without sliding window), none elsewhere (GPU, bf16/fp16, other architectures)")
+                        "per token (docs/q4k.md); auto (default): on the CPU for architectures the lean runtime "
+                        "implements (Llama, Qwen2, Mistral without sliding window) int8, or for a .gguf model q4k "
+                        "where the kernel self-test measured it faster for the rows each target pass verifies (1 "
+                        "plain, K+1 speculative; logged); none elsewhere (GPU, bf16/fp16, other architectures)")
     from draftwise.models.loading import RUNTIMES
 
     parser.add_argument("--runtime", choices=RUNTIMES, default="auto",

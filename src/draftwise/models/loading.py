@@ -59,8 +59,8 @@ class LoadedModel:
         tokenizer: a ``transformers`` tokenizer (ids match the model's embedding rows).
         name: what the user asked for (registry name, path or hub id).
         eos_token_ids: ids that end generation (tokenizer EOS plus generation-config EOS ids).
-        quantization: the mode the weights run in (``"none"``, ``"int8"``; ``"gguf"`` on llama.cpp), after
-            ``"auto"`` was resolved.
+        quantization: the mode the weights run in (``"none"``, ``"int8"``, ``"q4k"``; ``"gguf"`` on llama.cpp),
+            after ``"auto"`` was resolved.
         runtime_choice: for a draft whose runtime was measured (``--speculative-backend auto``), the line that
             says what was measured and chosen (:class:`draftwise.draft_backend.DraftBackendChoice`); else None.
     """
@@ -127,6 +127,7 @@ def load_model(
     head_subset: HeadSubset | None = None,
     num_slots: int = 1,
     drafting: bool = False,
+    rows_per_pass: int = 1,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, for the PyTorch backend or (GGUF files) the llama.cpp backend.
 
@@ -142,8 +143,9 @@ def load_model(
         attn_implementation: transformers attention kernel (default: see ``default_attention``).
         quantization: ``"none"`` (default), ``"int8"``: batch-invariant int8 linear layers and row-wise
             attention on the CPU (see :mod:`draftwise.backends.quantization`), applied after loading; the backend's
-            name then ends in ``+int8`` (so calibration caches keep the two apart); or ``"auto"``: the fastest
-            exact mode here (:func:`resolve_quantization`).
+            name then ends in ``+int8`` (so calibration caches keep the two apart); ``"q4k"``: a GGUF file's own
+            blocks on draftwise's row-invariant C++ kernels (docs/q4k.md); or ``"auto"``: the exact mode measured
+            fastest here for ``rows_per_pass``-row passes (:func:`resolve_quantization`).
         backend: ``"torch"`` (default), ``"llama.cpp"`` or ``"auto"``; see :func:`select_backend` for the rule.
         threads: llama.cpp only: CPU threads (default: every CPU this process may use).
         runtime: PyTorch backend only: ``"lean"`` (draftwise's own Llama-family decoder,
@@ -162,6 +164,10 @@ def load_model(
             the output): on llama.cpp it then runs llama.cpp's native kernels (repacked weights, one-token
             passes, prefill passes of up to 512 tokens; see :mod:`draftwise.backends.llama_cpp_backend`). The
             PyTorch backends differ only in the default dtype (bf16 for a draft on a GPU).
+        rows_per_pass: rows the model's passes will mostly hold (1, the default: plain decoding, and a draft;
+            K + 1 for a speculative target verifying K draft tokens:
+            :func:`draftwise.models.auto_quantization.target_rows_per_pass`); ``quantization="auto"`` picks the
+            mode measured fastest for passes of that size (:func:`resolve_quantization`).
 
     Raises:
         ModelLoadError: missing file, unreadable model, a registry model that is not pulled, or the llama.cpp
@@ -220,7 +226,8 @@ def load_model(
         randomize_weights(model)
     eos_ids = _eos_ids(model, tokenizer)
     _warn_past_trained_context(max_context, model.config, spec)
-    quantization = resolve_quantization(quantization, device=device, dtype=torch_dtype, config=model.config, name=spec)
+    quantization = resolve_quantization(quantization, device=device, dtype=torch_dtype, config=model.config, name=spec,
+                                        source=None if randomize else path, rows_per_pass=rows_per_pass)
     name = spec if quantization == "none" else f"{spec}+{quantization}"
     head_ids = None
     if head_subset is not None:
@@ -328,25 +335,63 @@ def lean_obstacles(config, *, device: str, dtype: torch.dtype) -> list[str]:
 
 
 def resolve_quantization(quantization: str, *, device: str, dtype: torch.dtype, config=None, name: str = "model",
-                         ) -> str:
-    """The quantization mode a model runs with: ``"none"`` and ``"int8"`` as given; ``"auto"`` (the CLI's
-    default) the fastest exact mode for this model and machine: ``"int8"`` on the CPU in fp32 where the int8
-    kernels run and the architecture is one the lean runtime implements (there int8 is the exact configuration
-    where verifying k tokens costs about one: docs/lean_runtime.md), ``"none"`` elsewhere (a GPU, bf16/fp16,
-    an architecture only transformers runs, a CPU without fbgemm). ``config``: the transformers config (None:
-    the architecture is not checked). The choice and its reason are logged.
+                         source: str | None = None, rows_per_pass: int = 1) -> str:
+    """The quantization mode a model runs with: ``"none"``, ``"int8"`` and ``"q4k"`` as given; ``"auto"`` (the
+    CLI's default) the fastest exact mode for this model and machine.
+
+    ``"auto"`` gives ``"none"`` where the lean runtime cannot run the model on the CPU or int8 cannot run (a
+    GPU, bf16/fp16, an architecture only transformers runs, a CPU without fbgemm). Elsewhere the candidates are
+    ``"int8"`` (the exact configuration where verifying k tokens costs about one: docs/lean_runtime.md) and, for a
+    ``.gguf`` ``source`` whose layer widths Q4_K serves and whose kernels build here
+    (:func:`draftwise.models.auto_quantization.q4k_obstacle`), ``"q4k"`` (the file's own blocks); a float
+    checkpoint stays on int8 without measuring (q4k would re-quantize it to 4 bits). With both, the kernel
+    self-test's linear-layer time of one ``rows_per_pass``-row pass decides (cached per machine; the first load
+    runs the self-test, seconds to a minute: :mod:`draftwise.models.auto_quantization`). A candidate that cannot
+    be measured is dropped, with the reason in the log; when none can be, int8. The choice, the measured per-pass
+    milliseconds and the rows per pass are logged at INFO as one line, ``NAME: quantization auto -> MODE (...)``.
+
+    Args:
+        quantization: ``"auto"``, or a mode, returned as it is.
+        device, dtype: where and in what the model computes.
+        config: the transformers config (None: the architecture is not checked, nothing is measured: int8).
+        name: the model's name in the log line.
+        source: the model's file or directory (a ``.gguf`` file makes q4k a candidate); None: not a GGUF.
+        rows_per_pass: rows of the passes to size the choice for (>= 1): 1 for plain decoding and drafts, K + 1
+            for a speculative target (:func:`draftwise.models.auto_quantization.target_rows_per_pass`).
+
+    Raises:
+        ValueError: ``rows_per_pass`` < 1 with ``"auto"``. Measuring never raises: a failure drops the candidate.
     """
     if quantization != "auto":
         return quantization
+    if rows_per_pass < 1:
+        raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
     reasons = lean_obstacles(config, device=device, dtype=dtype)
     if not int8_usable():
         reasons.append("no fbgemm int8 kernels in this torch build")
     if reasons:
         logger.info("%s: quantization auto -> none (%s)", name, "; ".join(reasons))
         return "none"
-    logger.info("%s: quantization auto -> int8 (the fastest exact mode on this CPU; --quantization none for fp32)",
-                name)
-    return "int8"
+    from draftwise.backends.lean.model import lean_config_from_hf
+    from draftwise.models.auto_quantization import q4k_obstacle
+
+    lean_config = None if config is None else lean_config_from_hf(config)  # lean_obstacles checked that it reads
+    missing = q4k_obstacle(source, lean_config)
+    if missing is not None:
+        logger.info("%s: quantization auto -> int8 (the fastest exact mode on this CPU; q4k not a candidate: %s; "
+                    "--quantization none for fp32)", name, missing)
+        return "int8"
+    return _measured_choice(name, lean_config, rows_per_pass)
+
+
+def _measured_choice(name: str, lean_config, rows_per_pass: int) -> str:
+    """``auto`` between int8 and q4k by the kernel self-test at ``rows_per_pass`` rows, logged."""
+    from draftwise.models.auto_quantization import choose_quantization, measure_mode
+
+    progress.report("measuring the quantization modes (kernel self-test, cached afterwards)", model=name)
+    choice = choose_quantization([measure_mode(mode, lean_config) for mode in ("int8", "q4k")], rows_per_pass)
+    logger.info("%s: quantization auto -> %s (%s)", name, choice.mode, choice.describe())
+    return choice.mode
 
 
 def select_runtime(runtime: str, model, *, device: str, dtype: torch.dtype, quantization: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,7 +18,11 @@ from torch.nn import functional as F
 
 from draftwise.backends.quantization import Int8Linear, parse_quantization
 
-__all__ = ["PaddedLinear", "linear_factory", "gemm_row_multiple", "selected_linear_factory"]
+if TYPE_CHECKING:
+    from draftwise.backends.kernels import KernelChoice, LinearShape
+
+__all__ = ["PaddedLinear", "linear_factory", "gemm_row_multiple", "lean_linear_shapes", "select_lean_kernel",
+           "selected_linear_factory"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,19 +93,13 @@ def selected_linear_factory(quantization: str | None, config, q4k_source=None):
         q4k_source: the GGUF file's quantized rows (:class:`draftwise.backends.kernels.gguf_source.GGUFSource`)
             or None.
     """
-    from draftwise.backends.kernels import KernelError, linear_kernels, llama_linear_shapes, select_linear_kernel
+    from draftwise.backends.kernels import KernelError
 
     mode = parse_quantization(quantization)
     if mode == "q4k":
         return linear_factory(mode, q4k_source=q4k_source)
     fallback = linear_factory(mode)
-    # only kernels with the mode's numerics: int8 = 8-bit weights x 7-bit per-row activations (fbgemm and oneDNN
-    # give the same bits), so a model's output does not depend on which one this machine measured faster
-    candidates = [k for k in linear_kernels(mode) if k.name in _SAME_NUMERICS[mode]]
-    choice = select_linear_kernel(mode, candidates=candidates, shapes=llama_linear_shapes(
-        hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
-        intermediate=config.intermediate_size, vocab=config.vocab_size, layers=config.num_layers,
-        head_dim=config.head_dim))
+    choice = select_lean_kernel(mode, config)
     logger.info("lean runtime: %s linear layers through %s (%s)", mode, choice.name, choice.reason)
 
     def build(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
@@ -110,6 +109,39 @@ def selected_linear_factory(quantization: str | None, config, q4k_source=None):
             return fallback(weight, bias)
 
     return build
+
+
+def lean_linear_shapes(config) -> tuple[LinearShape, ...]:
+    """The linear layers of one forward pass of a lean model (``config``: its
+    :class:`draftwise.backends.lean.model.LeanConfig`): fused q/k/v, o, fused gate/up and down per layer, and the
+    LM head (:func:`draftwise.backends.kernels.llama_linear_shapes`)."""
+    from draftwise.backends.kernels import llama_linear_shapes
+
+    return llama_linear_shapes(hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
+                               intermediate=config.intermediate_size, vocab=config.vocab_size,
+                               layers=config.num_layers, head_dim=config.head_dim)
+
+
+def select_lean_kernel(mode: str, config) -> KernelChoice:
+    """The kernel self-test's choice for ``mode`` on a lean model's shapes (:func:`lean_linear_shapes`;
+    :func:`draftwise.backends.kernels.select_linear_kernel`, measured once per machine and cached). The one call
+    behind both the lean runtime's layers (:func:`selected_linear_factory`) and ``--quantization auto``'s
+    comparison of modes (:mod:`draftwise.models.auto_quantization`), so they share one cached measurement.
+
+    Candidates: for ``"int8"`` and ``"none"`` only the kernels of the mode's numerics (int8 = 8-bit weights x
+    7-bit per-row activations: fbgemm and oneDNN give the same bits, so a model's output does not depend on which
+    one this machine measured faster); for another mode (``"q4k"``) every kernel of the mode.
+
+    Raises:
+        KernelError: an unknown mode, or no candidate of it that is available and row-invariant here (shapes the
+            kernels cannot serve included).
+        ValueError: malformed shapes in ``config``.
+    """
+    from draftwise.backends.kernels import linear_kernels, select_linear_kernel
+
+    names = _SAME_NUMERICS.get(mode)
+    candidates = [k for k in linear_kernels(mode) if names is None or k.name in names]
+    return select_linear_kernel(mode, candidates=candidates, shapes=lean_linear_shapes(config))
 
 
 def linear_factory(quantization: str | None, q4k_source=None):
