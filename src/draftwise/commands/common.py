@@ -73,9 +73,9 @@ def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
                         help="int8: batch-invariant int8 linear layers on the CPU, so a k-token verify pass gives "
                         "the same logits as one-token decoding and costs about one token; none: float weights "
                         "(fp32 on the CPU: exact but slower, and verification costs grow with k); q4k: a GGUF's own "
-                        "4-bit Q4_K blocks on draftwise's row-invariant kernel (compiled once per machine; other "
-                        "layers int8; a float checkpoint is quantized to Q4_K), exact like int8 with fewer bytes "
-                        "per token (docs/q4k.md); auto (default): on the CPU for architectures the lean runtime "
+                        "blocks (Q4_K, Q6_K, Q8_0, Q5_0) on draftwise's row-invariant kernels (compiled once per "
+                        "machine; a float checkpoint is quantized to Q4_K), exact like int8 with fewer bytes "
+                        "per token (docs/kernels.md); auto (default): on the CPU for architectures the lean runtime "
                         "implements (Llama, Qwen2, Mistral without sliding window) int8, or for a .gguf model q4k "
                         "where the kernel self-test measured it faster for the rows each target pass verifies (1 "
                         "plain, K+1 speculative; logged); none elsewhere (GPU, bf16/fp16, other architectures)")

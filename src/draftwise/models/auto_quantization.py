@@ -14,8 +14,7 @@ model's shapes. q4k is timed as Q4_K on every layer, while a Q4_K_M file keeps s
 (slower per weight), so its figure is somewhat optimistic for such files.
 
 Which mode wins depends on the rows per pass: plain decoding makes one-row passes, a speculative target
-verifies K + 1 rows (:func:`target_rows_per_pass`). Measured on Zen4 for Qwen2.5-Coder-1.5B: one row q4k
-about 39 ms against int8 60 ms; a 5-row pass q4k 66 ms against int8 60 ms.
+verifies K + 1 rows (:func:`target_rows_per_pass`). Measured figures: ``docs/benchmarks/gguf_vs_llama_cpp.md``.
 """
 
 from __future__ import annotations
