@@ -388,7 +388,8 @@ def _measured_choice(name: str, lean_config, rows_per_pass: int) -> str:
     """``auto`` between int8 and q4k by the kernel self-test at ``rows_per_pass`` rows, logged."""
     from draftwise.models.auto_quantization import choose_quantization, measure_mode
 
-    progress.report("measuring the quantization modes (kernel self-test, cached afterwards)", model=name)
+    progress.report("choosing the quantization mode (kernel self-test: measured once per machine, then cached)",
+                    model=name)
     choice = choose_quantization([measure_mode(mode, lean_config) for mode in ("int8", "q4k")], rows_per_pass)
     logger.info("%s: quantization auto -> %s (%s)", name, choice.mode, choice.describe())
     return choice.mode
