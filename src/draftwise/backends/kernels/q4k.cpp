@@ -293,7 +293,6 @@ struct Q4K {
   static void dot(Group grp, Group next, const ActRows& a, const int64_t* rows, float* out) {
     constexpr int64_t bytes = kRowBytes * kGroup;
     const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
-    const __m128i twice = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // each row's byte twice
     const int8_t* qrow[T];
     const float* drow[T];
     const int16_t* brow[T];
@@ -317,10 +316,11 @@ struct Q4K {
           lo[k] = _mm512_and_si512(v, low4);
           hi[k] = _mm512_and_si512(v, high4);
         }
-        const __m512i sc_lo = _mm512_cvtepu8_epi32(
-            _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + sc_at(8) + 16 * jp)), twice));
-        const __m512i sc_hi = _mm512_cvtepu8_epi32(
-            _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + sc_at(8) + 16 * jp + 8)), twice));
+        // each row's two scales as a 16-bit pair (sub-block 2jp low, 2jp + 1 high), in both of its lanes
+        const __m128i pairs = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + sc_at(8) + 16 * jp)),
+                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + sc_at(8) + 16 * jp + 8)));
+        const __m512i scales = _mm512_cvtepu8_epi16(
+            _mm256_set_m128i(_mm_unpackhi_epi16(pairs, pairs), _mm_unpacklo_epi16(pairs, pairs)));
         for (int t = 0; t < T; ++t) {
           int64_t a_lo[4], a_hi[4];  // 8 activation bytes at a time: sub-block 2jp, then 2jp + 1
           std::memcpy(a_lo, qrow[t] + b * kWeights + 64 * jp, 32);
@@ -334,10 +334,11 @@ struct Q4K {
           h0 = _mm512_dpbusd_epi32(h0, hi[2], _mm512_set1_epi64(a_hi[2]));
           l1 = _mm512_dpbusd_epi32(l1, lo[3], _mm512_set1_epi64(a_lo[3]));
           h1 = _mm512_dpbusd_epi32(h1, hi[3], _mm512_set1_epi64(a_hi[3]));
+          // the low sums (|l| <= 4 * 4 * 15 * 127 < 2^15) in each lane's low 16 bits, the high ones (16 * h,
+          // shifted by 12: h * 2^16) in its high 16 bits, then one vpmaddwd: l * sc_lo + h * sc_hi, exactly
           const __m512i l = _mm512_add_epi32(l0, l1);
-          const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(h0, h1), 4);
-          isum[t] = _mm512_add_epi32(isum[t],
-                                     _mm512_add_epi32(_mm512_mullo_epi32(l, sc_lo), _mm512_mullo_epi32(h, sc_hi)));
+          const __m512i h = _mm512_slli_epi32(_mm512_add_epi32(h0, h1), 12);
+          isum[t] = _mm512_add_epi32(isum[t], _mm512_madd_epi16(_mm512_mask_blend_epi16(0xAAAAAAAA, l, h), scales));
         }
       }
       __m256i rowsum[T];  // each row's two lanes added: lane 2r + (lane 2r + 1), packed to 8 lanes
