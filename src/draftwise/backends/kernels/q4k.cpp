@@ -9,8 +9,8 @@
 //   Q8_0: 32 weights {fp16 d, int8 q[32]}; w = d*q. 34 bytes, regrouped (see the layout below).
 //   Q5_0: 32 weights {fp16 d, uint32 qh (5th bits), qs[16] (low nibble: weight j, high: j + 16)};
 //         w = d*(q - 16), q in 0..31. 22 bytes, regrouped.
-// Paths: AVX-512 with VNNI (Q4_K, Q6_K on 64-byte vectors), AVX2 (with AVX512-VNNI, vpdpwssd / vpdpbusd fuse the
-// madd and the add: the same integers) and portable; every path of a format gives the same bits.
+// Paths: AVX-512 with VNNI (64-byte vectors), AVX2 (32-byte halves of the same layout; with AVX512-VL VNNI,
+// vpdpbusd in place of maddubs + madd: the same integers) and portable; every path of a format gives the same bits.
 // The arithmetic follows ggml's dot products (activations as int8 with a float scale per 256 for the k-quants,
 // per 32 for Q8_0/Q5_0, integer sums inside a block), so it reads as many bytes per weight as llama.cpp does.
 //
@@ -151,43 +151,6 @@ void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t in, int64_t b
 }
 
 #if defined(__AVX2__)
-inline float hsum8(__m256 v) {
-  const __m128 lo = _mm256_castps256_ps128(v);
-  const __m128 hi = _mm256_extractf128_ps(v, 1);
-  __m128 s = _mm_add_ps(lo, hi);                 // 4 lanes: (0+4, 1+5, 2+6, 3+7)
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));        // (0+4)+(2+6), (1+5)+(3+7)
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));         // + the second
-  return _mm_cvtss_f32(s);
-}
-
-inline float hsum4(__m128 s) {
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// acc + madd(a, b): the s16 pair products of a and b added into acc's 8 int32 lanes. With AVX512-VNNI one
-// vpdpwssd, which neither saturates nor rounds: the same integers as madd then add (the callers' pair sums fit
-// in int32), so the same output bits on either path; 5-row calls measured 25-33% faster on a Zen4.
-DW_ALWAYS_INLINE __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, a, b);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
-
-// The int32 sums of 4 adjacent u8 x s8 products: one vpdpbusd with AVX512-VNNI, else maddubs then madd with
-// ones (the callers' operands are at most 128 and 127, so maddubs's s16 pair sums do not saturate: the same
-// integers).
-DW_ALWAYS_INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
 // acc + the int32 sums of 4 adjacent u8 x s8 products in each lane (the same integers on both paths: the
 // callers' maddubs pair sums do not saturate)
 DW_ALWAYS_INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
@@ -221,9 +184,10 @@ DW_ALWAYS_INLINE void prefetch_bytes(const uint8_t* p, int64_t bytes) {
 
 // ------------------------------------------------------------------------------------------------- formats
 // A format F gives: kWeights (weights per block, = inputs per activation block), kSums (activation sums per
-// block), kBytes (packed bytes per block and weight row), Row (one weight row) and row(), prefetch(), and
-// dot<T, U>(w, a, rows, out): out[u * T + t] = <x_rows[t], w_u> before bias, by the same operations in the
-// same order whatever T and U are.
+// block), kRowBytes (packed bytes per block and weight row), kGroup (rows per group), kName, Group and group()
+// (a group's pointers in the packed weight), dot_rows(group, R, a, rows, count, out) for any R rows, and with
+// AVX2 dot<T>(group, next, a, rows, out) for a full group: out[t * R + r] = <x_rows[t], w_r> before bias, by the
+// same operations in the same order on every path and whatever T is.
 
 struct Q4K {
   static constexpr int64_t kWeights = 256;
@@ -238,10 +202,6 @@ struct Q4K {
   static constexpr int64_t mn_at(int R) { return 136 * R; }
   static constexpr int64_t d_at(int R) { return 144 * R; }
   static constexpr int64_t dmin_at(int R) { return 148 * R; }
-
-  static void check(const uint8_t* base) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 64 == 0, "q4k_linear: packed must be 64-byte aligned");
-  }
 
   struct Group {
     const uint8_t* q;  // the group's nb super-blocks
@@ -448,10 +408,6 @@ struct Q6K {
   // 4/5, the high bits of 4-7, low nibbles of 6/7; each part [k 4][r R][i 8] (weight 8k + i of the sub-block).
   static constexpr int64_t ql_at(int R, int p) { return R * (p == 0 ? 0 : p == 1 ? 64 : p == 2 ? 96 : 160); }
   static constexpr int64_t qh_at(int R, int h) { return R * (h == 0 ? 32 : 128); }
-
-  static void check(const uint8_t* base) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 64 == 0, "q6k_linear: packed must be 64-byte aligned");
-  }
 
   struct Group {
     const uint8_t* q;     // nb quant super-blocks
@@ -732,10 +688,6 @@ struct Block32 {
   static constexpr int kPlaneCount = sizeof(Decode::kPlanes) / sizeof(Decode::kPlanes[0]);
   static constexpr const char* kName = Decode::kName;
 
-  static void check(const uint8_t* base) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 64 == 0, kName, ": packed must be 64-byte aligned");
-  }
-
   struct Group {
     const uint8_t* plane[kPlaneCount];  // this group's part of each plane (the last one: d)
   };
@@ -908,7 +860,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
 
   const ActRows act{qp, dp, bp, in, nb, F::kSums};
   const uint8_t* base = packed.data_ptr<uint8_t>();
-  F::check(base);
+  // the vector paths' aligned 64-byte loads
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 64 == 0, name, ": packed must be 64-byte aligned");
   const float* biasp = has_bias ? bias_c.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t full = out_features / F::kGroup, groups = (out_features + F::kGroup - 1) / F::kGroup;
