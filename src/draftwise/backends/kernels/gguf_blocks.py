@@ -30,7 +30,7 @@ from draftwise.backends.kernels.layers import KernelError, _KernelLinear
 from draftwise.backends.kernels.q4k import GGUFOpLinear, Q4KLinear, load_q4k_ops, pack_gguf_q4k, row_groups
 
 __all__ = ["BlockFormat", "BLOCK_FORMATS", "block_format", "quantize_blocks", "dequantize_blocks", "quantize_q6k",
-           "interleave_q6k", "q6k_rows", "regroup", "file_rows", "GGUFBlockLinear", "SegmentedLinear", "gguf_linear"]
+           "regroup", "file_rows", "GGUFBlockLinear", "SegmentedLinear", "gguf_linear"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,63 +168,42 @@ def _q6k_fields(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 #: ("qh", h) the high bits of sub-blocks 4h..4h + 3
 _Q6K_PARTS = (("ql", 0), ("qh", 0), ("ql", 1), ("ql", 2), ("qh", 1), ("ql", 3))
 
+#: bytes per weight row and block of each plane of a regrouped format, in the packed tensor's order
+_PLANE_BYTES = {"Q6_K": (192, 18), "Q8_0": (32, 2), "Q5_0": (16, 4, 2)}
 
-def interleave_q6k(raw: np.ndarray) -> torch.Tensor:
-    """GGUF Q6_K rows ``[out, nb * 210]`` -> the kernel's layout, the same size (``q4k.cpp``'s ``Q6K``): groups of
-    8 weight rows (the last one holds ``out % 8`` rows when that is not 0); a plane of quants (192 bytes per row and
-    super-block: per group and super-block the parts of :data:`_Q6K_PARTS`, each ``[4, rows, 8]``: 8 weights of
-    each row side by side), then a plane of scales ``[8, rows, 2]`` and fp16 ``d [rows]`` (18 bytes per row and
-    super-block)."""
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    out, nb = raw.shape[0], raw.shape[1] // 210
+
+def _q6k_planes(raw: np.ndarray, rows: int) -> list[np.ndarray]:
+    """Q6_K rows ``[g * rows, nb * 210]`` -> quants (per super-block the parts of :data:`_Q6K_PARTS`, each
+    ``[4, rows, 8]``: 8 weights of each row side by side) and meta (scales ``[8, rows, 2]``, fp16 ``d [rows]``)."""
     quants, scales, d = _q6k_fields(raw)
-    packed = torch.empty((out, nb * 210), dtype=torch.uint8)  # c10's allocator: 64-byte aligned
-    flat = packed.view(-1).numpy()
-    meta_at = out * nb * 192
-    for first, count, rows in row_groups(out):
-        g = count // rows
-        q = quants[first:first + count].reshape(g, rows, nb, 8, 4, 8)             # [g, r, b, sub, k, i]
-        low, high = q & 0x0F, q >> 4
-        nibbles = (low[:, :, :, 0::2] | (low[:, :, :, 1::2] << 4)).transpose(0, 2, 3, 4, 1, 5)  # [g, b, p, k, r, i]
-        bits = high.reshape(g, rows, nb, 2, 4, 4, 8)                              # [g, r, b, h, c, k, i]
-        bits = sum(bits[:, :, :, :, c] << (2 * c) for c in range(4)).astype(np.uint8).transpose(0, 2, 3, 4, 1, 5)
-        planes = {"ql": nibbles, "qh": bits}
-        block = np.concatenate([planes[kind][:, :, j].reshape(g, nb, 32 * rows) for kind, j in _Q6K_PARTS], axis=2)
-        flat[first * nb * 192:(first + count) * nb * 192] = block.reshape(-1)
-        meta = np.concatenate([scales[first:first + count].reshape(g, rows, nb, 8, 2).transpose(0, 2, 3, 1, 4)
-                               .reshape(g, nb, 16 * rows),
-                               d[first:first + count].reshape(g, rows, nb, 2).transpose(0, 2, 1, 3)
-                               .reshape(g, nb, 2 * rows)], axis=2)
-        flat[meta_at + first * nb * 18:meta_at + (first + count) * nb * 18] = meta.reshape(-1)
-    return packed
+    g, nb = raw.shape[0] // rows, quants.shape[1]
+    q = quants.reshape(g, rows, nb, 8, 4, 8)                                          # [g, r, b, sub, k, i]
+    low, high = q & 0x0F, q >> 4
+    nibbles = (low[:, :, :, 0::2] | (low[:, :, :, 1::2] << 4)).transpose(0, 2, 3, 4, 1, 5)  # [g, b, p, k, r, i]
+    bits = high.reshape(g, rows, nb, 2, 4, 4, 8)                                      # [g, r, b, h, c, k, i]
+    bits = sum(bits[:, :, :, :, c] << (2 * c) for c in range(4)).astype(np.uint8).transpose(0, 2, 3, 4, 1, 5)
+    parts = {"ql": nibbles, "qh": bits}
+    plane = np.concatenate([parts[kind][:, :, j].reshape(g, nb, 32 * rows) for kind, j in _Q6K_PARTS], axis=2)
+    meta = np.concatenate([scales.reshape(g, rows, nb, 8, 2).transpose(0, 2, 3, 1, 4).reshape(g, nb, 16 * rows),
+                           d.reshape(g, rows, nb, 2).transpose(0, 2, 1, 3).reshape(g, nb, 2 * rows)], axis=2)
+    return [plane, meta]
 
 
-def q6k_rows(packed: torch.Tensor) -> np.ndarray:
-    """The inverse of :func:`interleave_q6k`: the GGUF rows ``[out, nb * 210]``."""
-    out, nb = packed.shape[0], packed.shape[1] // 210
-    flat = packed.contiguous().view(-1).numpy()
-    quants = np.empty((out, nb, 8, 4, 8), np.uint8)
-    scales, d = np.empty((out, nb, 16), np.uint8), np.empty((out, nb, 2), np.uint8)
-    meta_at = out * nb * 192
-    for first, count, rows in row_groups(out):
-        g = count // rows
-        block = flat[first * nb * 192:(first + count) * nb * 192].reshape(g, nb, 6, 4, rows, 8)
-        parts = {part: block[:, :, n].transpose(0, 3, 1, 2, 4) for n, part in enumerate(_Q6K_PARTS)}  # [g, r, b, k, i]
-        low = np.stack([np.stack([parts["ql", p] & 0x0F, parts["ql", p] >> 4], axis=3) for p in range(4)], axis=3)
-        high = np.stack([np.stack([(parts["qh", h] >> (2 * c)) & 3 for c in range(4)], axis=3) for h in range(2)],
-                        axis=3)
-        quants[first:first + count] = (low.reshape(g, rows, nb, 8, 4, 8) | (high.reshape(g, rows, nb, 8, 4, 8) << 4)
-                                       ).reshape(count, nb, 8, 4, 8)
-        meta = flat[meta_at + first * nb * 18:meta_at + (first + count) * nb * 18].reshape(g, nb, 18 * rows)
-        scales[first:first + count] = meta[..., :16 * rows].reshape(g, nb, 8, rows, 2).transpose(0, 3, 1, 2, 4).reshape(
-            count, nb, 16)
-        d[first:first + count] = meta[..., 16 * rows:].reshape(g, nb, rows, 2).transpose(0, 2, 1, 3).reshape(
-            count, nb, 2)
-    q = quants.reshape(out, nb, 2, 4, 32)                                           # [h, k, l] of GGUF's order
-    ql = (q[:, :, :, 0:2] & 0x0F) | ((q[:, :, :, 2:4] & 0x0F) << 4)                 # [h, k % 2, l]
-    qh = sum(((q[:, :, :, k] >> 4) & 3) << (2 * k) for k in range(4)).astype(np.uint8)  # [h, l]
-    blocks = np.concatenate([ql.reshape(out, nb, 128), qh.reshape(out, nb, 64), scales, d], axis=2)
-    return blocks.reshape(out, nb * 210)
+def _q6k_blocks(planes: list[np.ndarray], rows: int) -> np.ndarray:
+    """The inverse of :func:`_q6k_planes`: GGUF Q6_K blocks ``[g * rows, nb, 210]``."""
+    g, nb = planes[0].shape[:2]
+    count = g * rows
+    block = planes[0].reshape(g, nb, 6, 4, rows, 8)
+    parts = {part: block[:, :, n].transpose(0, 3, 1, 2, 4) for n, part in enumerate(_Q6K_PARTS)}  # [g, r, b, k, i]
+    low = np.stack([np.stack([parts["ql", p] & 0x0F, parts["ql", p] >> 4], axis=3) for p in range(4)], axis=3)
+    high = np.stack([np.stack([(parts["qh", h] >> (2 * c)) & 3 for c in range(4)], axis=3) for h in range(2)], axis=3)
+    quants = (low.reshape(g, rows, nb, 8, 4, 8) | (high.reshape(g, rows, nb, 8, 4, 8) << 4)).reshape(count, nb, 2, 4, 32)
+    meta = planes[1]
+    scales = meta[..., :16 * rows].reshape(g, nb, 8, rows, 2).transpose(0, 3, 1, 2, 4).reshape(count, nb, 16)
+    d = meta[..., 16 * rows:].reshape(g, nb, rows, 2).transpose(0, 2, 1, 3).reshape(count, nb, 2)
+    ql = (quants[:, :, :, 0:2] & 0x0F) | ((quants[:, :, :, 2:4] & 0x0F) << 4)       # [h, k % 2, l]
+    qh = sum(((quants[:, :, :, k] >> 4) & 3) << (2 * k) for k in range(4)).astype(np.uint8)  # [h, l]
+    return np.concatenate([ql.reshape(count, nb, 128), qh.reshape(count, nb, 64), scales, d], axis=2)
 
 
 def _q5_0_quants(blocks: np.ndarray) -> np.ndarray:
@@ -237,7 +216,7 @@ def _q5_0_quants(blocks: np.ndarray) -> np.ndarray:
 
 
 def _block32_planes(kind: str, blocks: np.ndarray, rows: int) -> list[np.ndarray]:
-    """One part's blocks ``[g * rows, nb, block bytes]`` -> its planes, each ``[g, nb, bytes per row * rows]``:
+    """Q8_0 or Q5_0 blocks ``[g * rows, nb, block bytes]`` -> the planes, each ``[g, nb, bytes per row * rows]``:
     Q8_0: quants ``[4, rows, 8]`` (q + 128), d; Q5_0: nibbles ``[2, rows, 8]`` (low: weight 8j + i, high: 16 + 8j + i),
     fifth bits ``[4, rows, 8]`` (one bit each, packed little-endian), d. ``d`` is ``[rows]`` fp16 bytes."""
     count, nb = blocks.shape[:2]
@@ -252,55 +231,61 @@ def _block32_planes(kind: str, blocks: np.ndarray, rows: int) -> list[np.ndarray
     return [nibbles.reshape(g, nb, 16 * rows), bits, d]
 
 
-def _plane_bytes(kind: str) -> tuple[int, ...]:
-    return {"Q8_0": (32, 2), "Q5_0": (16, 4, 2)}[kind]
+def _block32_blocks(kind: str, planes: list[np.ndarray], rows: int) -> np.ndarray:
+    """The inverse of :func:`_block32_planes`: GGUF blocks ``[g * rows, nb, block bytes]``."""
+    g, nb = planes[0].shape[:2]
+    count = g * rows
+    blocks = np.empty((count, nb, BLOCK_FORMATS[kind].block_bytes), np.uint8)
+    blocks[..., 0:2] = planes[-1].reshape(g, nb, rows, 2).transpose(0, 2, 1, 3).reshape(count, nb, 2)
+    if kind == "Q8_0":
+        blocks[..., 2:34] = planes[0].reshape(g, nb, 4, rows, 8).transpose(0, 3, 1, 2, 4).reshape(count, nb, 32) ^ 0x80
+        return blocks
+    nibbles = planes[0].reshape(g, nb, 2, rows, 8)
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)                     # [g, b, k, r, i]
+    fifth = np.unpackbits(planes[1], axis=-1, bitorder="little").reshape(g, nb, 4, rows, 8)
+    q = (low | (fifth << 4)).transpose(0, 3, 1, 2, 4).reshape(count, nb, 32)
+    qh = (((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+    blocks[..., 2:6] = qh.astype("<u4")[..., None].view(np.uint8)
+    blocks[..., 6:22] = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)
+    return blocks
+
+
+def _plane_spans(fmt: BlockFormat, out: int, nb: int, first: int, count: int) -> list[slice]:
+    """Where rows ``[first, first + count)`` lie in each plane of a packed ``[out, nb * block_bytes]`` weight."""
+    spans, start = [], 0
+    for width in _PLANE_BYTES[fmt.ggml_type]:
+        spans.append(slice(start + first * nb * width, start + (first + count) * nb * width))
+        start += out * nb * width
+    return spans
 
 
 def regroup(fmt: BlockFormat, raw: np.ndarray) -> torch.Tensor:
-    """GGUF rows ``[out, nb * block_bytes]`` -> the kernel's layout, the same size (``q4k.cpp``): Q6_K as
-    :func:`interleave_q6k`; Q8_0 and Q5_0 in planes (per row and block: Q8_0 32 bytes of quants, 2 of d; Q5_0 16 of
-    nibbles, 4 of fifth bits, 2 of d), each plane in groups of 8 weight rows (the last may hold fewer) as
-    :func:`_block32_planes` lays them out. 64-byte aligned."""
+    """GGUF rows ``[out, nb * block_bytes]`` -> the kernel's layout, the same size (``q4k.cpp``): planes (bytes per
+    row and block: Q6_K 192 of quants, 18 of scales and d; Q8_0 32 of quants, 2 of d; Q5_0 16 of nibbles, 4 of
+    fifth bits, 2 of d), one after the other, each in groups of 8 weight rows (the last may hold fewer) as
+    :func:`_q6k_planes` and :func:`_block32_planes` lay them out. 64-byte aligned."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    if fmt.ggml_type == "Q6_K":
-        return interleave_q6k(raw)
     out, nb = raw.shape[0], raw.shape[1] // fmt.block_bytes
-    blocks = raw.reshape(out, nb, fmt.block_bytes)
     packed = torch.empty((out, nb * fmt.block_bytes), dtype=torch.uint8)  # c10's allocator: 64-byte aligned
     flat = packed.view(-1).numpy()
-    widths = _plane_bytes(fmt.ggml_type)
-    starts = np.cumsum((0, *widths[:-1])) * out * nb
     for first, count, rows in row_groups(out):
-        for start, width, plane in zip(starts, widths, _block32_planes(fmt.ggml_type, blocks[first:first + count], rows)):
-            flat[start + first * nb * width:start + (first + count) * nb * width] = plane.reshape(-1)
+        part = raw[first:first + count]
+        planes = (_q6k_planes(part, rows) if fmt.ggml_type == "Q6_K"
+                  else _block32_planes(fmt.ggml_type, part.reshape(count, nb, fmt.block_bytes), rows))
+        for span, plane in zip(_plane_spans(fmt, out, nb, first, count), planes):
+            flat[span] = plane.reshape(-1)
     return packed
 
 
 def file_rows(fmt: BlockFormat, packed: torch.Tensor) -> np.ndarray:
     """The inverse of :func:`regroup`: the GGUF rows ``[out, nb * block_bytes]``."""
-    if fmt.ggml_type == "Q6_K":
-        return q6k_rows(packed)
     out, nb = packed.shape[0], packed.shape[1] // fmt.block_bytes
     flat = packed.contiguous().view(-1).numpy()
-    widths = _plane_bytes(fmt.ggml_type)
-    starts = np.cumsum((0, *widths[:-1])) * out * nb
     blocks = np.empty((out, nb, fmt.block_bytes), np.uint8)
     for first, count, rows in row_groups(out):
-        g = count // rows
-        planes = [flat[start + first * nb * width:start + (first + count) * nb * width].reshape(g, nb, width * rows)
-                  for start, width in zip(starts, widths)]
-        blocks[first:first + count, :, 0:2] = planes[-1].reshape(g, nb, rows, 2).transpose(0, 2, 1, 3).reshape(count, nb, 2)
-        if fmt.ggml_type == "Q8_0":
-            q = planes[0].reshape(g, nb, 4, rows, 8).transpose(0, 3, 1, 2, 4).reshape(count, nb, 32)
-            blocks[first:first + count, :, 2:34] = q ^ 0x80
-            continue
-        nibbles = planes[0].reshape(g, nb, 2, rows, 8)
-        low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)                 # [g, b, k, r, i]
-        fifth = np.unpackbits(planes[1], axis=-1, bitorder="little").reshape(g, nb, 4, rows, 8)
-        q = (low | (fifth << 4)).transpose(0, 3, 1, 2, 4).reshape(count, nb, 32)
-        qh = (((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
-        blocks[first:first + count, :, 2:6] = qh.astype("<u4")[..., None].view(np.uint8)
-        blocks[first:first + count, :, 6:22] = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)
+        planes = [flat[span].reshape(count // rows, nb, -1) for span in _plane_spans(fmt, out, nb, first, count)]
+        blocks[first:first + count] = (_q6k_blocks(planes, rows) if fmt.ggml_type == "Q6_K"
+                                       else _block32_blocks(fmt.ggml_type, planes, rows))
     return blocks.reshape(out, nb * fmt.block_bytes)
 
 
