@@ -299,7 +299,6 @@ def test_the_cache_key_follows_the_gguf_kernels_source_for_a_q4k_draft(tmp_path,
 
     draft = tmp_path / "draft.gguf"
     draft.write_bytes(b"GGUF")
-    monkeypatch.setattr(q4k, "q4k_available", lambda: None)
     monkeypatch.setattr(q4k, "build_key", lambda: "source-1")
     first = {mode: draft_backend._cache_key(str(draft), 2, mode) for mode in ("q4k", "int8")}
     monkeypatch.setattr(q4k, "build_key", lambda: "source-2")

@@ -200,13 +200,13 @@ def _cache_key(path: str, threads: int | None, quantization: str | None) -> dict
 
 
 def _extension_key(quantization: str | None) -> str | None:
-    """The GGUF kernels' build key when the lean candidate may run on them (``q4k``, ``auto``), so a changed
-    kernel is measured again; None otherwise or where they do not build."""
+    """The GGUF kernels' build key (a hash of their sources; nothing is built) when the lean candidate may run on
+    them (``q4k``, ``auto``), so a changed kernel is measured again; None otherwise."""
     if quantization not in ("q4k", "auto"):
         return None
-    from draftwise.backends.kernels.q4k import build_key, q4k_available
+    from draftwise.backends.kernels.q4k import build_key
 
-    return build_key() if q4k_available() is None else None
+    return build_key()
 
 
 def _requantized_copy(path: str, file_type: str, head_type: str | None, folder: Path, threads: int | None,

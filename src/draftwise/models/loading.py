@@ -144,7 +144,7 @@ def load_model(
         quantization: ``"none"`` (default), ``"int8"``: batch-invariant int8 linear layers and row-wise
             attention on the CPU (see :mod:`draftwise.backends.quantization`), applied after loading; the backend's
             name then ends in ``+int8`` (so calibration caches keep the two apart); ``"q4k"``: a GGUF file's own
-            blocks on draftwise's row-invariant C++ kernels (docs/q4k.md); or ``"auto"``: the exact mode measured
+            blocks on draftwise's row-invariant C++ kernels (docs/kernels.md); or ``"auto"``: the exact mode measured
             fastest here for ``rows_per_pass``-row passes (:func:`resolve_quantization`).
         backend: ``"torch"`` (default), ``"llama.cpp"`` or ``"auto"``; see :func:`select_backend` for the rule.
         threads: llama.cpp only: CPU threads (default: every CPU this process may use).
@@ -418,8 +418,8 @@ def select_runtime(runtime: str, model, *, device: str, dtype: torch.dtype, quan
 
 
 def _q4k_source(path: str, quantization: str, *, label: str):
-    """The quantized rows of a ``.gguf`` file for the ``q4k`` mode (Q4_K, Q6_K, Q8_0, Q5_0: the file's weights, regrouped for the kernels),
-    else None."""
+    """The quantized rows of a ``.gguf`` file for the ``q4k`` mode (Q4_K, Q6_K, Q8_0, Q5_0: the file's weights,
+    regrouped for the kernels), else None."""
     if quantization != "q4k" or not str(path).endswith(".gguf"):
         return None
     from draftwise.backends.kernels.gguf_source import GGUFSource
